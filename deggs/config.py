@@ -1,0 +1,432 @@
+"""The one config object: model shape, training math and coordinator settings.
+
+Read at run time from config.toml (the reference recompiles config.h instead). Each
+table of the file is a frozen dataclass; `Config` holds them all and is passed
+explicitly to every function that needs a setting. Values are validated when the
+config is built, with errors that name the offending key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A config file or value that cannot be used; the message names the key."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    hidden_dim: int = 256
+    head_dim: int = 64
+    n_layers: int = 4
+    seq_len: int = 64
+    vocab_size: int = 8192
+
+    @property
+    def n_heads(self) -> int:
+        return self.hidden_dim // self.head_dim
+
+    @property
+    def byte_tokens(self) -> bool:
+        """Vocab 256 means raw bytes: input.bin holds uint8, otherwise uint32."""
+        return self.vocab_size == 256
+
+
+@dataclass(frozen=True)
+class TrainingConfig:
+    population_size: int = 327680
+    chunk_size: int = 40960
+    seed: int = 42
+    init_seed: int = 42
+    same_data: bool = False
+
+    @property
+    def n_chunks(self) -> int:
+        return self.population_size // self.chunk_size
+
+    @property
+    def n_pairs(self) -> int:
+        return self.population_size // 2
+
+
+@dataclass(frozen=True)
+class QuantizationConfig:
+    fixed_point: int = 4
+    sigma_shift: int = 3
+    sigma_shift_vector: int = 4
+    shift_attn: int = 8
+    shift_out: int = 9
+    shift_logit: int = 8
+    shift_mlp_up: int = 8
+    shift_mlp_down: int = 10
+
+
+@dataclass(frozen=True)
+class SoftmaxConfig:
+    scale_bit: int = 18
+    lut_size: int = 256
+    exp_scale: float = 6.0
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    scale_bit: int = 20
+
+
+@dataclass(frozen=True)
+class NoiseConfig:
+    init_distribution: str = "uniform"
+    init_mask: int = 15
+    perturb_distribution: str = "uniform"
+    perturb_mask: int = 15
+
+
+@dataclass(frozen=True)
+class AdaptiveNoiseConfig:
+    mode: int = 1
+    inc: int = 5
+    dec: int = 1
+    init: int = 64
+
+
+@dataclass(frozen=True)
+class FitnessConfig:
+    chunk_mean_filter: bool = True
+    chunk_mean_exponent: float = 1.2
+    adaptive_threshold: bool = True
+    adaptive_threshold_alpha: float = 0.1
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    kind: str = "adamw"
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.01
+    sgd_vote_scale: float = 0.001
+    lr_schedule: tuple = ((0, 0.5), (100, 0.25), (200, 0.125))
+    bias_lr_scale: float = 0.1
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    temperature: float = 0.6
+    min_p: float = 0.08
+    presence_penalty: float = 0.2
+    prompt_tokens: int = 32
+    generate_tokens: int = 64
+    every_steps: int = 5
+
+
+@dataclass(frozen=True)
+class CoordinatorConfig:
+    host: str = "0.0.0.0"
+    port: int = 12345
+    straggler_timeout_s: float = 90.0
+    max_history: int = 5000
+
+
+# Tables that do not change the math, and so stay out of the fingerprint.
+NON_MATH_SECTIONS = ("coordinator",)
+
+CHOICES = {
+    ("noise", "init_distribution"): ("uniform", "three_sample"),
+    ("noise", "perturb_distribution"): ("uniform", "three_sample"),
+    ("optimizer", "kind"): ("adamw", "sgd"),
+    ("adaptive_noise", "mode"): (0, 1, 2),
+}
+
+
+@dataclass(frozen=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    quantization: QuantizationConfig = field(default_factory=QuantizationConfig)
+    softmax: SoftmaxConfig = field(default_factory=SoftmaxConfig)
+    rope: RopeConfig = field(default_factory=RopeConfig)
+    noise: NoiseConfig = field(default_factory=NoiseConfig)
+    adaptive_noise: AdaptiveNoiseConfig = field(default_factory=AdaptiveNoiseConfig)
+    fitness: FitnessConfig = field(default_factory=FitnessConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    coordinator: CoordinatorConfig = field(default_factory=CoordinatorConfig)
+
+    def __post_init__(self):
+        _validate(self)
+
+    # --- conversions -----------------------------------------------------------
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Config":
+        if not isinstance(data, dict):
+            raise ConfigError("config must be a table of tables")
+        sections = {}
+        known = {f.name: f for f in fields(cls)}
+        for name, table in data.items():
+            if name not in known:
+                raise ConfigError(f"unknown table [{name}] (known: {', '.join(known)})")
+            if not isinstance(table, dict):
+                raise ConfigError(f"[{name}] must be a table")
+            section_cls = known[name].default_factory
+            sections[name] = _build_section(name, section_cls, table)
+        return cls(**sections)
+
+    def to_dict(self) -> dict:
+        out = {}
+        for f in fields(self):
+            section = dataclasses.asdict(getattr(self, f.name))
+            if "lr_schedule" in section:
+                section["lr_schedule"] = [list(p) for p in section["lr_schedule"]]
+            out[f.name] = section
+        return out
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str) -> "Config":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"config JSON is malformed: {e}") from None
+        return cls.from_dict(data)
+
+    def replace(self, **sections) -> "Config":
+        """A copy with some tables' keys changed: replace(model={'seq_len': 16})."""
+        data = self.to_dict()
+        for name, changes in sections.items():
+            if name not in data:
+                raise ConfigError(f"unknown table [{name}]")
+            data[name].update(changes)
+        return Config.from_dict(data)
+
+    # --- identity --------------------------------------------------------------
+
+    def math_dict(self) -> dict:
+        return {k: v for k, v in self.to_dict().items() if k not in NON_MATH_SECTIONS}
+
+    def fingerprint(self) -> bytes:
+        """8 bytes that identify every setting that changes the training math."""
+        text = json.dumps(self.math_dict(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(text.encode()).digest()[:8]
+
+    def differences(self, other: "Config") -> list[str]:
+        """Keys whose math-relevant values differ, as 'table.key: ours != theirs'."""
+        a, b = self.math_dict(), other.math_dict()
+        out = []
+        for table in sorted(a):
+            for key in sorted(a[table]):
+                if a[table][key] != b[table][key]:
+                    out.append(f"{table}.{key}: {a[table][key]!r} != {b[table][key]!r}")
+        return out
+
+    # --- derived settings --------------------------------------------------------
+
+    def learning_rate(self, step: int) -> float:
+        """The schedule's rate for a step, as a Python float (the worker casts to float32)."""
+        lr = self.optimizer.lr_schedule[0][1]
+        for first_step, rate in self.optimizer.lr_schedule:
+            if step >= first_step:
+                lr = rate
+        return lr
+
+    @property
+    def token_dtype(self):
+        import numpy as np
+        return np.uint8 if self.model.byte_tokens else np.uint32
+
+
+def load_config(path: str | Path | None = None) -> Config:
+    """Read a config.toml; None gives the reference defaults."""
+    if path is None:
+        return Config()
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: not valid TOML: {e}") from None
+    try:
+        return Config.from_dict(data)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
+
+
+# --- reference switches (names of include/config.h) ------------------------------
+
+_BOOL = lambda v: bool(int(v))
+_DIST = lambda v: "three_sample" if int(v) else "uniform"
+REFERENCE_SWITCHES = {
+    "HIDDEN_DIM": ("model", "hidden_dim", int),
+    "HEAD_DIM": ("model", "head_dim", int),
+    "N_LAYERS": ("model", "n_layers", int),
+    "SEQ_LEN": ("model", "seq_len", int),
+    "VOCAB_SIZE": ("model", "vocab_size", int),
+    "CHUNK_SIZE": ("training", "chunk_size", int),
+    "USE_SAME_DATA": ("training", "same_data", _BOOL),
+    "FIXED_POINT": ("quantization", "fixed_point", int),
+    "SIGMA_SHIFT": ("quantization", "sigma_shift", int),
+    "SIGMA_SHIFT_VECTOR": ("quantization", "sigma_shift_vector", int),
+    "SHIFT_ATTN": ("quantization", "shift_attn", int),
+    "SHIFT_OUT": ("quantization", "shift_out", int),
+    "SHIFT_LOGIT": ("quantization", "shift_logit", int),
+    "SHIFT_MLP_UP": ("quantization", "shift_mlp_up", int),
+    "SHIFT_MLP_DOWN": ("quantization", "shift_mlp_down", int),
+    "SOFTMAX_SCALE_BIT": ("softmax", "scale_bit", int),
+    "SOFTMAX_LUT_SIZE": ("softmax", "lut_size", int),
+    "SOFTMAX_EXP_SCALE": ("softmax", "exp_scale", float),
+    "ROPE_SCALE_BIT": ("rope", "scale_bit", int),
+    "HOST_GAUSSIAN": ("noise", "init_distribution", _DIST),
+    "DEVICE_GAUSSIAN": ("noise", "perturb_distribution", _DIST),
+    "HOST_MASK": ("noise", "init_mask", int),
+    "DEVICE_MASK": ("noise", "perturb_mask", int),
+    "ADAPTIVE_NOISE_MODE": ("adaptive_noise", "mode", int),
+    "ADAPTIVE_NOISE_INC": ("adaptive_noise", "inc", int),
+    "ADAPTIVE_NOISE_DEC": ("adaptive_noise", "dec", int),
+    "ADAPTIVE_NOISE_INIT": ("adaptive_noise", "init", int),
+    "CHUNK_MEAN_FILTER": ("fitness", "chunk_mean_filter", _BOOL),
+    "CHUNK_MEAN_EXPONENT": ("fitness", "chunk_mean_exponent", float),
+    "USE_ADAPTIVE_THRESHOLD": ("fitness", "adaptive_threshold", _BOOL),
+    "ADAPTIVE_THRESHOLD_ALPHA": ("fitness", "adaptive_threshold_alpha", float),
+    "ADAM_BETA1": ("optimizer", "beta1", float),
+    "ADAM_BETA2": ("optimizer", "beta2", float),
+    "ADAM_EPS": ("optimizer", "eps", float),
+    "ADAM_WEIGHT_DECAY": ("optimizer", "weight_decay", float),
+    "SAMPLING_TEMP": ("sampling", "temperature", float),
+    "SAMPLING_MIN_P": ("sampling", "min_p", float),
+    "SAMPLING_PRESENCE_PENALTY": ("sampling", "presence_penalty", float),
+}
+
+
+def apply_switches(config: Config, switches) -> Config:
+    """Apply reference-style 'NAME=VALUE' switches (as golden files list them)."""
+    changes: dict[str, dict] = {}
+    for item in switches:
+        name, sep, value = str(item).partition("=")
+        if not sep or name not in REFERENCE_SWITCHES:
+            raise ConfigError(f"unknown reference switch {item!r}")
+        table, key, conv = REFERENCE_SWITCHES[name]
+        changes.setdefault(table, {})[key] = conv(value.rstrip("f"))
+    return config.replace(**changes)
+
+
+# --- validation -------------------------------------------------------------------
+
+def _build_section(name: str, cls, table: dict):
+    known = {f.name: f for f in fields(cls)}
+    values = {}
+    for key, value in table.items():
+        if key not in known:
+            raise ConfigError(f"unknown key {name}.{key} (known: {', '.join(known)})")
+        default = known[key].default
+        values[key] = _coerce(f"{name}.{key}", value, default)
+    return cls(**values)
+
+
+def _coerce(where: str, value: Any, default: Any):
+    if isinstance(default, bool):
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where} must be true or false, not {value!r}")
+        return value
+    if isinstance(default, int):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{where} must be an integer, not {value!r}")
+        return value
+    if isinstance(default, float):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{where} must be a number, not {value!r}")
+        return float(value)
+    if isinstance(default, str):
+        if not isinstance(value, str):
+            raise ConfigError(f"{where} must be a string, not {value!r}")
+        return value
+    if isinstance(default, tuple):  # lr_schedule
+        if not isinstance(value, (list, tuple)) or not value:
+            raise ConfigError(f"{where} must be a non-empty list of [first_step, lr] pairs")
+        pairs = []
+        for p in value:
+            if (not isinstance(p, (list, tuple)) or len(p) != 2 or isinstance(p[0], bool)
+                    or not isinstance(p[0], int) or isinstance(p[1], bool)
+                    or not isinstance(p[1], (int, float))):
+                raise ConfigError(f"{where} entries must be [first_step, lr], not {p!r}")
+            pairs.append((p[0], float(p[1])))
+        return tuple(pairs)
+    raise ConfigError(f"{where}: unsupported value {value!r}")
+
+
+def _require(ok: bool, key: str, message: str):
+    if not ok:
+        raise ConfigError(f"{key}: {message}")
+
+
+def _validate(c: Config):
+    m, t, q = c.model, c.training, c.quantization
+    for section in fields(c):
+        obj = getattr(c, section.name)
+        for f in fields(obj):
+            v = getattr(obj, f.name)
+            choices = CHOICES.get((section.name, f.name))
+            if choices is not None:
+                _require(v in choices, f"{section.name}.{f.name}",
+                         f"must be one of {', '.join(map(repr, choices))}, not {v!r}")
+    for key in ("hidden_dim", "head_dim", "n_layers", "seq_len", "vocab_size"):
+        _require(getattr(m, key) > 0, f"model.{key}", "must be positive")
+    _require(m.hidden_dim % m.head_dim == 0, "model.hidden_dim",
+             f"{m.hidden_dim} is not a multiple of model.head_dim = {m.head_dim}")
+    _require(m.hidden_dim % 32 == 0, "model.hidden_dim", f"{m.hidden_dim} is not a multiple of 32")
+    _require(m.hidden_dim <= 1024, "model.hidden_dim", "at most 1024 (one thread per feature)")
+    _require(m.head_dim % 32 == 0, "model.head_dim",
+             f"{m.head_dim} is not a multiple of 32 (a head spans whole warps)")
+    _require(m.vocab_size >= 2, "model.vocab_size", "must be at least 2")
+    _require(m.vocab_size == 256 or m.vocab_size < 2**32, "model.vocab_size", "too large")
+    _require(t.chunk_size > 0 and t.chunk_size % 2 == 0, "training.chunk_size",
+             f"must be a positive even number (antithetic pairs), not {t.chunk_size}")
+    _require(t.population_size > 0 and t.population_size % t.chunk_size == 0,
+             "training.population_size",
+             f"{t.population_size} is not a multiple of training.chunk_size = {t.chunk_size}")
+    _require(t.population_size < 2**31, "training.population_size", "must be below 2^31")
+    _require(0 <= t.seed < 2**32, "training.seed", "must fit in 32 bits")
+    _require(0 < t.init_seed < 2**32, "training.init_seed",
+             "must be a non-zero 32-bit value (xorshift32 stays at 0 forever)")
+    for f in fields(q):
+        _require(0 <= getattr(q, f.name) < 31, f"quantization.{f.name}", "must be in 0..30")
+    _require(1 <= c.softmax.scale_bit <= 30, "softmax.scale_bit", "must be in 1..30")
+    _require(1 <= c.softmax.lut_size <= 4096, "softmax.lut_size", "must be in 1..4096")
+    _require(c.softmax.exp_scale > 0, "softmax.exp_scale", "must be positive")
+    _require(1 <= c.rope.scale_bit <= 30, "rope.scale_bit", "must be in 1..30")
+    for key in ("init_mask", "perturb_mask"):
+        _require(0 <= getattr(c.noise, key) <= 31, f"noise.{key}", "must be in 0..31 (int8 noise)")
+    a = c.adaptive_noise
+    for key in ("inc", "dec"):
+        _require(0 <= getattr(a, key) <= 127, f"adaptive_noise.{key}", "must be in 0..127")
+    _require(-127 <= a.init <= 127, "adaptive_noise.init", "must be in -127..127")
+    _require(c.fitness.chunk_mean_exponent > 0, "fitness.chunk_mean_exponent", "must be positive")
+    _require(c.fitness.adaptive_threshold_alpha >= 0, "fitness.adaptive_threshold_alpha",
+             "must not be negative")
+    o = c.optimizer
+    _require(0 <= o.beta1 < 1, "optimizer.beta1", "must be in [0, 1)")
+    _require(0 <= o.beta2 < 1, "optimizer.beta2", "must be in [0, 1)")
+    _require(o.eps > 0, "optimizer.eps", "must be positive")
+    _require(o.lr_schedule[0][0] == 0, "optimizer.lr_schedule", "must start at step 0")
+    steps = [p[0] for p in o.lr_schedule]
+    _require(steps == sorted(set(steps)), "optimizer.lr_schedule", "first steps must increase")
+    s = c.sampling
+    _require(s.temperature > 0, "sampling.temperature", "must be positive")
+    _require(0 < s.min_p <= 1, "sampling.min_p", "must be in (0, 1]")
+    _require(s.prompt_tokens >= 1, "sampling.prompt_tokens", "must be at least 1")
+    _require(s.generate_tokens >= 0, "sampling.generate_tokens", "must not be negative")
+    _require(s.every_steps >= 1, "sampling.every_steps", "must be at least 1")
+    k = c.coordinator
+    _require(0 <= k.port <= 65535, "coordinator.port", "must be in 0..65535")
+    _require(k.straggler_timeout_s > 0, "coordinator.straggler_timeout_s", "must be positive")
+    _require(k.max_history >= 1, "coordinator.max_history", "must be at least 1")

@@ -1,0 +1,98 @@
+"""Counter-based noise: every worker regenerates the same perturbations from (seed, index).
+
+`hash_rng` is a 32-bit integer hash (all arithmetic wraps at 2^32). `noise_from_hash`
+turns one hash into a small signed int8: uniform in [-mask, mask] by default, or the sum
+of three such samples (the reference's "Gaussian"). The initial weights come from a
+xorshift32 stream instead, in parameter order.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+U32 = 0xFFFFFFFF
+
+
+def hash_rng(seed: int, idx: int) -> int:
+    """The reference's hash_rng on Python ints (used for the per-step seed)."""
+    x = (seed + idx * 0x9E3779B9) & U32
+    x ^= x >> 16
+    x = (x * 0x85EBCA6B) & U32
+    x ^= x >> 13
+    x = (x * 0xC2B2AE35) & U32
+    x ^= x >> 16
+    return x
+
+
+def next_step_seed(seed: int, new_step: int) -> int:
+    """Seed of step `new_step`, from the seed of the step before it."""
+    return hash_rng(seed & U32, new_step & U32)
+
+
+@numba.njit(inline="always")
+def hash_u32(seed, idx):
+    x = np.uint32(np.uint32(seed) + np.uint32(idx) * np.uint32(0x9E3779B9))
+    x ^= x >> np.uint32(16)
+    x = np.uint32(x * np.uint32(0x85EBCA6B))
+    x ^= x >> np.uint32(13)
+    x = np.uint32(x * np.uint32(0xC2B2AE35))
+    x ^= x >> np.uint32(16)
+    return x
+
+
+@numba.njit(inline="always")
+def sample_from_bits(r, mask, three_sample):
+    """Signed sample(s) from a random word: bit 0 the sign, the next bits the magnitude."""
+    r = np.uint32(r)
+    m = np.uint32(mask)
+    n = np.int32(r >> np.uint32(1) & m)
+    if not (r & np.uint32(1)):
+        n = -n
+    if three_sample:
+        n2 = np.int32(r >> np.uint32(6) & m)
+        if not (r & np.uint32(32)):
+            n2 = -n2
+        n3 = np.int32(r >> np.uint32(11) & m)
+        if not (r & np.uint32(1024)):
+            n3 = -n3
+        n = n + n2 + n3  # |n| <= 3 * 31 fits the reference's int8
+    return n
+
+
+@numba.njit(inline="always")
+def noise_from_hash(seed, idx, mask, three_sample):
+    return sample_from_bits(hash_u32(seed, idx), mask, three_sample)
+
+
+@numba.njit(cache=True)
+def noise_vector(seed, n, mask, three_sample):
+    """noise_from_hash(seed, i) for i in 0..n-1, as int32."""
+    out = np.empty(n, np.int32)
+    for i in range(n):
+        out[i] = noise_from_hash(seed, i, mask, three_sample)
+    return out
+
+
+@numba.njit(cache=True, parallel=True)
+def noise_rows(seeds, n, mask, three_sample):
+    """One noise vector per seed: out[r, i] = noise_from_hash(seeds[r], i)."""
+    out = np.empty((seeds.shape[0], n), np.int32)
+    for r in numba.prange(seeds.shape[0]):
+        s = np.uint32(seeds[r])
+        for i in range(n):
+            out[r, i] = noise_from_hash(s, i, mask, three_sample)
+    return out
+
+
+@numba.njit(cache=True)
+def xorshift_noise(state, n, mask, three_sample):
+    """n int8 samples from a xorshift32 stream; returns (samples, new_state)."""
+    out = np.empty(n, np.int8)
+    x = np.uint32(state)
+    for i in range(n):
+        x ^= np.uint32(x << np.uint32(13))
+        x ^= x >> np.uint32(17)
+        x ^= np.uint32(x << np.uint32(5))
+        out[i] = sample_from_bits(x, mask, three_sample)
+    return out, x
