@@ -96,3 +96,31 @@ def xorshift_noise(state, n, mask, three_sample):
         x ^= np.uint32(x << np.uint32(5))
         out[i] = sample_from_bits(x, mask, three_sample)
     return out, x
+
+
+# --- NumPy forms, broadcasting over arrays of seeds and indices --------------------
+
+def hash_np(seed, idx):
+    """hash_rng over broadcast uint32 arrays (NumPy integer arithmetic wraps)."""
+    x = np.asarray(seed, dtype=np.uint32) + np.asarray(idx, dtype=np.uint32) * np.uint32(0x9E3779B9)
+    x ^= x >> np.uint32(16)
+    x *= np.uint32(0x85EBCA6B)
+    x ^= x >> np.uint32(13)
+    x *= np.uint32(0xC2B2AE35)
+    x ^= x >> np.uint32(16)
+    return x
+
+
+def samples_np(r, mask: int, three_sample: bool):
+    """Signed samples from random words, as int64 (see sample_from_bits)."""
+    r = r.astype(np.int64)
+    n = np.where(r & 1, 1, -1) * ((r >> 1) & mask)
+    if three_sample:
+        n = n + np.where(r & 32, 1, -1) * ((r >> 6) & mask)
+        n = n + np.where(r & 1024, 1, -1) * ((r >> 11) & mask)
+    return n
+
+
+def noise_np(seed, idx, mask: int, three_sample: bool):
+    """noise_from_hash over broadcast arrays of seeds and indices, as int64."""
+    return samples_np(hash_np(seed, idx), mask, three_sample)
