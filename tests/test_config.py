@@ -1,0 +1,70 @@
+from pathlib import Path
+
+import pytest
+
+from deggs.config import Config, ConfigError, load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def write(tmp_path, text: str) -> Path:
+    path = tmp_path / "config.toml"
+    path.write_text(text)
+    return path
+
+
+def test_default_config_toml_equals_built_in_defaults():
+    assert load_config(ROOT / "config.toml") == Config()
+    assert load_config(None) == Config()
+
+
+@pytest.mark.parametrize("toml, key", [
+    ("[model]\nhidden_dim = 96\nhead_dim = 64\n", "model.hidden_dim"),  # not a multiple of head
+    ("[model]\nhidden_dim = 80\nhead_dim = 40\n", "model.hidden_dim"),  # not a multiple of 32
+    ("[training]\npopulation_size = 100\nchunk_size = 40\n", "training.population_size"),
+    ("[training]\npopulation_size = 99\nchunk_size = 33\n", "training.chunk_size"),  # odd
+    ("[model]\nhiden_dim = 256\n", "model.hiden_dim"),  # unknown key
+    ("[modle]\nhidden_dim = 256\n", "[modle]"),  # unknown table
+    ("[model]\nhidden_dim = \"256\"\n", "model.hidden_dim"),  # wrong type
+    ("[training]\nsame_data = 1\n", "training.same_data"),
+    ("[softmax]\nexp_scale = \"six\"\n", "softmax.exp_scale"),
+    ("[optimizer]\nkind = 3\n", "optimizer.kind"),
+    ("[optimizer]\nkind = \"adam\"\n", "optimizer.kind"),
+    ("[optimizer]\nlr_schedule = [[0, \"fast\"]]\n", "optimizer.lr_schedule"),
+    ("[coordinator]\nport = 70000\n", "coordinator.port"),
+    ("model = 3\n", "[model]"),
+])
+def test_invalid_configs_name_the_key(tmp_path, toml, key):
+    with pytest.raises(ConfigError) as err:
+        load_config(write(tmp_path, toml))
+    assert key in str(err.value)
+    assert str(tmp_path / "config.toml") in str(err.value)
+
+
+def test_unreadable_files(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "missing.toml")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(write(tmp_path, "[model\n"))
+
+
+def test_partial_file_takes_defaults(tmp_path):
+    config = load_config(write(tmp_path, "[model]\nseq_len = 16\n"))
+    assert config.model.seq_len == 16
+    assert config.replace(model={"seq_len": 64}) == Config()
+
+
+def test_fingerprint_ignores_coordinator_table_only():
+    base = Config()
+    assert len(base.fingerprint()) == 8
+    assert base.replace(coordinator={"port": 1}).fingerprint() == base.fingerprint()
+    other = base.replace(model={"seq_len": 32})
+    assert other.fingerprint() != base.fingerprint()
+    assert base.differences(other) == ["model.seq_len: 64 != 32"]
+
+
+def test_json_round_trip():
+    config = Config().replace(training={"population_size": 40, "chunk_size": 10})
+    assert Config.from_json(config.to_json()) == config
+    with pytest.raises(ConfigError, match="malformed"):
+        Config.from_json("{")
