@@ -440,26 +440,23 @@ def mlp_block(cfg, tables, params, overlays, x, names, layer, pert):
     return max_abs_normalize(res)
 
 
-def down_input_dot(pert, hidden, off_b, overlay_in, d, fused=True):
+def down_input_dot(pert, hidden, off_b, overlay_in, d):
     """The down-projection's input dot product, summed as the reference's threads do.
 
     Thread j adds inputs j, j+d, j+2d, j+3d into an int32 through float32, truncating
-    after every addition (pb = (int)((float)pb + x * b * factor)); the threads' partial
-    sums are then added as integers. nvcc fuses that multiply-add into one fma (one
-    rounding), which float64 reproduces: the float32 product is exact there.
+    after every addition: pb = (int)((float)pb + x * b * factor). We take that
+    multiply-add as one fused rounding (fmaf), as nvcc emits it; float64 reproduces it
+    because the float32 product is exact there. (The golden vectors agree with both the
+    fused and the unfused form.) The threads' partial sums then add as integers.
     """
     idx = np.arange(4 * d)
-    terms = f32(hidden * pert.noise(off_b, idx)[:, None, :])  # int products, as float32
-    factor = pert.factor(overlay_in, off_b, idx)[:, None, :]
+    terms = f32(hidden * pert.noise(off_b, idx)[:, None, :]).astype(np.float64)
+    factor = pert.factor(overlay_in, off_b, idx)[:, None, :].astype(np.float64)
     partial = np.zeros(hidden.shape[:2] + (d,), np.int64)
     for sub in range(4):
         cols = slice(sub * d, (sub + 1) * d)
-        if fused:
-            total = f32(f32(partial).astype(np.float64)
-                        + terms[..., cols].astype(np.float64) * factor[..., cols].astype(np.float64))
-        else:
-            total = f32(partial) + terms[..., cols] * factor[..., cols]
-        partial = trunc_i32(total)
+        total = f32(partial).astype(np.float64) + terms[..., cols] * factor[..., cols]
+        partial = trunc_i32(f32(total))
     return wrap32(partial.sum(-1))
 
 

@@ -1,0 +1,66 @@
+"""A worker's model state and the compute it runs on it, behind one small interface.
+
+A backend holds the int8 weights, the adaptive-noise overlays and the optimizer state of
+one worker, and offers the three things a worker does with them:
+
+    losses(data, step, step_seed, members) -> int32 loss of each listed member
+    update(fitness, step, step_seed)        -> number of weights changed
+    generate(prompt, seed)                  -> prompt + sampled tokens
+
+`CpuBackend` is the readable specification (NumPy + BLAS, members spread over threads).
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from .config import Config
+from .model import init_overlays, init_params, make_tables, member_losses
+from .optimizer import OptimizerState, apply_update
+from .sampling import generate
+
+# Members evaluated together: bounds the [members, positions, vocab] logits in memory.
+LOGIT_BUDGET = 1 << 23
+
+
+def rope_positions(cfg: Config) -> int:
+    """Positions the RoPE table must cover: training windows and generations."""
+    return max(cfg.model.seq_len, cfg.sampling.prompt_tokens + cfg.sampling.generate_tokens)
+
+
+class CpuBackend:
+    name = "cpu"
+
+    def __init__(self, cfg: Config, threads: int | None = None):
+        self.cfg = cfg
+        self.tables = make_tables(cfg, rope_positions(cfg))
+        self.params = init_params(cfg)
+        self.overlays = init_overlays(cfg)
+        self.state = OptimizerState.zeros(cfg)
+        self.threads = threads or os.cpu_count() or 1
+        per_member = cfg.model.seq_len * max(cfg.model.vocab_size, 4 * cfg.model.hidden_dim)
+        self.batch = max(2, min(256, LOGIT_BUDGET // per_member) // 2 * 2)
+
+    def losses(self, data: np.ndarray, step: int, step_seed: int, members) -> np.ndarray:
+        members = np.asarray(members, np.int64)
+        batches = [members[i:i + self.batch] for i in range(0, len(members), self.batch)]
+
+        def run(batch):
+            return member_losses(self.cfg, self.tables, self.params, self.overlays,
+                                 data, step, step_seed, batch)
+
+        if len(batches) == 1 or self.threads == 1:
+            parts = [run(b) for b in batches]
+        else:
+            with ThreadPoolExecutor(self.threads) as pool:
+                parts = list(pool.map(run, batches))
+        return np.concatenate(parts) if parts else np.zeros(0, np.int32)
+
+    def update(self, fitness, step: int, step_seed: int) -> int:
+        return apply_update(self.cfg, self.params, self.overlays, self.state, fitness, step, step_seed)
+
+    def generate(self, prompt, seed: int, n_tokens: int | None = None) -> np.ndarray:
+        return generate(self.cfg, self.tables, self.params, self.overlays, prompt, seed, n_tokens)
