@@ -1,0 +1,213 @@
+"""The coordinator's save directory: one checkpoint file per step, config.json, metrics.jsonl.
+
+checkpoint_%08d.bin has the reference layout, little-endian:
+
+    u32 magic 0x45474743 ("CGGE" on disk), u32 version 1, u64 step, u64 seed,
+    u64 data_size, then data_size bytes
+
+where step and seed are those of the step the run has just reached and the data is the
+packed whole-population fitness of the step before it. So checkpoint S+1 holds the
+fitness of step S, and the files together are the full history a worker starting from
+scratch replays. Every file is written atomically (temporary file, fsync, rename), so a
+crash leaves either the old state or the new one, never half a file.
+
+A file that fails validation (bad magic or version, a size that disagrees with the
+header or the config, a step that disagrees with its name) raises CheckpointError naming
+the file. The newest checkpoint is loaded when a run resumes, and a bad one stops the
+start: quietly falling back to an older step would put the coordinator behind workers
+that already applied the newer one. Older files are read only when a worker needs them
+to catch up; a bad one there fails that worker's catch-up, not the run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import struct
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from .config import Config, ConfigError
+
+CHECKPOINT_MAGIC = 0x45474743
+CHECKPOINT_VERSION = 1
+_HEADER = struct.Struct("<IIQQQ")
+_NAME = re.compile(r"checkpoint_(\d{8,})\.bin")
+CONFIG_FILE = "config.json"
+METRICS_FILE = "metrics.jsonl"
+
+
+class CheckpointError(ValueError):
+    """A save directory or checkpoint file that cannot be used; the message names it."""
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    step: int  # the step the run reached
+    seed: int  # that step's seed
+    fitness: bytes  # packed population fitness of step - 1
+
+
+def checkpoint_path(directory: str | Path, step: int) -> Path:
+    return Path(directory) / f"checkpoint_{step:08d}.bin"
+
+
+def encode_checkpoint(checkpoint: Checkpoint) -> bytes:
+    header = _HEADER.pack(CHECKPOINT_MAGIC, CHECKPOINT_VERSION, checkpoint.step,
+                          checkpoint.seed, len(checkpoint.fitness))
+    return header + checkpoint.fitness
+
+
+def decode_checkpoint(data: bytes, name: str, fitness_size: int | None = None) -> Checkpoint:
+    """Parse and validate a checkpoint file's bytes; `name` is used in error messages."""
+    if len(data) < _HEADER.size:
+        raise CheckpointError(f"{name}: truncated ({len(data)} bytes, the header alone is "
+                              f"{_HEADER.size})")
+    magic, version, step, seed, size = _HEADER.unpack_from(data)
+    if magic != CHECKPOINT_MAGIC:
+        raise CheckpointError(f"{name}: bad magic {magic:#010x}, not a checkpoint")
+    if version != CHECKPOINT_VERSION:
+        raise CheckpointError(f"{name}: unsupported checkpoint version {version}")
+    if len(data) != _HEADER.size + size:
+        raise CheckpointError(f"{name}: header announces {size} bytes of fitness, the file "
+                              f"holds {len(data) - _HEADER.size}")
+    if fitness_size is not None and size != fitness_size:
+        raise CheckpointError(f"{name}: {size} bytes of fitness, this config's population "
+                              f"packs into {fitness_size}")
+    return Checkpoint(step, seed, bytes(data[_HEADER.size:]))
+
+
+def write_atomic(path: str | Path, data: bytes) -> None:
+    """Replace `path` with `data` so that a crash never leaves a partial file."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)  # make the rename itself durable
+
+
+def _fsync_dir(directory: Path) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return  # not every platform opens directories
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint(directory: str | Path, checkpoint: Checkpoint) -> Path:
+    path = checkpoint_path(directory, checkpoint.step)
+    write_atomic(path, encode_checkpoint(checkpoint))
+    return path
+
+
+def read_checkpoint(path: str | Path, fitness_size: int | None = None) -> Checkpoint:
+    """Read and validate one checkpoint file, checking its step against its name."""
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read: {e.strerror or e}") from None
+    checkpoint = decode_checkpoint(data, str(path), fitness_size)
+    match = _NAME.fullmatch(path.name)
+    if match and int(match.group(1)) != checkpoint.step:
+        raise CheckpointError(f"{path}: header says step {checkpoint.step}")
+    return checkpoint
+
+
+def list_checkpoints(directory: str | Path) -> dict[int, Path]:
+    """Checkpoint files of a directory by step (from their names; contents unchecked)."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return {}
+    found = {}
+    for entry in directory.iterdir():
+        match = _NAME.fullmatch(entry.name)
+        if match:
+            found[int(match.group(1))] = entry
+    return dict(sorted(found.items()))
+
+
+def load_latest(directory: str | Path, fitness_size: int | None = None) -> Checkpoint | None:
+    """The newest checkpoint of a directory, validated; None when there is none."""
+    files = list_checkpoints(directory)
+    if not files:
+        return None
+    return read_checkpoint(files[max(files)], fitness_size)
+
+
+# --- config.json ---------------------------------------------------------------------
+
+def saved_config(directory: str | Path) -> Config | None:
+    """The config a run saved in `directory`, or None when it saved none."""
+    path = Path(directory) / CONFIG_FILE
+    if not path.exists():
+        return None
+    try:
+        return Config.from_json(path.read_text())
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
+
+
+def check_saved_config(directory: str | Path, config: Config) -> None:
+    """Refuse a directory whose run trained with different math settings."""
+    saved = saved_config(directory)
+    if saved is None or saved.fingerprint() == config.fingerprint():
+        return
+    diffs = "; ".join(saved.differences(config)) or "fingerprints differ"
+    raise ConfigError(f"{Path(directory) / CONFIG_FILE} was saved with another config "
+                      f"(saved != current): {diffs}")
+
+
+def save_config(directory: str | Path, config: Config) -> None:
+    write_atomic(Path(directory) / CONFIG_FILE, (config.to_json() + "\n").encode())
+
+
+def prepare_save_dir(directory: str | Path, config: Config, start_step: int) -> None:
+    """Create the save directory; refuse one that another run's files would mix into."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    check_saved_config(directory, config)
+    newer = [s for s in list_checkpoints(directory) if s > start_step]
+    if newer:
+        raise CheckpointError(
+            f"{directory} already holds checkpoints up to step {max(newer)} and this run "
+            f"starts at step {start_step}; pass --load-dir {directory} to resume it, or "
+            "choose another save directory")
+    save_config(directory, config)
+
+
+def copy_history(source: str | Path, target: str | Path) -> int:
+    """Copy the checkpoint files `target` lacks, so it alone holds the full history."""
+    copied = 0
+    for step, path in list_checkpoints(source).items():
+        dest = checkpoint_path(target, step)
+        if not dest.exists():
+            write_atomic(dest, path.read_bytes())
+            copied += 1
+    return copied
+
+
+# --- metrics.jsonl -------------------------------------------------------------------
+
+def append_metrics(directory: str | Path, record: dict) -> None:
+    """Append one finished step's record as a JSON line."""
+    record = {**record, "time": record.get("time", time.time())}
+    with open(Path(directory) / METRICS_FILE, "a") as f:
+        f.write(json.dumps(record) + "\n")
+        f.flush()
+        os.fsync(f.fileno())

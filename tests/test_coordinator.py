@@ -1,0 +1,655 @@
+"""The coordinator over loopback, driven by scripted asyncio clients."""
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import queue
+import re
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from deggs import checkpoint as ckpt
+from deggs.config import Config, ConfigError
+from deggs.coordinator import Coordinator
+from deggs.noise import next_step_seed
+from deggs.protocol import (NO_FINGERPRINT, WAIT, Hello, HelloReply, JobRequest,
+                            JobResponse, LogMessage, Result, decode_message,
+                            read_frame, recv_frame, send_frame)
+from deggs.ternary import pack_trits
+
+# 4 chunks of 10 members: 5 pairs (1 packed byte) a chunk, 20 pairs (4 bytes) a step.
+SMALL = Config().replace(training={"population_size": 40, "chunk_size": 10})
+CHUNK, PAIRS, N_CHUNKS = 10, 5, 4
+SEED0 = SMALL.training.seed
+
+
+def seed_of(step: int) -> int:
+    seed = SEED0
+    for s in range(1, step + 1):
+        seed = next_step_seed(seed, s)
+    return seed
+
+
+def chunk_fitness(step: int, chunk: int) -> np.ndarray:
+    """Deterministic made-up fitness of a chunk, different for every step and chunk."""
+    return np.random.default_rng(step * 100 + chunk).integers(-1, 2, PAIRS).astype(np.int32)
+
+
+def step_fitness(step: int) -> np.ndarray:
+    return np.concatenate([chunk_fitness(step, c) for c in range(N_CHUNKS)])
+
+
+def run(coro, timeout=20):
+    asyncio.run(asyncio.wait_for(coro, timeout))
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self):
+        return self.now
+
+
+@contextlib.asynccontextmanager
+async def coordinator(config=SMALL, **kwargs):
+    coord = Coordinator(config, host="127.0.0.1", port=0, **kwargs)
+    await coord.start()
+    try:
+        yield coord
+    finally:
+        await coord.stop()
+
+
+class Client:
+    """A scripted worker speaking the wire protocol."""
+
+    def __init__(self, reader, writer):
+        self.reader, self.writer = reader, writer
+
+    @classmethod
+    async def connect(cls, coord):
+        return cls(*await asyncio.open_connection("127.0.0.1", coord.port))
+
+    @property
+    def port(self):
+        return self.writer.get_extra_info("sockname")[1]
+
+    async def send(self, data):
+        self.writer.write(data if isinstance(data, bytes) else data.encode())
+        await self.writer.drain()
+
+    async def recv(self):
+        got = await asyncio.wait_for(read_frame(self.reader, 1 << 24), 5)
+        assert got is not None, "the coordinator closed the connection"
+        return decode_message(*got)
+
+    async def request(self, step, seed=None):
+        await self.send(JobRequest(seed_of(step) if seed is None else seed, step))
+        return await self.recv()
+
+    async def result(self, job, fitness=None, sum_loss=None, updates=7, data_position=None):
+        chunk = job.data_position // CHUNK
+        fitness = chunk_fitness(job.last_step, chunk) if fitness is None else fitness
+        await self.send(Result(job.seed, job.last_step,
+                               job.data_position if data_position is None else data_position,
+                               updates, chunk + 1 if sum_loss is None else sum_loss,
+                               pack_trits(fitness)))
+
+    async def closed(self) -> bool:
+        """True once the coordinator has closed this connection."""
+        try:
+            return await asyncio.wait_for(self.reader.read(), 5) == b""
+        except ConnectionError:
+            return True
+
+    async def close(self):
+        self.writer.close()
+        with contextlib.suppress(OSError):
+            await self.writer.wait_closed()
+
+
+async def settle(coord, step):
+    """Wait until the coordinator has reached `step` (results are handled asynchronously)."""
+    for _ in range(500):
+        if coord.state.step >= step:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"stuck at step {coord.state.step}, wanted {step}")
+
+
+async def train_step(client, step):
+    """Take every chunk of `step` and return their results."""
+    for chunk in range(N_CHUNKS):
+        job = await client.request(step)
+        assert (job.last_step, job.data_position, job.seed) == (step, chunk * CHUNK, seed_of(step))
+        await client.result(job)
+
+
+@pytest.fixture(autouse=True)
+def no_asyncio_errors(caplog):
+    """Unhandled errors in the event loop's callbacks fail the test that caused them."""
+    yield
+    errors = [r.getMessage() for r in caplog.get_records("call")
+              if r.name == "asyncio" and r.levelno >= logging.ERROR]
+    assert not errors, errors
+
+
+@pytest.fixture
+def info_logs(caplog):
+    caplog.set_level(logging.INFO, logger="deggs")
+    return caplog
+
+
+# --- whole steps -----------------------------------------------------------------------
+
+def test_whole_steps(info_logs):
+    async def go():
+        async with coordinator() as coord:
+            a, b = await Client.connect(coord), await Client.connect(coord)
+            jobs = [await a.request(0) for _ in range(3)] + [await b.request(0)]
+            assert [j.data_position for j in jobs] == [0, 10, 20, 30]
+            assert all(j.data == b"" and j.seed == SEED0 for j in jobs)
+            wait = await a.request(0)  # every chunk is out
+            assert wait.data_position == WAIT and wait.last_step == 0
+            for job in reversed(jobs):
+                await (b if job is jobs[3] else a).result(job)
+            await settle(coord, 1)
+            assert coord.state.seed == seed_of(1) == next_step_seed(SEED0, 1)
+            assert coord.history[0] == pack_trits(step_fitness(0))
+            await train_step(a, 1)
+            await settle(coord, 2)
+            assert coord.history[1] == pack_trits(step_fitness(1))
+            await a.close(), await b.close()
+    run(go())
+    lines = [r.getMessage() for r in info_logs.records if r.getMessage().startswith("Step ")]
+    assert len(lines) == 2
+    # sum_loss is 1+2+3+4 = 10 per step; loss = 10 / (40 * 64 * 16)
+    assert lines[0].startswith("Step 0 | Tokens: 2.56 K | Loss: 0.0002 | Time: ")
+    assert "Updates: 28 (n=4, min=7, max=7)" in lines[0] and "LR: 0.500" in lines[0]
+
+
+def test_catch_up_replays_every_step():
+    async def go():
+        async with coordinator() as coord:
+            trainer = await Client.connect(coord)
+            await train_step(trainer, 0)
+            await train_step(trainer, 1)
+            await settle(coord, 2)
+            late = await Client.connect(coord)
+            first = await late.request(0)
+            assert isinstance(first, JobResponse)
+            assert (first.last_step, first.data_position, first.seed) == (1, 0, seed_of(2))
+            assert first.data == pack_trits(step_fitness(0))
+            second = await late.request(1)
+            assert second.last_step == 2 and second.data == pack_trits(step_fitness(1))
+            job = await late.request(2)
+            assert (job.last_step, job.data_position, job.data) == (2, 0, b"")
+    run(go())
+
+
+def test_straggler_chunk_is_reassigned(info_logs):
+    clock = FakeClock()
+    config = SMALL.replace(coordinator={"straggler_timeout_s": 30})
+
+    async def go():
+        async with coordinator(config, clock=clock) as coord:
+            slow, fast = await Client.connect(coord), await Client.connect(coord)
+            slow_jobs = [await slow.request(0) for _ in range(N_CHUNKS)]
+            assert (await fast.request(0)).data_position == WAIT
+            clock.now += 10
+            late_jobs = [await slow.request(0)]  # chunk 0 is 10 s old: still waiting
+            assert late_jobs[0].data_position == WAIT
+            clock.now += 25  # chunk 0 is now 35 s old, the others too
+            retry = await fast.request(0)
+            assert retry.data_position == 0
+            await fast.result(retry)
+            for job in slow_jobs[1:]:
+                await slow.result(job)
+            await settle(coord, 1)
+            assert coord.history[0] == pack_trits(step_fitness(0))
+    run(go())
+    assert any("re-assigning chunk 0 after 35.0 s" in r.getMessage() for r in info_logs.records)
+
+
+def test_duplicate_results_are_ignored_but_counted(info_logs):
+    async def go():
+        async with coordinator() as coord:
+            a = await Client.connect(coord)
+            job = await a.request(0)
+            await a.result(job, sum_loss=5, updates=3)
+            await a.result(job, fitness=-chunk_fitness(0, 0), sum_loss=500, updates=11)
+            await asyncio.sleep(0.05)
+            s = coord.state
+            assert s.sum_loss == 5 and s.transmissions == 2
+            assert (s.updates_total, s.updates_min, s.updates_max) == (14, 3, 11)
+            np.testing.assert_array_equal(s.fitness[:PAIRS], chunk_fitness(0, 0))
+            for _ in range(3):
+                await a.result(await a.request(0))
+            await settle(coord, 1)
+            assert coord.history[0] == pack_trits(step_fitness(0))
+    run(go())
+    assert any("duplicate RESULT for chunk 0" in r.getMessage() for r in info_logs.records)
+
+
+def test_results_for_another_step_are_ignored():
+    async def go():
+        async with coordinator() as coord:
+            a = await Client.connect(coord)
+            job = await a.request(0)
+            stale = JobResponse(seed_of(3), 3, 0)
+            await a.result(stale, fitness=np.ones(PAIRS, np.int32))
+            await asyncio.sleep(0.05)
+            assert coord.state.done == set() and coord.state.transmissions == 0
+            await a.result(job)  # the connection is still served
+            for _ in range(3):
+                await a.result(await a.request(0))
+            await settle(coord, 1)
+            assert coord.history[0] == pack_trits(step_fitness(0))
+    run(go())
+
+
+# --- bad input ---------------------------------------------------------------------------
+
+def _header(opcode, length, magic=b"JOBS", version=1):
+    return magic + bytes([version, opcode]) + length.to_bytes(4, "big")
+
+
+def _result_bytes(data_position=0, data=b"\x00", size=None, step=0):
+    head = struct.pack(">QQQQqI", seed_of(step), step, data_position, 0, 0,
+                       len(data) if size is None else size)
+    return _header(1, len(head) + len(data)) + head + data
+
+
+BAD_INPUTS = {
+    "wrong magic": (_header(0, 24, magic=b"HTTP") + bytes(24), "bad magic"),
+    "wrong version": (_header(0, 24, version=2) + bytes(24), "version 2"),
+    "unknown opcode": (_header(9, 0), "unknown opcode 9"),
+    "worker sends JOB_RESPONSE": (JobResponse(0, 0, 0).encode(), "unexpected JOB_RESPONSE"),
+    "oversized payload": (_header(1, 1 << 30), "exceeds the limit"),
+    "short JOB_REQUEST": (_header(0, 8) + bytes(8), "needs at least 24"),
+    "RESULT shorter than its header": (_header(1, 20) + bytes(20), "needs at least 44"),
+    "RESULT shorter than it announces": (_result_bytes(data=b"", size=1),
+                                         "announces 1 bytes of fitness but carries 0"),
+    "RESULT with too little fitness": (_result_bytes(data=b""), "a chunk packs into 1"),
+    "RESULT off a chunk boundary": (_result_bytes(data_position=5), "data_position 5"),
+    "RESULT past the population": (_result_bytes(data_position=40), "data_position 40"),
+    "RESULT with invalid trits": (_result_bytes(data=b"\xf3"), "243"),
+    "RESULT with a foreign seed": (_result_bytes()[:10] + bytes(8) + _result_bytes()[18:],
+                                   "carries seed 0"),
+    "disconnect mid-frame": (_header(0, 24) + bytes(10), "disconnected mid-frame"),
+}
+
+
+@pytest.mark.parametrize("name", BAD_INPUTS)
+def test_bad_input_drops_only_that_connection(info_logs, name):
+    data, problem = BAD_INPUTS[name]
+    clock = FakeClock()
+
+    async def go():
+        async with coordinator(clock=clock) as coord:
+            good = await Client.connect(coord)
+            first = await good.request(0)
+            bad = await Client.connect(coord)
+            await bad.request(0)  # the bad worker holds chunk 1 when it misbehaves
+            await bad.send(data)
+            bad.writer.write_eof()
+            assert await bad.closed()
+            await good.result(first)
+            clock.now += SMALL.coordinator.straggler_timeout_s  # chunk 1 goes to `good`
+            for _ in range(3):
+                job = await good.request(0)
+                assert job.last_step == 0
+                await good.result(job)
+            await settle(coord, 1)
+            assert coord.history[0] == pack_trits(step_fitness(0))
+            assert coord.state.step == 1 and coord.state.seed == seed_of(1)
+            return bad.port
+
+    port = asyncio.run(asyncio.wait_for(go(), 20))
+    about_bad = [r for r in info_logs.records
+                 if r.levelno >= logging.WARNING and f"127.0.0.1:{port}" in r.getMessage()]
+    assert len(about_bad) == 1, [r.getMessage() for r in about_bad]
+    assert problem in about_bad[0].getMessage()
+
+
+def test_worker_ahead_of_coordinator_is_told_and_closed():
+    async def go():
+        async with coordinator() as coord:
+            a = await Client.connect(coord)
+            msg = await a.request(5)
+            assert isinstance(msg, LogMessage) and "--load-dir" in msg.text
+            assert await a.closed()
+            b = await Client.connect(coord)
+            assert (await b.request(0)).data_position == 0
+    run(go())
+
+
+def test_worker_with_another_seed_is_told_and_closed():
+    async def go():
+        async with coordinator() as coord:
+            a = await Client.connect(coord)
+            msg = await a.request(0, seed=7)
+            assert isinstance(msg, LogMessage) and "seed 7" in msg.text
+            assert await a.closed()
+    run(go())
+
+
+def test_catch_up_beyond_kept_history_is_refused():
+    config = SMALL.replace(coordinator={"max_history": 1})
+
+    async def go():
+        async with coordinator(config) as coord:
+            a = await Client.connect(coord)
+            await train_step(a, 0)
+            await train_step(a, 1)
+            await settle(coord, 2)
+            assert list(coord.history) == [1]
+            late = await Client.connect(coord)
+            msg = await late.request(0)
+            assert isinstance(msg, LogMessage) and "step 0 is no longer kept" in msg.text
+            assert await late.closed()
+            assert (await (await Client.connect(coord)).request(1)).last_step == 2
+    run(go())
+
+
+# --- HELLO -----------------------------------------------------------------------------
+
+def test_hello_with_matching_config_then_job():
+    async def go():
+        async with coordinator() as coord:
+            a = await Client.connect(coord)
+            # Sent back to back, as our worker does.
+            await a.send(Hello(SMALL.fingerprint(), SMALL.to_json()).encode()
+                         + JobRequest(SEED0, 0).encode())
+            reply = await a.recv()
+            assert isinstance(reply, HelloReply) and reply.accepted
+            assert reply.fingerprint == SMALL.fingerprint()
+            job = await a.recv()
+            assert isinstance(job, JobResponse) and job.data_position == 0
+    run(go())
+
+
+def test_hello_without_config_gets_the_config():
+    async def go():
+        async with coordinator() as coord:
+            a = await Client.connect(coord)
+            await a.send(Hello(NO_FINGERPRINT))
+            reply = await a.recv()
+            assert reply.accepted and Config.from_json(reply.config_json) == coord.config
+            assert (await a.request(0)).data_position == 0
+    run(go())
+
+
+def test_hello_with_another_config_is_refused(info_logs):
+    theirs = SMALL.replace(model={"seq_len": 32})
+
+    async def go():
+        async with coordinator() as coord:
+            a = await Client.connect(coord)
+            await a.send(Hello(theirs.fingerprint(), theirs.to_json()).encode()
+                         + JobRequest(SEED0, 0).encode())
+            reply = await a.recv()
+            assert isinstance(reply, HelloReply) and not reply.accepted
+            assert "model.seq_len: 32 != 64" in reply.message
+            assert Config.from_json(reply.config_json) == coord.config
+            assert await a.closed()
+            assert coord.state.pending == deque(range(N_CHUNKS))  # nothing was handed out
+
+            b = await Client.connect(coord)
+            await b.send(Hello(b"\x01" * 8))
+            reply = await b.recv()
+            assert not reply.accepted and "fingerprints differ" in reply.message
+            assert await b.closed()
+    run(go())
+    assert any("hello refused" in r.getMessage() and "model.seq_len" in r.getMessage()
+               for r in info_logs.records)
+
+
+# --- checkpoints and restart -----------------------------------------------------------
+
+def test_checkpoint_files_have_the_reference_layout(tmp_path):
+    async def go():
+        async with coordinator(save_dir=tmp_path, max_steps=2) as coord:
+            a = await Client.connect(coord)
+            await train_step(a, 0)
+            await train_step(a, 1)
+            await asyncio.wait_for(coord.finished.wait(), 5)
+            assert (await a.request(2)).data_position == WAIT  # --max-steps reached
+    run(go())
+    for step in (1, 2):
+        raw = (tmp_path / f"checkpoint_{step:08d}.bin").read_bytes()
+        packed = pack_trits(step_fitness(step - 1))
+        expected = (b"CGGE" + b"\x01\x00\x00\x00" + step.to_bytes(8, "little")
+                    + seed_of(step).to_bytes(8, "little") + (4).to_bytes(8, "little") + packed)
+        assert raw == expected
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "checkpoint_00000001.bin", "checkpoint_00000002.bin", "config.json", "metrics.jsonl"]
+    assert Config.from_json((tmp_path / "config.json").read_text()) == SMALL
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [0, 1]
+    assert set(records[0]) == {"step", "tokens", "loss", "step_time_s", "updates_total",
+                               "updates_min", "updates_max", "transmissions", "tokens_per_s",
+                               "lr", "bytes_sent", "bytes_received", "time"}
+    assert records[1]["tokens"] == 2 * 40 * 64 and records[0]["transmissions"] == 4
+
+
+def test_restart_from_load_dir_restores_state_and_history(tmp_path):
+    async def go():
+        async with coordinator(save_dir=tmp_path) as coord:
+            a = await Client.connect(coord)
+            await train_step(a, 0)
+            await train_step(a, 1)
+            await settle(coord, 2)
+        async with coordinator(save_dir=tmp_path, load_dir=tmp_path) as coord:
+            assert (coord.state.step, coord.state.seed) == (2, seed_of(2))
+            assert list(coord.history) == [1]  # older steps are read from disk on demand
+            fresh = await Client.connect(coord)
+            for step in (0, 1):
+                update = await fresh.request(step)
+                assert update.last_step == step + 1
+                assert update.data == pack_trits(step_fitness(step))
+            await train_step(fresh, 2)
+            await settle(coord, 3)
+    run(go())
+    assert ckpt.load_latest(tmp_path).step == 3
+
+
+def test_load_dir_into_another_save_dir_copies_the_history(tmp_path):
+    first, second = tmp_path / "first", tmp_path / "second"
+
+    async def go():
+        async with coordinator(save_dir=first) as coord:
+            await train_step(await Client.connect(coord), 0)
+            await settle(coord, 1)
+        async with coordinator(save_dir=second, load_dir=first) as coord:
+            await train_step(await Client.connect(coord), 1)
+            await settle(coord, 2)
+    run(go())
+    assert sorted(ckpt.list_checkpoints(second)) == [1, 2]
+
+
+def test_load_dir_with_another_config_is_refused(tmp_path):
+    ckpt.save_config(tmp_path, SMALL.replace(model={"n_layers": 2}))
+    with pytest.raises(ConfigError, match="model.n_layers: 2 != 4"):
+        Coordinator(SMALL, load_dir=tmp_path)
+
+
+def test_save_dir_of_another_run_is_refused(tmp_path):
+    ckpt.save_checkpoint(tmp_path, ckpt.Checkpoint(3, 1, bytes(4)))
+
+    async def go():
+        with pytest.raises(ckpt.CheckpointError, match="--load-dir"):
+            await Coordinator(SMALL, save_dir=tmp_path, port=0).start()
+    run(go())
+
+
+def test_corrupt_newest_checkpoint_stops_the_start(tmp_path):
+    ckpt.save_checkpoint(tmp_path, ckpt.Checkpoint(1, 5, bytes(4)))
+    path = ckpt.checkpoint_path(tmp_path, 2)
+    path.write_bytes(ckpt.encode_checkpoint(ckpt.Checkpoint(2, 6, bytes(4)))[:-1])
+    with pytest.raises(ckpt.CheckpointError, match="checkpoint_00000002.bin.*announces 4"):
+        Coordinator(SMALL, load_dir=tmp_path)
+
+
+def test_corrupt_older_checkpoint_fails_only_that_catch_up(tmp_path, info_logs):
+    ckpt.save_checkpoint(tmp_path, ckpt.Checkpoint(1, seed_of(1), b"\x00" * 4))
+    ckpt.save_checkpoint(tmp_path, ckpt.Checkpoint(2, seed_of(2), b"\x01" * 4))
+    ckpt.checkpoint_path(tmp_path, 1).write_bytes(b"garbage" * 10)
+
+    async def go():
+        async with coordinator(load_dir=tmp_path) as coord:
+            a = await Client.connect(coord)
+            msg = await a.request(0)
+            assert isinstance(msg, LogMessage) and "no longer kept" in msg.text
+            assert (await (await Client.connect(coord)).request(1)).data == b"\x01" * 4
+    run(go())
+    assert any("checkpoint_00000001.bin: bad magic" in r.getMessage() for r in info_logs.records)
+
+
+# --- checkpoint module -------------------------------------------------------------------
+
+def test_decode_checkpoint_errors():
+    good = ckpt.encode_checkpoint(ckpt.Checkpoint(1, 2, b"ab"))
+    assert ckpt.decode_checkpoint(good, "f") == ckpt.Checkpoint(1, 2, b"ab")
+    cases = {good[:20]: "truncated", b"X" + good[1:]: "bad magic",
+             good[:4] + b"\x02" + good[5:]: "version 2", good + b"c": "the file holds 3"}
+    for data, message in cases.items():
+        with pytest.raises(ckpt.CheckpointError, match=f"f: .*{message}"):
+            ckpt.decode_checkpoint(data, "f")
+    with pytest.raises(ckpt.CheckpointError, match="packs into 5"):
+        ckpt.decode_checkpoint(good, "f", fitness_size=5)
+
+
+def test_checkpoint_name_must_match_its_step(tmp_path):
+    path = ckpt.checkpoint_path(tmp_path, 4)
+    path.write_bytes(ckpt.encode_checkpoint(ckpt.Checkpoint(3, 0, b"")))
+    with pytest.raises(ckpt.CheckpointError, match="header says step 3"):
+        ckpt.read_checkpoint(path)
+
+
+def test_write_atomic_leaves_the_old_file_when_interrupted(tmp_path, monkeypatch):
+    path = tmp_path / "checkpoint_00000001.bin"
+    ckpt.write_atomic(path, b"old")
+
+    def crash(fd):
+        raise OSError("disk on fire")
+    monkeypatch.setattr(ckpt.os, "fsync", crash)
+    with pytest.raises(OSError, match="disk on fire"):
+        ckpt.write_atomic(path, b"new contents")
+    assert path.read_bytes() == b"old"
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temporary left behind
+
+
+# --- the command line --------------------------------------------------------------------
+
+CLI = [sys.executable, "-c", "from deggs.cli import coordinator_main; coordinator_main()"]
+# The package is importable from the checkout even when it is not installed.
+CLI_ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(
+    [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")])}
+SMALL_TOML = "[training]\npopulation_size = 40\nchunk_size = 10\n"
+
+
+class CliProcess:
+    """deggs-coordinator in a subprocess, with its stdout read line by line."""
+
+    def __init__(self, tmp_path, *args):
+        (tmp_path / "small.toml").write_text(SMALL_TOML)
+        self.proc = subprocess.Popen(
+            CLI + ["--config", str(tmp_path / "small.toml"), "--host", "127.0.0.1",
+                   "--port", "0", "--save-dir", str(tmp_path / "run"), *args],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=CLI_ENV)
+        self.lines: queue.Queue = queue.Queue()
+        self.output: list[str] = []
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self):
+        for line in self.proc.stdout:
+            self.lines.put(line)
+
+    def wait_for(self, pattern: str, timeout=30) -> re.Match:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                line = self.lines.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            self.output.append(line)
+            if match := re.search(pattern, line):
+                return match
+        self.proc.kill()
+        raise AssertionError(f"no line matching {pattern!r} in {self.output}")
+
+    def finish(self, timeout=30) -> int:
+        code = self.proc.wait(timeout)
+        while not self.lines.empty():
+            self.output.append(self.lines.get())
+        return code
+
+
+def blocking_step(port: int, step: int):
+    """A blocking-socket worker (the helpers the real worker uses) trains one step."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        for chunk in range(N_CHUNKS):
+            send_frame(sock, JobRequest(seed_of(step), step).encode())
+            job = JobResponse.decode(recv_frame(sock, 1 << 20)[1])
+            assert job.data_position == chunk * CHUNK
+            send_frame(sock, Result(job.seed, step, job.data_position, 1, 16,
+                                    pack_trits(chunk_fitness(step, chunk))).encode())
+        send_frame(sock, JobRequest(seed_of(step), step).encode())
+        recv_frame(sock, 1 << 20)  # WAIT or the next step: either way, all results were read
+
+
+def test_cli_runs_max_steps_and_exits(tmp_path):
+    cli = CliProcess(tmp_path, "--max-steps", "1")
+    port = int(cli.wait_for(r"listening on 127\.0\.0\.1:(\d+)").group(1))
+    blocking_step(port, 0)
+    assert cli.finish() == 0, cli.output
+    assert any(line.split(" ", 1)[1].startswith("Step 0 | Tokens") for line in cli.output)
+    run_dir = tmp_path / "run"
+    assert ckpt.load_latest(run_dir) == ckpt.Checkpoint(1, seed_of(1), pack_trits(step_fitness(0)))
+    assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 1
+
+
+def test_cli_exits_cleanly_on_sigterm_with_files_flushed(tmp_path):
+    cli = CliProcess(tmp_path, "--max-steps", "5")
+    port = int(cli.wait_for(r"listening on 127\.0\.0\.1:(\d+)").group(1))
+    blocking_step(port, 0)
+    cli.wait_for(r"Step 0 \|")
+    cli.proc.send_signal(signal.SIGTERM)
+    assert cli.finish() == 0, cli.output
+    assert "Traceback" not in "".join(cli.output)
+    assert ckpt.load_latest(tmp_path / "run").step == 1
+    assert (tmp_path / "run" / "metrics.jsonl").read_text().count("\n") == 1
+    assert (tmp_path / "run" / "config.json").exists()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--config", "{bad}"], "unknown key training.chunk_sise"),
+    (["--config", "{missing}"], "config file not found"),
+    (["--load-dir", "{load}"], "model.seq_len"),
+])
+def test_cli_bad_input_is_one_line_and_exit_code_2(tmp_path, args, message):
+    (tmp_path / "bad.toml").write_text("[training]\nchunk_sise = 10\n")
+    (tmp_path / "load").mkdir()
+    ckpt.save_config(tmp_path / "load", Config().replace(model={"seq_len": 16}))
+    paths = {"bad": tmp_path / "bad.toml", "missing": tmp_path / "nope.toml",
+             "load": tmp_path / "load"}
+    args = [a.format(**paths) for a in args]
+    proc = subprocess.run(CLI + ["--port", "0", "--save-dir", str(tmp_path / "run"), *args],
+                          capture_output=True, text=True, timeout=60, cwd=tmp_path, env=CLI_ENV)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert message in proc.stderr and "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
