@@ -28,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import ClassVar
 
 MAGIC = b"JOBS"
@@ -80,16 +80,6 @@ def _text(data: bytes) -> str:
     return data.decode("utf-8", errors="replace")
 
 
-def _fields_then_data(payload: bytes, fields: struct.Struct, what: str) -> tuple:
-    """Fixed fields whose last one is the size of the data that follows them."""
-    _need(payload, fields.size, what)
-    *values, size = fields.unpack_from(payload)
-    data = bytes(payload[fields.size:fields.size + size])
-    if len(data) < size:
-        raise ProtocolError(f"{what} announces {size} bytes of fitness but carries {len(data)}")
-    return (*values, data)
-
-
 # --- messages ------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -110,8 +100,27 @@ class JobRequest:
         return cls(*cls._FIELDS.unpack_from(payload))
 
 
+class _FieldsThenData:
+    """A message of fixed fields, the size of `data` (u32), then `data` (its last field)."""
+
+    def encode(self) -> bytes:
+        *fixed, data = (getattr(self, f.name) for f in fields(self))
+        return frame(self.OPCODE, self._FIELDS.pack(*fixed, len(data)) + data)
+
+    @classmethod
+    def decode(cls, payload: bytes):
+        name = OPCODE_NAMES[cls.OPCODE]
+        _need(payload, cls._FIELDS.size, name)
+        *fixed, size = cls._FIELDS.unpack_from(payload)
+        data = bytes(payload[cls._FIELDS.size:cls._FIELDS.size + size])
+        if len(data) < size:
+            raise ProtocolError(f"{name} announces {size} bytes of fitness but carries "
+                                f"{len(data)}")
+        return cls(*fixed, data)
+
+
 @dataclass(frozen=True)
-class Result:
+class Result(_FieldsThenData):
     seed: int
     last_step: int
     data_position: int
@@ -122,18 +131,9 @@ class Result:
     OPCODE: ClassVar[int] = RESULT
     _FIELDS: ClassVar[struct.Struct] = struct.Struct(">QQQQqI")
 
-    def encode(self) -> bytes:
-        head = self._FIELDS.pack(self.seed, self.last_step, self.data_position,
-                                 self.updates_count, self.sum_loss, len(self.data))
-        return frame(self.OPCODE, head + self.data)
-
-    @classmethod
-    def decode(cls, payload: bytes) -> "Result":
-        return cls(*_fields_then_data(payload, cls._FIELDS, "RESULT"))
-
 
 @dataclass(frozen=True)
-class JobResponse:
+class JobResponse(_FieldsThenData):
     seed: int
     last_step: int
     data_position: int
@@ -145,14 +145,6 @@ class JobResponse:
     @property
     def is_wait(self) -> bool:
         return self.data_position == WAIT
-
-    def encode(self) -> bytes:
-        head = self._FIELDS.pack(self.seed, self.last_step, self.data_position, len(self.data))
-        return frame(self.OPCODE, head + self.data)
-
-    @classmethod
-    def decode(cls, payload: bytes) -> "JobResponse":
-        return cls(*_fields_then_data(payload, cls._FIELDS, "JOB_RESPONSE"))
 
 
 @dataclass(frozen=True)
