@@ -63,4 +63,7 @@ class CpuBackend:
         return apply_update(self.cfg, self.params, self.overlays, self.state, fitness, step, step_seed)
 
     def generate(self, prompt, seed: int, n_tokens: int | None = None) -> np.ndarray:
+        needed = len(prompt) + (self.cfg.sampling.generate_tokens if n_tokens is None else n_tokens)
+        if needed > self.tables.rope.shape[0]:
+            self.tables = make_tables(self.cfg, needed)
         return generate(self.cfg, self.tables, self.params, self.overlays, prompt, seed, n_tokens)

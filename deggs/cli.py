@@ -68,3 +68,171 @@ def coordinator_main(config_path, host, port, save_dir, load_dir, max_steps):
     except (ConfigError, CheckpointError, OSError) as e:
         click.echo(f"deggs-coordinator: error: {e}", err=True)
         sys.exit(EXIT_BAD_INPUT)
+
+
+# --- the worker side ---------------------------------------------------------------------
+
+def _fail(command: str, error: Exception):
+    click.echo(f"{command}: error: {error}", err=True)
+    sys.exit(EXIT_BAD_INPUT)
+
+
+def _load_optional_config(config_path):
+    if config_path is None and DEFAULT_CONFIG.exists():
+        config_path = DEFAULT_CONFIG
+    return load_config(config_path)
+
+
+class _StopOnSignal:
+    """Turns SIGINT/SIGTERM into StopWorker, so a worker unwinds and exits cleanly."""
+
+    def __enter__(self):
+        from .worker import StopWorker
+
+        def handler(signum, frame):
+            raise StopWorker(signal.Signals(signum).name)
+
+        self.previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+        return self
+
+    def __exit__(self, *exc):
+        for s, h in self.previous.items():
+            signal.signal(s, h)
+        return False
+
+
+@click.command()
+@click.argument("host")
+@click.option("--port", type=click.IntRange(1, 65535), default=12345, show_default=True)
+@click.option("--config", "config_path", type=click.Path(dir_okay=False),
+              help="config.toml; without it (and without ./config.toml) the worker adopts "
+                   "the coordinator's config")
+@click.option("--data-dir", type=click.Path(file_okay=False), default=".", show_default=True,
+              help="directory holding input.bin and decoding.bin")
+@click.option("--backend", type=click.Choice(["auto", "cpu"]), default="auto", show_default=True,
+              help="compute backend (auto: the CPU until deggs has its GPU backend)")
+@click.option("--threads", type=click.IntRange(min=1), help="CPU backend threads (default: all cores)")
+def worker_main(host, port, config_path, data_dir, backend, threads):
+    """Run a worker against the coordinator at HOST."""
+    from .data import DataError
+    from .worker import StopWorker, Worker, WorkerError
+    try:
+        config = None
+        if config_path is not None or DEFAULT_CONFIG.exists():
+            config = _load_optional_config(config_path)
+        worker = Worker(host, port, config, data_dir, backend, threads,
+                        log=lambda text: click.echo(text))
+        with _StopOnSignal():
+            worker.run()
+    except StopWorker as e:
+        click.echo(f"[worker] {e}: stopping at step {worker.step}")
+    except (ConfigError, DataError, WorkerError) as e:
+        _fail("deggs-worker", e)
+
+
+@click.command()
+@click.argument("text", type=click.Path(exists=True, dir_okay=False), required=False)
+@click.option("--vocab-size", type=click.IntRange(min=256),
+              help="256 for raw bytes, more for a byte-level BPE (default: the config's)")
+@click.option("--config", "config_path", type=click.Path(dir_okay=False))
+@click.option("--out", type=click.Path(file_okay=False), default=".", show_default=True)
+def prepare_main(text, vocab_size, config_path, out):
+    """Write input.bin and decoding.bin from TEXT (default: a built-in corpus)."""
+    from .prepare import default_corpus, prepare
+    try:
+        if vocab_size is None:
+            vocab_size = _load_optional_config(config_path).model.vocab_size
+        corpus = Path(text).read_text(encoding="utf-8", errors="replace") if text else default_corpus()
+        info = prepare(corpus, vocab_size, out)
+    except (ConfigError, ValueError, OSError) as e:
+        _fail("deggs-prepare", e)
+    source = text or "the built-in corpus (Python's pydoc topics)"
+    click.echo(f"{info['tokens']} tokens of {source}, vocab {info['vocab_size']}, written to {out}")
+
+
+@click.command()
+@click.option("--load-dir", required=True, type=click.Path(exists=True, file_okay=False),
+              help="a coordinator's save directory")
+@click.option("--data-dir", type=click.Path(file_okay=False), default=".", show_default=True,
+              help="input.bin (default prompt), decoding.bin and tokenizer.json")
+@click.option("--prompt", help="text to continue (default: the data at the last step)")
+@click.option("--tokens", "n_tokens", type=click.IntRange(min=1), help="tokens to sample")
+@click.option("--seed", type=int, help="sampling seed (default: the last step's seed + 999)")
+def generate_main(load_dir, data_dir, prompt, n_tokens, seed):
+    """Rebuild the model trained in LOAD_DIR and sample from it."""
+    from .checkpoint import saved_config
+    from .data import DataError, detokenize, load_decoding, load_tokens
+    from .prepare import encode_prompt
+    from .replay import replay
+    from .sampling import prompt_window
+    from .worker import make_backend
+    try:
+        cfg = saved_config(load_dir)
+        if cfg is None:
+            raise ConfigError(f"{load_dir} holds no config.json: is it a coordinator's save dir?")
+        engine = make_backend(cfg, "cpu")
+        step, last_seed = replay(load_dir, engine, progress=_replay_progress())
+        if prompt is None:
+            tokens = load_tokens(Path(data_dir) / "input.bin", cfg)
+            ids = prompt_window(cfg, tokens, step)
+        else:
+            ids = encode_prompt(prompt, cfg.model.vocab_size, data_dir)
+        if len(ids) == 0:
+            raise ValueError("the prompt is empty")
+        out = engine.generate(ids, (last_seed + 999) if seed is None else seed, n_tokens)
+        decoding = Path(data_dir) / "decoding.bin"
+        pieces = load_decoding(decoding) if not cfg.model.byte_tokens and decoding.exists() else None
+    except (ConfigError, CheckpointError, DataError, ValueError, OSError) as e:
+        _fail("deggs-generate", e)
+    n = len(ids)
+    click.echo(f"step {step}:")
+    click.echo(detokenize(out[:n], cfg, pieces) + click.style(detokenize(out[n:], cfg, pieces), fg="cyan"))
+
+
+def _replay_progress():
+    """Progress of a replay: one updating line on a terminal, else a line every 10%."""
+    tty = sys.stdout.isatty()
+
+    def show(step, total, updates):
+        if tty:
+            click.echo(f"\rreplaying step {step}/{total} ({updates} weights changed)",
+                       nl=step == total)
+        elif step == total or step % max(1, total // 10) == 0:
+            click.echo(f"replayed step {step}/{total}")
+    return show
+
+
+@click.command()
+@click.option("--config", "config_path", type=click.Path(dir_okay=False))
+def print_arch_main(config_path):
+    """Print the model's parameter table."""
+    from .model import parameter_table
+    try:
+        cfg = _load_optional_config(config_path)
+    except ConfigError as e:
+        _fail("deggs-print-arch", e)
+    m = cfg.model
+    click.echo("Configuration:")
+    click.echo(f"  Hidden Dim: {m.hidden_dim}\n  Heads:      {m.n_heads} (Head Dim: {m.head_dim})")
+    click.echo(f"  Layers:     {m.n_layers}\n  Vocab Size: {m.vocab_size}\n  Seq Len:    {m.seq_len}\n")
+    click.echo(f"{'Component':<25} {'Dimensions':<20} {'Params':<15} {'Size (MB)':<10}")
+    click.echo("-" * 80)
+    total = 0
+    for name, dims, count in parameter_table(cfg):
+        click.echo(f"{name:<25} {dims:<20} {count:<15} {count / 2**20:.4f}")
+        total += count
+    click.echo("=" * 80)
+    click.echo(f"Total Parameters: {total}")
+    click.echo(f"Total Size:       {total / 2**20:.2f} MB")
+
+
+@click.group()
+def main():
+    """deggs: distributed EGGROLL (also: python -m deggs COMMAND)."""
+
+
+main.add_command(coordinator_main, "coordinator")
+main.add_command(worker_main, "worker")
+main.add_command(prepare_main, "prepare")
+main.add_command(generate_main, "generate")
+main.add_command(print_arch_main, "print-arch")

@@ -393,6 +393,7 @@ class Coordinator:
             "step": s.step,
             "tokens": (s.step + 1) * step_tokens,
             "loss": s.sum_loss / (step_tokens * LOSS_SCALE),
+            "sum_loss": s.sum_loss,
             "step_time_s": elapsed,
             "updates_total": s.updates_total,
             "updates_min": s.updates_min or 0,

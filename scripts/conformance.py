@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from deggs.backend import CpuBackend  # noqa: E402
 from deggs.config import Config, apply_switches  # noqa: E402
+from deggs.data import detokenize, load_decoding  # noqa: E402
 from deggs.fitness import chunk_fitness  # noqa: E402
 from deggs.noise import next_step_seed  # noqa: E402
 from deggs.optimizer import matrix_votes, optimizer_step, update_overlay, update_plan, vector_votes  # noqa: E402
@@ -235,19 +236,14 @@ def sliced_update(report, cfg, backend, golden, step, seed, size, known):
     report.note(f"slice {size}: {changes} changes")
 
 
-def load_decoding(path, cfg):
+def text_of(path, cfg):
+    """A function showing tokens as text, or None when there is nothing to decode with."""
     if cfg.model.byte_tokens:
-        return lambda tokens: bytes(int(t) for t in tokens).decode("latin-1")
+        return lambda tokens: detokenize(tokens, cfg, None)
     if path is None:
         return None
-    raw = Path(path).read_bytes()
-    count = int.from_bytes(raw[:4], "little")
-    pieces, pos = [], 4
-    for _ in range(count):
-        n = int.from_bytes(raw[pos:pos + 4], "little")
-        pieces.append(raw[pos + 4:pos + 4 + n])
-        pos += 4 + n
-    return lambda tokens: b"".join(pieces[t] if t < len(pieces) else b"?" for t in tokens).decode("utf-8", "replace")
+    pieces = load_decoding(path)
+    return lambda tokens: detokenize(tokens, cfg, pieces)
 
 
 def run(golden_path, input_path, decoding_path=None, steps=None, backend="cpu",
@@ -264,7 +260,7 @@ def run(golden_path, input_path, decoding_path=None, steps=None, backend="cpu",
           f"steps {chosen[0]}..{chosen[-1]}, backend {backend}, "
           f"losses {'within tolerance' if tolerant else 'exact'}", flush=True)
     engine = BACKENDS[backend](cfg)
-    decoding = load_decoding(decoding_path, cfg)
+    decoding = text_of(decoding_path, cfg)
     if members is None and update_slice is None:
         return run_full(cfg, golden, data, engine, chosen, tolerant, decoding)
     return run_slice(cfg, golden, data, engine, chosen, tolerant, members, update_slice, decoding)
