@@ -30,9 +30,10 @@ def load_tokens(path: str | Path, cfg: Config) -> np.ndarray:
         raise DataError(f"{path}: {size} bytes is not a whole number of {dtype.itemsize}-byte "
                         f"tokens (vocab_size {cfg.model.vocab_size})")
     tokens = np.fromfile(path, dtype=dtype).astype(cfg.token_dtype)
-    need = cfg.model.seq_len + 1
-    if len(tokens) < need + 1:
-        raise DataError(f"{path}: {len(tokens)} tokens, need more than seq_len + 1 = {need}")
+    need = max(cfg.model.seq_len + 1, cfg.sampling.prompt_tokens)
+    if len(tokens) < need:
+        raise DataError(f"{path}: {len(tokens)} tokens, fewer than seq_len + 1 = "
+                        f"{cfg.model.seq_len + 1} (or the prompt's {cfg.sampling.prompt_tokens})")
     if not cfg.model.byte_tokens and len(tokens):
         top = int(tokens.max())
         if top >= cfg.model.vocab_size:

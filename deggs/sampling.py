@@ -21,10 +21,14 @@ from .noise import hash_rng
 
 
 def prompt_window(cfg: Config, data: np.ndarray, step: int) -> np.ndarray:
-    """The prompt a worker uses at a step: prompt_tokens of data from step * seq_len."""
-    n, t = len(data), cfg.model.seq_len
-    start = (step * t) % (n - t)
-    return data[start:start + cfg.sampling.prompt_tokens].astype(np.int64)
+    """The prompt a worker uses at a step: prompt_tokens of data from step * seq_len.
+
+    The reference reads past the end of the data when the window starts near it; we
+    move such a window back so that it ends at the last token.
+    """
+    n, t, size = len(data), cfg.model.seq_len, cfg.sampling.prompt_tokens
+    start = min((step * t) % (n - t), n - size)
+    return data[start:start + size].astype(np.int64)
 
 
 def scan_order(cfg: Config) -> np.ndarray:

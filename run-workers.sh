@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# One deggs worker per GPU of this machine, each pinned with CUDA_VISIBLE_DEVICES.
+#
+#   ./run-workers.sh HOST [N_GPUS] [-- extra deggs-worker options]
+#
+# N_GPUS defaults to the count nvidia-smi reports. Ctrl-C (or SIGTERM) stops them all.
+set -euo pipefail
+
+if [[ $# -lt 1 || "$1" == "-h" || "$1" == "--help" ]]; then
+    echo "usage: $0 HOST [N_GPUS] [-- deggs-worker options...]" >&2
+    exit 2
+fi
+host="$1"; shift
+gpus=""
+if [[ $# -gt 0 && "$1" != "--" ]]; then gpus="$1"; shift; fi
+if [[ $# -gt 0 && "$1" == "--" ]]; then shift; fi
+
+if [[ -z "$gpus" ]]; then
+    if ! command -v nvidia-smi >/dev/null; then
+        echo "$0: nvidia-smi not found; give the number of GPUs as the second argument" >&2
+        exit 2
+    fi
+    gpus=$(nvidia-smi --list-gpus | wc -l)
+fi
+if ! [[ "$gpus" =~ ^[0-9]+$ ]] || [[ "$gpus" -lt 1 ]]; then
+    echo "$0: the number of GPUs must be a positive integer, not '$gpus'" >&2
+    exit 2
+fi
+
+worker="${DEGGS_WORKER:-deggs-worker}"
+pids=()
+stop() {
+    trap - INT TERM
+    echo "stopping ${#pids[@]} workers" >&2
+    kill -TERM "${pids[@]}" 2>/dev/null || true
+    wait
+}
+trap stop INT TERM
+
+for ((i = 0; i < gpus; i++)); do
+    # $! must be the worker itself (not a pipe stage), so it gets the signal
+    CUDA_VISIBLE_DEVICES=$i $worker "$host" "$@" > >(sed -u "s/^/[gpu $i] /") 2>&1 &
+    pids+=($!)
+done
+echo "started $gpus workers for $host" >&2
+wait

@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# Install deggs into .venv and train a small model on this machine's CPU: a coordinator
+# and two workers on loopback, on the built-in corpus, then sample from the result.
+#
+#   bash scripts/quickstart.sh [STEPS]      (default 30 steps)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+steps="${1:-30}"
+run=runs/quickstart
+
+if [[ ! -x .venv/bin/deggs-worker ]]; then
+    python3 -m venv .venv
+    .venv/bin/python -m pip install --quiet --upgrade pip
+    .venv/bin/python -m pip install --quiet -e . 2>&1 | grep -v -i warn || true
+fi
+bin=.venv/bin
+export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1
+
+rm -rf "$run"
+mkdir -p "$run"
+$bin/deggs-prepare --vocab-size 256 --out "$run/data"
+$bin/deggs-print-arch --config scripts/quickstart.toml | tail -n 2
+
+workers=()
+cleanup() { kill -TERM "${workers[@]}" 2>/dev/null || true; wait 2>/dev/null || true; }
+trap cleanup EXIT INT TERM
+
+$bin/deggs-coordinator --config scripts/quickstart.toml --port 0 --save-dir "$run/checkpoints" \
+    --max-steps "$steps" > >(tee "$run/coordinator.log") 2>&1 &
+coordinator=$!
+port=""
+for _ in $(seq 100); do
+    port=$(grep -o 'listening on [0-9.]*:[0-9]*' "$run/coordinator.log" 2>/dev/null | grep -o '[0-9]*$' || true)
+    [[ -n "$port" ]] && break
+    sleep 0.1
+done
+[[ -n "$port" ]] || { echo "the coordinator did not start" >&2; exit 1; }
+
+for i in 1 2; do
+    $bin/deggs-worker 127.0.0.1 --port "$port" --config scripts/quickstart.toml \
+        --data-dir "$run/data" --backend cpu --threads 1 \
+        > "$run/worker$i.log" 2>&1 &
+    workers+=($!)
+done
+while kill -0 "$coordinator" 2>/dev/null; do
+    alive=0
+    for w in "${workers[@]}"; do kill -0 "$w" 2>/dev/null && alive=1; done
+    if [[ $alive == 0 ]]; then
+        echo "the workers stopped; see $run/worker*.log" >&2
+        tail -n 3 "$run"/worker*.log >&2
+        kill -TERM "$coordinator"
+        exit 1
+    fi
+    sleep 1
+done
+cleanup
+
+echo
+echo "=== sampling from the trained model ($run/checkpoints) ==="
+$bin/deggs-generate --load-dir "$run/checkpoints" --data-dir "$run/data" --tokens 64

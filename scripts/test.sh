@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# Install deggs with its test extras into a fresh .venv-test and run the whole test suite.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+rm -rf .venv-test
+python3 -m venv .venv-test
+.venv-test/bin/python -m pip install --quiet --upgrade pip
+.venv-test/bin/python -m pip install --quiet -e '.[test]'
+.venv-test/bin/python -m pytest "$@"

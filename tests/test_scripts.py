@@ -1,0 +1,118 @@
+"""run-workers.sh and the small command-line tools."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from deggs.config import Config
+from deggs.data import DataError, load_decoding, load_tokens, save_decoding
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_run_workers_starts_one_worker_per_gpu_and_stops_them(tmp_path):
+    fake = tmp_path / "fake-worker"
+    fake.write_text('#!/usr/bin/env bash\necho "gpu=$CUDA_VISIBLE_DEVICES args=$*"\n'
+                    'trap "echo stopped; exit 0" TERM\nwhile true; do sleep 0.1; done\n')
+    fake.chmod(0o755)
+    env = {**os.environ, "DEGGS_WORKER": str(fake)}
+    proc = subprocess.Popen(["bash", ROOT / "run-workers.sh", "10.0.0.7", "3", "--", "--port", "999"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    time.sleep(1.5)
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=20)
+    for gpu in range(3):
+        assert f"[gpu {gpu}] gpu={gpu} args=10.0.0.7 --port 999" in out
+    assert out.count("stopped") == 3
+
+
+def test_run_workers_rejects_a_bad_gpu_count():
+    result = subprocess.run(["bash", ROOT / "run-workers.sh", "host", "two"], capture_output=True, text=True)
+    assert result.returncode == 2 and "positive integer" in result.stderr
+
+
+def run_cli(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "deggs", *map(str, args)], cwd=cwd,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_print_arch_totals():
+    out = run_cli("print-arch", "--config", ROOT / "config.toml").stdout
+    assert "Total Parameters: 5778944" in out and "W_Q" in out
+
+
+def test_prepare_bytes_and_bpe(tmp_path):
+    text = tmp_path / "text.txt"
+    from deggs.prepare import default_corpus
+    text.write_text(default_corpus()[:30000])
+    result = run_cli("prepare", text, "--vocab-size", "256", "--out", tmp_path / "bytes")
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "bytes" / "input.bin").read_bytes() == text.read_bytes()
+    result = run_cli("prepare", text, "--vocab-size", "300", "--out", tmp_path / "bpe")
+    assert result.returncode == 0, result.stderr
+    pieces = load_decoding(tmp_path / "bpe" / "decoding.bin")
+    ids = np.fromfile(tmp_path / "bpe" / "input.bin", "<u4")
+    assert len(pieces) == 300 and ids.max() < 300
+    assert b"".join(pieces[i] for i in ids) == text.read_bytes()  # lossless round trip
+    result = run_cli("prepare", text, "--vocab-size", "100000", "--out", tmp_path / "big")
+    assert result.returncode == 2 and "smaller vocab" in result.stderr
+
+
+def test_prepare_default_corpus_is_real_text(tmp_path):
+    result = run_cli("prepare", "--vocab-size", "256", "--out", tmp_path)
+    assert result.returncode == 0, result.stderr
+    text = (tmp_path / "input.bin").read_bytes().decode()
+    assert len(text) > 100_000 and "statement" in text
+
+
+CFG = Config().replace(model=dict(hidden_dim=32, head_dim=32, n_layers=1, seq_len=8, vocab_size=300),
+                       training=dict(population_size=16, chunk_size=8), sampling=dict(prompt_tokens=4))
+
+
+@pytest.mark.parametrize("content, message", [
+    (b"\x01\x00\x00", "not a whole number of 4-byte tokens"),
+    (np.arange(20, dtype="<u4").tobytes() + (300).to_bytes(4, "little"), "token 300 at index 20"),
+    (np.arange(8, dtype="<u4").tobytes(), r"8 tokens, fewer than seq_len \+ 1 = 9"),
+])
+def test_bad_input_bin_is_refused_with_the_reason(tmp_path, content, message):
+    (tmp_path / "input.bin").write_bytes(content)
+    with pytest.raises(DataError, match=message):
+        load_tokens(tmp_path / "input.bin", CFG)
+
+
+def test_missing_input_bin(tmp_path):
+    with pytest.raises(DataError, match="not found"):
+        load_tokens(tmp_path / "input.bin", CFG)
+
+
+@pytest.mark.parametrize("content, message", [
+    (b"\x02\x00", "too short"),
+    ((2).to_bytes(4, "little") + (1).to_bytes(4, "little") + b"a", "ends before the length of token 1"),
+    ((1).to_bytes(4, "little") + (5).to_bytes(4, "little") + b"ab", "claims 5 bytes"),
+    ((1).to_bytes(4, "little") + (1).to_bytes(4, "little") + b"ab", "1 bytes left over"),
+])
+def test_bad_decoding_bin_is_refused_with_the_reason(tmp_path, content, message):
+    (tmp_path / "decoding.bin").write_bytes(content)
+    with pytest.raises(DataError, match=message):
+        load_decoding(tmp_path / "decoding.bin")
+
+
+def test_decoding_round_trip(tmp_path):
+    save_decoding(tmp_path / "d.bin", [b"a", b"", b"\xff\x00"])
+    assert load_decoding(tmp_path / "d.bin") == [b"a", b"", b"\xff\x00"]
+
+
+def test_worker_cli_reports_bad_data_without_a_traceback(tmp_path):
+    (tmp_path / "input.bin").write_bytes(b"\x01\x02\x03")
+    (tmp_path / "c.toml").write_text('[model]\nvocab_size = 300\n')
+    result = run_cli("worker", "127.0.0.1", "--port", "1", "--config", tmp_path / "c.toml",
+                     "--data-dir", tmp_path, "--backend", "cpu")
+    assert result.returncode == 2
+    assert "not a whole number of 4-byte tokens" in result.stderr
+    assert "Traceback" not in result.stderr
