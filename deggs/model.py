@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .config import Config
-from .noise import hash_np, noise_np, xorshift_noise
+from .noise import hash_np, noise_np, noise_table, xorshift_noise
 
 MAX_VAL = 127
 
@@ -245,6 +245,9 @@ class Perturbation:
 
     def noise(self, offset: int, idx):
         """noise_from_hash(seed + offset, idx) per member; idx is [n] or [member, n]."""
+        idx = np.asarray(idx)
+        if idx.ndim == 1:  # the same indices for every member: numba, parallel over members
+            return noise_table(self.seed(offset)[:, 0], idx.astype(np.uint32), self.mask, self.three)
         return noise_np(self.seed(offset), idx, self.mask, self.three)
 
     def factor(self, overlay, offset: int, idx):

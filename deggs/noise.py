@@ -75,13 +75,13 @@ def noise_vector(seed, n, mask, three_sample):
 
 
 @numba.njit(cache=True, parallel=True)
-def noise_rows(seeds, n, mask, three_sample):
-    """One noise vector per seed: out[r, i] = noise_from_hash(seeds[r], i)."""
-    out = np.empty((seeds.shape[0], n), np.int32)
+def noise_table(seeds, idx, mask, three_sample):
+    """out[r, j] = noise_from_hash(seeds[r], idx[j]): one row per member (or pair), in parallel."""
+    out = np.empty((seeds.shape[0], idx.shape[0]), np.int32)
     for r in numba.prange(seeds.shape[0]):
         s = np.uint32(seeds[r])
-        for i in range(n):
-            out[r, i] = noise_from_hash(s, i, mask, three_sample)
+        for j in range(idx.shape[0]):
+            out[r, j] = noise_from_hash(s, idx[j], mask, three_sample)
     return out
 
 

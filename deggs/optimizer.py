@@ -20,7 +20,7 @@ import numpy as np
 
 from .config import Config
 from .model import LAYER_SEED_STRIDE, MAX_VAL, SEED, param_shapes
-from .noise import noise_np
+from .noise import noise_table
 
 # Pairs handled per block when building votes: bounds the noise matrices' memory.
 PAIR_BLOCK = 4096
@@ -102,8 +102,9 @@ def _pair_blocks(cfg, fitness, step_seed):
 
 
 def _noise(cfg, seeds, offset, idx):
-    return noise_np(seeds + np.uint32(offset), idx, cfg.noise.perturb_mask,
-                    cfg.noise.perturb_distribution == "three_sample").astype(np.float64)
+    return noise_table((seeds[:, 0] + np.uint32(offset & 0xFFFFFFFF)), np.asarray(idx, np.uint32),
+                       cfg.noise.perturb_mask,
+                       cfg.noise.perturb_distribution == "three_sample").astype(np.float64)
 
 
 def matrix_votes(cfg, fitness, step_seed, off_a, off_b, rows, cols):

@@ -296,3 +296,16 @@ def test_presence_penalty_counts_occurrences():
     lgt[5], lgt[6] = 600, 400
     # token 5 seen twice: 600 - 2 * 256 = 88 < 400
     assert choose_token(cfg, t, lgt, np.array([5, 5]), 0, 0, scan_order(cfg)) == 6
+
+
+def test_threshold_sgd_moves_weights_with_the_vote():
+    from deggs.optimizer import optimizer_step
+    cfg = SMALL.replace(optimizer={"kind": "sgd", "sgd_vote_scale": 0.01, "weight_decay": 0.0})
+    w = np.zeros(3, np.int8)
+    zeros = np.zeros(3, np.float32)
+    vote = np.array([300, -300, 50])
+    new_w, m, v, acc, changed = optimizer_step(cfg, w, zeros, zeros, zeros, vote, 0.5)
+    # accumulator += lr * scale * vote = 1.5, -1.5, 0.25
+    assert new_w.tolist() == [1, -1, 0]
+    assert acc.tolist() == [0.5, -0.5, 0.25]
+    assert (m == 0).all() and (v == 0).all()
