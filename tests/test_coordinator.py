@@ -440,7 +440,7 @@ def test_checkpoint_files_have_the_reference_layout(tmp_path):
     assert Config.from_json((tmp_path / "config.json").read_text()) == SMALL
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [0, 1]
-    assert set(records[0]) == {"step", "tokens", "loss", "step_time_s", "updates_total",
+    assert set(records[0]) == {"step", "tokens", "loss", "sum_loss", "step_time_s", "updates_total",
                                "updates_min", "updates_max", "transmissions", "tokens_per_s",
                                "lr", "bytes_sent", "bytes_received", "time"}
     assert records[1]["tokens"] == 2 * 40 * 64 and records[0]["transmissions"] == 4
