@@ -74,11 +74,14 @@ def noise_vector(seed, n, mask, three_sample):
     return out
 
 
-@numba.njit(cache=True, parallel=True)
+@numba.njit(cache=True, nogil=True)
 def noise_table(seeds, idx, mask, three_sample):
-    """out[r, j] = noise_from_hash(seeds[r], idx[j]): one row per member (or pair), in parallel."""
+    """out[r, j] = noise_from_hash(seeds[r], idx[j]): one row per member (or pair).
+
+    Serial and GIL-free: the backend runs batches of members on several threads.
+    """
     out = np.empty((seeds.shape[0], idx.shape[0]), np.int32)
-    for r in numba.prange(seeds.shape[0]):
+    for r in range(seeds.shape[0]):
         s = np.uint32(seeds[r])
         for j in range(idx.shape[0]):
             out[r, j] = noise_from_hash(s, idx[j], mask, three_sample)
