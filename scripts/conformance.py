@@ -43,6 +43,13 @@ from deggs.sampling import prompt_window  # noqa: E402
 from deggs.ternary import pack_trits  # noqa: E402
 
 BACKENDS = {"cpu": CpuBackend}
+try:  # the GPU backend, where CuPy imports and a CUDA device is present
+    from deggs.gpu import GpuBackend, gpu_available  # noqa: E402
+
+    if gpu_available():
+        BACKENDS["gpu"] = GpuBackend
+except ImportError:
+    pass
 LOSS_EXACT_SHARE = 0.999
 LOSS_TOLERANCE = 16
 

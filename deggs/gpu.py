@@ -1,0 +1,502 @@
+"""GPU backend: the CPU backend's arithmetic on CUDA through CuPy, bit for bit.
+
+Same interface as `CpuBackend` (losses, update, generate; cfg, params, overlays, state,
+tables, name). The weights, overlays and optimizer state live on the device; the
+`params`, `overlays` and `state` attributes are NumPy copies fetched on access (in the
+CPU backend's logical layouts), and `load_state` puts new ones on the device.
+
+Structure (kernels/deggs.cu holds the kernels, named after deggs/model.py's functions):
+- every integer matrix product is one cuBLAS int8 x int8 -> int32 GEMM (exact: int32
+  accumulation of int8 products), weights stored transposed Wt[out, in];
+- the per-member rank-1 terms, norms, RoPE, attention, GELU table, residuals and the
+  integer cross-entropy are fused into a few row kernels, one thread block per member,
+  which regenerate each member's noise by hashing;
+- the update builds, per matrix, the pairs' noise as int8 matrices [index, pair] (the
+  output side times the ternary fitness) and gets every vote with one int8 GEMM, then
+  runs the quantised AdamW step and the overlay update in elementwise kernels. The whole
+  update is captured once as a CUDA graph and replayed each step (step seed, learning
+  rates and fitness are read from device buffers).
+
+Generation (one token at a time, once every few steps) runs the CPU code on the fetched
+weights.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+
+from .backend import rope_positions
+from .config import Config
+from .model import (LAYER_SEED_STRIDE, SEED, init_overlays, init_params, make_tables,
+                    member_tokens, param_shapes)
+from .optimizer import OptimizerState, update_plan
+from .sampling import generate
+
+try:  # CuPy is optional: the backend is only usable where it imports and sees a GPU
+    import cupy as cp
+except Exception:  # pragma: no cover - depends on the machine
+    cp = None
+
+KERNEL_SOURCE = Path(__file__).resolve().parents[1] / "kernels" / "deggs.cu"
+MATRICES = ("embedding", "w_emb_mlp_up", "w_emb_mlp_down",
+            "w_q", "w_k", "w_v", "w_o", "w_up", "w_down")
+KERNELS = ("embed", "standard_norm", "qkv_rope", "attention_mix", "residual", "mlp_up",
+           "sequence_loss", "noise_matrix", "vector_votes", "optimizer_step", "update_overlay")
+
+NT = 256                 # threads of the row kernels
+FORWARD_BUDGET = 2 << 30  # bytes for the largest GEMM output of a sub-batch of members
+
+# cuBLAS / CUDA enum values
+CUDA_R_8I, CUDA_R_32I = 3, 10
+CUBLAS_COMPUTE_32I = 72
+OP_N, OP_T = 0, 1
+GEMM_DEFAULT = -1
+NULL = np.uint64(0)
+
+
+def gpu_available() -> bool:
+    """CuPy imports and sees at least one CUDA device."""
+    if cp is None:
+        return False
+    try:
+        return cp.cuda.runtime.getDeviceCount() > 0
+    except Exception:
+        return False
+
+
+def _load_cublas():
+    """libcublas through ctypes, as loaded by CuPy (CuPy's own wrapper refuses to run
+    while a stream is being captured, and the update is captured as a CUDA graph)."""
+    import ctypes
+    import ctypes.util
+
+    cp.cuda.device.get_cublas_handle()  # makes CuPy load the library
+    paths = []
+    with open("/proc/self/maps") as f:
+        for line in f:
+            name = line.split()[-1]
+            if "libcublas.so" in name and name not in paths:
+                paths.append(name)
+    paths.append(ctypes.util.find_library("cublas") or "libcublas.so")
+    lib = ctypes.CDLL(paths[0])
+    c_int, c_void = ctypes.c_int, ctypes.c_void_p
+    lib.cublasCreate_v2.argtypes = [ctypes.POINTER(c_void)]
+    lib.cublasSetStream_v2.argtypes = [c_void, c_void]
+    lib.cublasSetWorkspace_v2.argtypes = [c_void, c_void, ctypes.c_size_t]
+    lib.cublasGemmEx.argtypes = [c_void, c_int, c_int, c_int, c_int, c_int, c_void, c_void, c_int,
+                                 c_int, c_void, c_int, c_int, c_void, c_void, c_int, c_int, c_int,
+                                 c_int]
+    return lib
+
+
+class Cublas:
+    """One cuBLAS handle of our own, with a fixed workspace (capturable)."""
+
+    WORKSPACE = 32 << 20
+
+    def __init__(self):
+        import ctypes
+        self.lib = _load_cublas()
+        self.handle = ctypes.c_void_p()
+        self._check(self.lib.cublasCreate_v2(ctypes.byref(self.handle)), "cublasCreate")
+        self.workspace = cp.empty(self.WORKSPACE, cp.uint8)
+        self.one = np.ones(1, np.int32)
+        self.zero = np.zeros(1, np.int32)
+        self.stream = None
+
+    @staticmethod
+    def _check(status, what):
+        if status != 0:
+            raise RuntimeError(f"{what} failed with cuBLAS status {status}")
+
+    def gemm_tn_i8(self, a, b, c, m, n, k, lda, ldb, ldc):
+        """C (m x n, col-major, int32) = A^T B, A (k x m) and B (k x n) int8, col-major."""
+        stream = cp.cuda.get_current_stream().ptr
+        if stream != self.stream:
+            self._check(self.lib.cublasSetStream_v2(self.handle, stream), "cublasSetStream")
+            self._check(self.lib.cublasSetWorkspace_v2(self.handle, self.workspace.data.ptr,
+                                                       self.WORKSPACE), "cublasSetWorkspace")
+            self.stream = stream
+        self._check(self.lib.cublasGemmEx(
+            self.handle, OP_T, OP_N, m, n, k, self.one.ctypes.data, a, CUDA_R_8I, lda,
+            b, CUDA_R_8I, ldb, self.zero.ctypes.data, c, CUDA_R_32I, ldc,
+            CUBLAS_COMPUTE_32I, GEMM_DEFAULT), "cublasGemmEx")
+
+
+def u32(x: int) -> np.uint32:
+    return np.uint32(int(x) & 0xFFFFFFFF)
+
+
+def i32(x: int) -> np.int32:
+    return np.int32(x)
+
+
+def to_device_layout(name: str, arr: np.ndarray) -> np.ndarray:
+    """Matrices [.., in, out] -> [.., out, in] (K-contiguous for the GEMMs)."""
+    if name in MATRICES:
+        return np.ascontiguousarray(np.swapaxes(arr, -1, -2))
+    return np.ascontiguousarray(arr)
+
+
+def from_device_layout(name: str, arr: np.ndarray) -> np.ndarray:
+    if name in MATRICES:
+        return np.ascontiguousarray(np.swapaxes(arr, -1, -2))
+    return arr
+
+
+class GpuBackend:
+    name = "gpu"
+
+    def __init__(self, cfg: Config, batch: int | None = None, use_graph: bool = True,
+                 device: int | None = None):
+        if not gpu_available():
+            raise RuntimeError("the gpu backend needs CuPy and a CUDA device")
+        if device is not None:
+            cp.cuda.Device(device).use()
+        self.cfg = cfg
+        m = cfg.model
+        if m.hidden_dim % 32 or m.head_dim % 4 or m.hidden_dim % m.head_dim:
+            raise ValueError("gpu backend needs hidden_dim % 32 == 0 and head_dim % 4 == 0")
+        self.tables = make_tables(cfg, rope_positions(cfg))
+        self.stream = cp.cuda.Stream(non_blocking=True)
+        self.module = self._compile()
+        self.k = {name: self.module.get_function(name) for name in KERNELS}
+        loss_smem = 4 * m.vocab_size
+        if loss_smem > 48 * 1024:
+            self.k["sequence_loss"].max_dynamic_shared_size_bytes = loss_smem
+        self.blas = Cublas()
+        self.d_exp = cp.asarray(self.tables.exp.astype(np.int32))
+        self.d_gelu = cp.asarray(self.tables.gelu.astype(np.int32))
+        self.d_rope = cp.asarray(self.tables.rope[:m.seq_len].astype(np.int32).ravel())
+        per_member = m.seq_len * max(4 * m.hidden_dim, m.vocab_size) * 4
+        self.batch = batch or max(1, FORWARD_BUDGET // per_member)
+        self._fwd = None
+        self._upd = None
+        self.use_graph = use_graph
+        self.graph = None
+        self.graph_error = None
+        self.load_state(init_params(cfg), init_overlays(cfg), OptimizerState.zeros(cfg))
+
+    # --- state ------------------------------------------------------------------------
+
+    def _compile(self):
+        c = self.cfg
+        q, m = c.quantization, c.model
+        lut0 = int(self.tables.exp.max())
+        defines = dict(
+            HIDDEN=m.hidden_dim, HEAD_DIM=m.head_dim, SEQ=m.seq_len, VOCAB=m.vocab_size,
+            FIXED_POINT=q.fixed_point, SIGMA_SHIFT=q.sigma_shift,
+            SIGMA_SHIFT_VECTOR=q.sigma_shift_vector, SHIFT_ATTN=q.shift_attn,
+            SHIFT_LOGIT=q.shift_logit, SHIFT_MLP_UP=q.shift_mlp_up,
+            LUT_SIZE=c.softmax.lut_size, SCALE_BIT=c.softmax.scale_bit, ROPE_SHIFT=c.rope.scale_bit,
+            NOISE_MASK=c.noise.perturb_mask,
+            THREE_SAMPLE=int(c.noise.perturb_distribution == "three_sample"),
+            ADAPTIVE_MODE=c.adaptive_noise.mode,
+            ATTN_ACC_LL=int(m.seq_len * lut0 * 127 >= 2**31),
+            ADAMW=int(c.optimizer.kind == "adamw"),
+        )
+        options = ("--std=c++17", "--fmad=false") + tuple(f"-D{k}={v}" for k, v in defines.items())
+        return cp.RawModule(code=KERNEL_SOURCE.read_text(), options=options)
+
+    def load_state(self, params: dict, overlays: dict, state: OptimizerState | None = None):
+        """Put weights, overlays and (optionally) optimizer state on the device."""
+        shapes = param_shapes(self.cfg)
+        self.dp = {k: cp.asarray(to_device_layout(k, np.asarray(params[k], np.int8))) for k in shapes}
+        self.dov = {k: cp.asarray(np.ascontiguousarray(v, np.int8)) for k, v in overlays.items()}
+        if state is None:
+            state = OptimizerState.zeros(self.cfg)
+        self.dm = {k: cp.asarray(to_device_layout(k, np.asarray(state.m[k], np.float32))) for k in shapes}
+        self.dv = {k: cp.asarray(to_device_layout(k, np.asarray(state.v[k], np.float32))) for k in shapes}
+        self.dacc = {k: cp.asarray(to_device_layout(k, np.asarray(state.acc[k], np.float32))) for k in shapes}
+        self.graph = None  # the captured update points at the old arrays
+
+    def host_state(self):
+        """(params, overlays, OptimizerState) as NumPy, in the CPU backend's layouts."""
+        return self.params, self.overlays, self.state
+
+    @property
+    def params(self) -> dict:
+        self.stream.synchronize()
+        return {k: from_device_layout(k, v.get()) for k, v in self.dp.items()}
+
+    @property
+    def overlays(self) -> dict:
+        self.stream.synchronize()
+        return {k: v.get() for k, v in self.dov.items()}
+
+    @property
+    def state(self) -> OptimizerState:
+        self.stream.synchronize()
+        fetch = lambda d: {k: from_device_layout(k, v.get()) for k, v in d.items()}
+        return OptimizerState(fetch(self.dm), fetch(self.dv), fetch(self.dacc))
+
+    # --- helpers ----------------------------------------------------------------------
+
+    def _launch(self, name, grid, block, args, shared_mem=0):
+        self.k[name](grid, block, args, shared_mem=shared_mem)
+
+    def _gemm(self, a, b, c, m, n, k, lda, ldb, ldc):
+        """C[n, ldc] (int32, row-major) = B[n, k] @ A[m, k]^T: cuBLAS TN, int8 in, int32 out."""
+        self.blas.gemm_tn_i8(a.data.ptr, b.data.ptr, c.data.ptr, m, n, k, lda, ldb, ldc)
+
+    def _project(self, wt, x, out, n_out, rows, k, ldc=None):
+        """out[rows, ldc] = x[rows, k] @ W, with Wt [n_out, k]."""
+        self._gemm(wt, x, out, n_out, rows, k, k, k, ldc or n_out)
+
+    # --- forward ----------------------------------------------------------------------
+
+    def _buffers(self, nb):
+        m = self.cfg.model
+        if self._fwd is not None and self._fwd["nb"] >= nb:
+            return self._fwd
+        self._fwd = None
+        r, d = nb * m.seq_len, m.hidden_dim
+        self._fwd = dict(
+            nb=nb, x=cp.empty(r * d, cp.int8), y=cp.empty(r * 4 * d, cp.int8),
+            g=cp.empty(r * max(4 * d, 3 * d, m.vocab_size), cp.int32),
+            sb=cp.empty(3 * r, cp.int32), sbd=cp.empty(r, cp.int32),
+            qkv=cp.empty(3 * r * d, cp.int8))
+        return self._fwd
+
+    def losses(self, data: np.ndarray, step: int, step_seed: int, members) -> np.ndarray:
+        members = np.asarray(members, np.int64)
+        n = len(members)
+        if n == 0:
+            return np.zeros(0, np.int32)
+        t = self.cfg.model.seq_len
+        tokens = member_tokens(self.cfg, data, step, members).astype(np.int32)
+        seeds = ((int(step_seed) + members // 2) & 0xFFFFFFFF).astype(np.uint32)
+        signs = np.where(members % 2 == 0, 1, -1).astype(np.int32)
+        with self.stream:
+            d_tok, d_seeds, d_signs = cp.asarray(tokens.ravel()), cp.asarray(seeds), cp.asarray(signs)
+            loss = cp.empty(n, cp.int32)
+            nb = min(self.batch, n)
+            buf = self._buffers(nb)
+            for s in range(0, n, nb):
+                e = min(n, s + nb)
+                self._forward(buf, d_tok[s * (t + 1):], d_seeds[s:e], d_signs[s:e], e - s, loss[s:e])
+            out = loss.get(stream=self.stream)
+        self.stream.synchronize()
+        return out
+
+    def _forward(self, buf, tok, seeds, signs, nb, loss):
+        cfg = self.cfg
+        d, v = cfg.model.hidden_dim, cfg.model.vocab_size
+        r = nb * cfg.model.seq_len
+        dp, ov = self.dp, self.dov
+        ctx = (buf, seeds, signs, nb, r)
+        self._launch("embed", (nb,), (NT,), (
+            tok, seeds, signs, dp["embedding"], dp["emb_bias"], ov["embedding_row"],
+            ov["embedding_col"], ov["emb_bias"], u32(SEED["emb"]), u32(SEED["emb_bias_a"]),
+            u32(SEED["emb_bias_b"]), buf["x"]))
+        self._mlp(ctx, INIT_NAMES, None)
+        for layer in range(cfg.model.n_layers):
+            self._attention(ctx, layer)
+            self._mlp(ctx, LAYER_NAMES, layer)
+        self._norm(ctx, dp["ln_f"], dp["ln_f_bias"], ov["ln_f"], ov["ln_f_bias"],
+                   [SEED["ln_f_a"], SEED["ln_f_b"], SEED["ln_f_bias_a"], SEED["ln_f_bias_b"]],
+                   [(ov["embedding_col"], SEED["emb"] + d)])
+        self._project(dp["embedding"], buf["y"], buf["g"], v, r, d)
+        self._launch("sequence_loss", (nb,), (NT,), (
+            buf["g"], buf["sb"], tok, seeds, signs, ov["embedding_row"], u32(SEED["emb"]),
+            self.d_exp, loss), shared_mem=4 * v)
+
+    def _norm(self, ctx, w, b, ov_w, ov_b, offsets, dots):
+        buf, seeds, signs, nb, r = ctx
+        pad = dots + [(ov_w, 0)] * (3 - len(dots))
+        self._launch("standard_norm", (nb,), (NT,), (
+            buf["x"], buf["y"], seeds, signs, w, b, ov_w, ov_b, *(u32(o) for o in offsets),
+            i32(len(dots)), pad[0][0], pad[1][0], pad[2][0], u32(pad[0][1]), u32(pad[1][1]),
+            u32(pad[2][1]), buf["sb"], i32(r)))
+
+    def _mlp(self, ctx, names, layer):
+        buf, seeds, signs, nb, r = ctx
+        cfg = self.cfg
+        d = cfg.model.hidden_dim
+        base = 0 if layer is None else layer * LAYER_SEED_STRIDE
+        pick = (lambda a: a) if layer is None else (lambda a: a[layer])
+        p = lambda key: pick(self.dp[names[key]])
+        o = lambda name: pick(self.dov[name])
+        s = lambda key: base + SEED[key]
+        sd, sl, sbias = names["seed"], names["seed_ln"], names["seed_bias"]
+        up, down = names["up"], names["down"]
+        self._norm(ctx, p("ln"), p("ln_bias"), o(names["ln"]), o(names["ln_bias"]),
+                   [s(f"{sl}_a"), s(f"{sl}_b"), s(f"{sl}_bias_a"), s(f"{sl}_bias_b")],
+                   [(o(up + "_row"), s(f"{sd}_up_b"))])
+        self._project(p("up"), buf["y"], buf["g"], 4 * d, r, d)
+        self._launch("mlp_up", (nb,), (NT,), (
+            buf["g"], buf["sb"], buf["y"], buf["sbd"], seeds, signs, p("bias_up"),
+            o(up + "_col"), o(names["bias_up"]), o(down + "_row"), u32(s(f"{sd}_up_a")),
+            u32(s(f"{sbias}_up_a")), u32(s(f"{sbias}_up_b")), u32(s(f"{sd}_down_b")), self.d_gelu))
+        self._project(p("down"), buf["y"], buf["g"], d, r, 4 * d)
+        self._launch("residual", (nb,), (NT,), (
+            buf["g"], buf["sbd"], buf["x"], seeds, signs, o(down + "_col"), u32(s(f"{sd}_down_a")),
+            i32(cfg.quantization.shift_mlp_down), p("bias_down"), o(names["bias_down"]),
+            u32(s(f"{sbias}_down_a")), u32(s(f"{sbias}_down_b"))))
+
+    def _attention(self, ctx, layer):
+        buf, seeds, signs, nb, r = ctx
+        cfg = self.cfg
+        d, t = cfg.model.hidden_dim, cfg.model.seq_len
+        base = layer * LAYER_SEED_STRIDE
+        s = lambda key: base + SEED[key]
+        dp = {k: v[layer] for k, v in self.dp.items() if k in ("ln_1", "ln_1_bias", "w_q", "w_k", "w_v", "w_o")}
+        o = lambda name: self.dov[name][layer]
+        self._norm(ctx, dp["ln_1"], dp["ln_1_bias"], o("ln_1"), o("ln_1_bias"),
+                   [s("ln_1_a"), s("ln_1_b"), s("ln_1_bias_a"), s("ln_1_bias_b")],
+                   [(o("w_q_row"), s("q_b")), (o("w_k_row"), s("k_b")), (o("w_v_row"), s("v_b"))])
+        g = buf["g"]
+        for i, name in enumerate("qkv"):
+            self._project(dp[f"w_{name}"], buf["y"], g[i * d:], d, r, d, ldc=3 * d)
+        qkv = buf["qkv"]
+        self._launch("qkv_rope", (nb,), (NT,), (
+            g, buf["sb"], qkv, seeds, signs, o("w_q_col"), o("w_k_col"), o("w_v_col"),
+            u32(s("q_a")), u32(s("k_a")), u32(s("v_a")), self.d_rope, i32(r)))
+        sbd = buf["sbd"]
+        cp.cuda.runtime.memsetAsync(sbd.data.ptr, 0, r * 4, cp.cuda.get_current_stream().ptr)
+        rd = r * d
+        threads = (t + 31) // 32 * 32
+        self._launch("attention_mix", (nb, cfg.model.n_heads), (threads,), (
+            qkv[:rd], qkv[rd:2 * rd], qkv[2 * rd:3 * rd], buf["y"], sbd, seeds, o("w_o_row"),
+            u32(s("o_b")), self.d_exp))
+        self._project(dp["w_o"], buf["y"], g, d, r, d)
+        self._launch("residual", (nb,), (NT,), (
+            g, sbd, buf["x"], seeds, signs, o("w_o_col"), u32(s("o_a")),
+            i32(cfg.quantization.shift_out), NULL, NULL, u32(0), u32(0)))
+
+    # --- update -----------------------------------------------------------------------
+
+    def _update_buffers(self):
+        if self._upd is not None:
+            return self._upd
+        cfg = self.cfg
+        n_pairs = cfg.training.n_pairs
+        pairs = (n_pairs + 15) // 16 * 16
+        three = cfg.noise.perturb_distribution == "three_sample"
+        peak = (cfg.noise.perturb_mask * (3 if three else 1)) ** 2
+        if n_pairs * peak >= 2**31:
+            raise NotImplementedError("votes could overflow int32 at this population")
+        plan = update_plan(cfg)
+        shapes = param_shapes(cfg)
+        dims = []
+        for u in plan:
+            shape = shapes[u.name][1:] if u.layer is not None else shapes[u.name]
+            dims.append(shape)
+        max_in = max(s[0] for s in dims)
+        max_out = max((s[1] for s in dims if len(s) == 2), default=1)
+        max_n = max(math.prod(s) for s in dims)
+        self._upd = dict(
+            pairs=pairs, plan=plan, dims=dims,
+            fit=cp.zeros(pairs, cp.int8), seed=cp.zeros(1, cp.uint32), lr=cp.zeros(2, cp.float32),
+            changes=cp.zeros(1, cp.uint64), vote=cp.empty(max_n, cp.int32),
+            a=cp.zeros(max_out * pairs, cp.int8), b=cp.zeros(max_in * pairs, cp.int8),
+            rows=cp.zeros(max(max_in, max_out), cp.int32), cols=cp.zeros(max_out, cp.int32))
+        return self._upd
+
+    def _update_body(self):
+        cfg = self.cfg
+        o = cfg.optimizer
+        f = np.float32
+        U = self._upd
+        pairs = U["pairs"]
+        stream = cp.cuda.get_current_stream().ptr
+        cp.cuda.runtime.memsetAsync(U["changes"].data.ptr, 0, 8, stream)
+        consts = (f(o.beta1), f(1) - f(o.beta1), f(o.beta2), f(1) - f(o.beta2), f(o.eps),
+                  f(o.weight_decay), f(o.sgd_vote_scale))
+        a_cfg = cfg.adaptive_noise
+        for u, shape in zip(U["plan"], U["dims"]):
+            sel = (lambda x: x) if u.layer is None else (lambda x, l=u.layer: x[l])
+            w, m, v, acc = (sel(d[u.name]) for d in (self.dp, self.dm, self.dv, self.dacc))
+            n = math.prod(shape)
+            if u.is_matrix:
+                n_in, n_out = shape
+                grid_x = (pairs + 255) // 256
+                self._launch("noise_matrix", (grid_x, min(n_in, 65535)), (256,), (
+                    U["b"], NULL, U["seed"], u32(u.off_b), i32(n_in), i32(pairs)))
+                self._launch("noise_matrix", (grid_x, min(n_out, 65535)), (256,), (
+                    U["a"], U["fit"], U["seed"], u32(u.off_a), i32(n_out), i32(pairs)))
+                # vote[out, in] (row-major) = sum_p (fit_p a_p[out]) b_p[in]
+                self._gemm(U["b"], U["a"], U["vote"], n_in, n_out, pairs, pairs, pairs, n_in)
+                inner, cols = n_in, U["cols"]
+            else:
+                self._launch("vector_votes", (n,), (NT,), (
+                    U["vote"], U["fit"], U["seed"], u32(u.off_a), u32(u.off_b), i32(pairs)))
+                inner, cols = n, NULL
+            self._launch("optimizer_step", ((n + 255) // 256,), (256,), (
+                w, m, v, acc, U["vote"], i32(n), i32(inner), U["lr"], i32(1 if u.bias_lr else 0),
+                U["rows"], cols, U["changes"], *consts))
+            if a_cfg.mode > 0:
+                counts = [(u.overlays[0], U["rows"], shape[0])]
+                if u.is_matrix:
+                    counts.append((u.overlays[1], U["cols"], shape[1]))
+                for name, cnt, size in counts:
+                    self._launch("update_overlay", ((size + 255) // 256,), (256,), (
+                        sel(self.dov[name]), cnt, i32(size), i32(a_cfg.inc), i32(a_cfg.dec)))
+            else:
+                cp.cuda.runtime.memsetAsync(U["rows"].data.ptr, 0, U["rows"].nbytes, stream)
+                cp.cuda.runtime.memsetAsync(U["cols"].data.ptr, 0, U["cols"].nbytes, stream)
+
+    def _capture(self):
+        """Capture the update as a CUDA graph; on failure remember why and run eagerly."""
+        stream = self.stream
+        try:
+            with stream:
+                mode = getattr(cp.cuda.runtime, "streamCaptureModeRelaxed", None)
+                if mode is None:
+                    stream.begin_capture()
+                else:
+                    stream.begin_capture(mode=mode)
+                try:
+                    self._update_body()
+                finally:
+                    graph = stream.end_capture()
+            self.graph = graph
+        except Exception as e:  # pragma: no cover - depends on the CUDA stack
+            self.graph_error = f"{type(e).__name__}: {e}"
+            self.use_graph = False
+            self.graph = None
+
+    def update(self, fitness, step: int, step_seed: int) -> int:
+        cfg = self.cfg
+        fitness = np.asarray(fitness)
+        if fitness.shape != (cfg.training.n_pairs,):
+            raise ValueError(f"fitness must have {cfg.training.n_pairs} entries")
+        if np.abs(fitness).max(initial=0) > 1:
+            raise ValueError("the gpu update takes ternary fitness (-1, 0, 1)")
+        U = self._update_buffers()
+        fit = np.zeros(U["pairs"], np.int8)
+        fit[:len(fitness)] = fitness
+        lr = np.float32(cfg.learning_rate(step))
+        lrs = np.array([lr, lr * np.float32(cfg.optimizer.bias_lr_scale)], np.float32)
+        with self.stream:
+            U["fit"].set(fit, stream=self.stream)
+            U["seed"].set(np.array([int(step_seed) & 0xFFFFFFFF], np.uint32), stream=self.stream)
+            U["lr"].set(lrs, stream=self.stream)
+            if self.use_graph and self.graph is None:
+                self._capture()
+            if self.graph is not None:
+                self.graph.launch(self.stream)
+            else:
+                self._update_body()
+            changes = U["changes"].get(stream=self.stream)
+        self.stream.synchronize()
+        return int(changes[0])
+
+    # --- generation -------------------------------------------------------------------
+
+    def generate(self, prompt, seed: int, n_tokens: int | None = None) -> np.ndarray:
+        needed = len(prompt) + (self.cfg.sampling.generate_tokens if n_tokens is None else n_tokens)
+        if needed > self.tables.rope.shape[0]:
+            self.tables = make_tables(self.cfg, needed)
+        return generate(self.cfg, self.tables, self.params, self.overlays, prompt, seed, n_tokens)
+
+
+INIT_NAMES = dict(ln="ln_init", ln_bias="ln_init_bias", up="w_emb_mlp_up",
+                  bias_up="mlp_emb_bias_up", down="w_emb_mlp_down", bias_down="mlp_emb_bias_down",
+                  seed="emb_mlp", seed_ln="ln_init", seed_bias="emb_mlp_bias")
+LAYER_NAMES = dict(ln="ln_2", ln_bias="ln_2_bias", up="w_up", bias_up="mlp_bias_up",
+                   down="w_down", bias_down="mlp_bias_down",
+                   seed="mlp", seed_ln="ln_2", seed_bias="mlp_bias")

@@ -1,0 +1,98 @@
+"""The GPU backend against the CPU backend and the golden vectors (skipped without a GPU)."""
+
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from deggs.backend import CpuBackend
+from deggs.config import Config
+from deggs.gpu import gpu_available
+
+pytestmark = pytest.mark.skipif(not gpu_available(), reason="needs CuPy and a CUDA device")
+
+ROOT = Path(__file__).resolve().parents[1]
+GOLDEN = next((p for p in (ROOT.parent / "shared" / "golden", ROOT / "golden")
+               if (p / "tiny_bytes.npz").exists()), None)
+
+
+def small_config(rng, **switches):
+    hidden = int(rng.choice([32, 64]))
+    head = int(rng.choice([h for h in (32, 64) if h <= hidden]))
+    vocab = int(rng.choice([256, 512]))
+    cfg = Config().replace(
+        model=dict(hidden_dim=hidden, head_dim=head, n_layers=int(rng.integers(1, 3)),
+                   seq_len=int(rng.choice([8, 16, 32])), vocab_size=vocab),
+        training=dict(population_size=64, chunk_size=32, seed=int(rng.integers(2**32)),
+                      init_seed=int(rng.integers(1, 2**31))),
+        sampling=dict(prompt_tokens=8, generate_tokens=8))
+    return cfg.replace(**switches) if switches else cfg
+
+
+def compare_states(cpu, gpu):
+    for what in ("params", "overlays"):
+        ours, theirs = getattr(gpu, what), getattr(cpu, what)
+        for k, v in theirs.items():
+            assert np.array_equal(ours[k], v), f"{what} {k}"
+    gs, cs = gpu.state, cpu.state
+    for part in ("m", "v", "acc"):
+        for k, v in getattr(cs, part).items():
+            assert np.array_equal(getattr(gs, part)[k], v), f"state {part} {k}"
+
+
+SWITCHES = [
+    {},
+    dict(noise=dict(perturb_distribution="three_sample", init_distribution="three_sample"),
+         adaptive_noise=dict(mode=2)),
+    dict(adaptive_noise=dict(mode=0)),
+    dict(optimizer=dict(kind="sgd", sgd_vote_scale=0.25)),
+]
+
+
+@pytest.mark.parametrize("case", range(len(SWITCHES)))
+def test_gpu_matches_cpu_on_random_configs(case):
+    rng = np.random.default_rng(1000 + case)
+    cfg = small_config(rng, **SWITCHES[case])
+    data = rng.integers(0, cfg.model.vocab_size, 5000).astype(cfg.token_dtype)
+    cpu, gpu = CpuBackend(cfg, threads=1), GpuBackend_(cfg, batch=int(rng.integers(3, 40)))
+    compare_states(cpu, gpu)
+    seed = cfg.training.seed
+    members = np.arange(cfg.training.population_size)
+    for step in range(3):
+        picked = members if step != 1 else rng.permutation(members)[:17]
+        ours = gpu.losses(data, step, seed, picked)
+        theirs = cpu.losses(data, step, seed, picked)
+        assert np.array_equal(ours, theirs), f"losses at step {step}"
+        fitness = rng.integers(-1, 2, cfg.training.n_pairs).astype(np.int32)
+        assert gpu.update(fitness, step, seed) == cpu.update(fitness, step, seed)
+        compare_states(cpu, gpu)
+        seed = int(rng.integers(2**32))
+    prompt = data[:cfg.sampling.prompt_tokens]
+    assert np.array_equal(gpu.generate(prompt, 7), cpu.generate(prompt, 7))
+
+
+def GpuBackend_(cfg, **kw):
+    from deggs.gpu import GpuBackend
+    return GpuBackend(cfg, **kw)
+
+
+def test_update_graph_is_captured():
+    cfg = small_config(np.random.default_rng(5))
+    gpu = GpuBackend_(cfg)
+    gpu.update(np.ones(cfg.training.n_pairs, np.int32), 0, 42)
+    assert gpu.graph is not None, gpu.graph_error
+
+
+@pytest.mark.skipif(GOLDEN is None, reason="golden vectors not found")
+@pytest.mark.parametrize("name", ["tiny_bytes", "tiny_tok", "tiny_variant"])
+def test_conformance_on_gpu(name, capsys):
+    spec = importlib.util.spec_from_file_location("conformance", ROOT / "scripts" / "conformance.py")
+    conformance = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(conformance)
+    decoding = GOLDEN / f"{name}.decoding.bin"
+    ok = conformance.run(GOLDEN / f"{name}.npz", GOLDEN / f"{name}.input.bin",
+                         decoding if decoding.exists() else None, backend="gpu")
+    out = capsys.readouterr().out
+    assert ok, out
+    assert out.count("step ") == 8 and "MISMATCH" not in out
