@@ -47,7 +47,7 @@ KERNELS = ("embed", "standard_norm", "qkv_rope", "attention_mix", "residual", "m
            "sequence_loss", "noise_matrix", "vector_votes", "optimizer_step", "update_overlay")
 
 NT = 256                 # threads of the row kernels
-FORWARD_BUDGET = 2 << 30  # bytes for the largest GEMM output of a sub-batch of members
+FORWARD_BUDGET = 8 << 30  # bytes for the largest GEMM output of a sub-batch of members
 
 # cuBLAS / CUDA enum values
 CUDA_R_8I, CUDA_R_32I = 3, 10
@@ -172,12 +172,14 @@ class GpuBackend:
         self.d_gelu = cp.asarray(self.tables.gelu.astype(np.int32))
         self.d_rope = cp.asarray(self.tables.rope[:m.seq_len].astype(np.int32).ravel())
         per_member = m.seq_len * max(4 * m.hidden_dim, m.vocab_size) * 4
-        self.batch = batch or max(1, FORWARD_BUDGET // per_member)
+        budget = min(FORWARD_BUDGET, cp.cuda.runtime.memGetInfo()[0] // 4)
+        self.batch = batch or max(1, budget // per_member)
         self._fwd = None
         self._upd = None
         self.use_graph = use_graph
         self.graph = None
         self.graph_error = None
+        self.profile = None  # a dict to time each kernel launch (not while capturing)
         self.load_state(init_params(cfg), init_overlays(cfg), OptimizerState.zeros(cfg))
 
     # --- state ------------------------------------------------------------------------
@@ -236,10 +238,30 @@ class GpuBackend:
     # --- helpers ----------------------------------------------------------------------
 
     def _launch(self, name, grid, block, args, shared_mem=0):
+        if self.profile is not None:
+            return self._timed(name, lambda: self.k[name](grid, block, args, shared_mem=shared_mem))
         self.k[name](grid, block, args, shared_mem=shared_mem)
+
+    def _timed(self, name, fn):
+        """Run fn between two events; profile[name] collects the pairs (see `profile_report`)."""
+        start, end = cp.cuda.Event(), cp.cuda.Event()
+        start.record()
+        fn()
+        end.record()
+        self.profile.setdefault(name, []).append((start, end))
+
+    def profile_report(self) -> dict:
+        """Milliseconds per kernel name since profiling started (profile = {})."""
+        cp.cuda.get_current_stream().synchronize()
+        self.stream.synchronize()
+        return {k: round(sum(cp.cuda.get_elapsed_time(a, b) for a, b in v), 3)
+                for k, v in sorted(self.profile.items())}
 
     def _gemm(self, a, b, c, m, n, k, lda, ldb, ldc):
         """C[n, ldc] (int32, row-major) = B[n, k] @ A[m, k]^T: cuBLAS TN, int8 in, int32 out."""
+        if self.profile is not None:
+            return self._timed(f"gemm {m}x{k}", lambda: self.blas.gemm_tn_i8(
+                a.data.ptr, b.data.ptr, c.data.ptr, m, n, k, lda, ldb, ldc))
         self.blas.gemm_tn_i8(a.data.ptr, b.data.ptr, c.data.ptr, m, n, k, lda, ldb, ldc)
 
     def _project(self, wt, x, out, n_out, rows, k, ldc=None):

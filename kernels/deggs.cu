@@ -29,6 +29,8 @@ typedef int attn_acc;
 #define MSHIFT (FIXED_POINT + SIGMA_SHIFT)
 #define N_HEADS (HIDDEN / HEAD_DIM)
 #define UP (4 * HIDDEN)
+#define NT 256                               // threads of sequence_loss
+#define LPT ((VOCAB + NT - 1) / NT)           // logits per thread
 
 // --- noise ------------------------------------------------------------------------
 
@@ -128,6 +130,36 @@ __device__ __forceinline__ long long block_sum_ll(long long v) {
     return r;
 }
 
+__device__ __forceinline__ u32 warp_sum_u32(u32 v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ int warp_max_int(int v) {
+    for (int o = 16; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// Row kernels below give each warp whole rows: lane l holds features l + 32 i, i < FPL.
+#define FPL (HIDDEN / 32)
+#define LANE (threadIdx.x & 31)
+#define WARP (threadIdx.x >> 5)
+#define NWARPS (blockDim.x >> 5)
+
+// max_abs_normalize of the row a warp holds in v[FPL].
+__device__ __forceinline__ void max_abs_normalize_warp(const int* v, i8* out) {
+    int peak = 0;
+#pragma unroll
+    for (int i = 0; i < FPL; i++) peak = max(peak, abs(v[i]));
+    peak = warp_max_int(peak);
+    const float scale = __fdiv_rn(127.0f, __fadd_rn(__int2float_rn(peak), 1e-9f));
+#pragma unroll
+    for (int i = 0; i < FPL; i++) {
+        const float r = roundf(__fmul_rn(__int2float_rn(v[i]), scale));
+        out[LANE + 32 * i] = (i8)(int)fmaxf(-127.0f, fminf(127.0f, r));
+    }
+}
+
 // max_abs_normalize of one row held in buf[HIDDEN] (each thread its own features).
 __device__ __forceinline__ void max_abs_normalize_row(const int* buf, i8* out) {
     int peak = 0;
@@ -199,22 +231,29 @@ extern "C" __global__ void standard_norm(const i8* x, i8* y, const u32* seeds, c
         }
     }
     __syncthreads();
-    for (int t = 0; t < SEQ; t++) {
+    for (int t = WARP; t < SEQ; t += NWARPS) {
         const long row = (long)m * SEQ + t;
         const i8* xr = x + row * HIDDEN;
+        int xv[FPL];
         u32 s = 0;
-        for (int f = threadIdx.x; f < HIDDEN; f += blockDim.x) s += (u32)abs((int)xr[f]);
-        int mean = (int)(block_sum_u32(s) / HIDDEN);
+#pragma unroll
+        for (int i = 0; i < FPL; i++) {
+            xv[i] = xr[LANE + 32 * i];
+            s += (u32)abs(xv[i]);
+        }
+        int mean = (int)(warp_sum_u32(s) / HIDDEN);
         if (mean == 0) mean = 1;
         u32 dots[3] = {0u, 0u, 0u};
-        for (int f = threadIdx.x; f < HIDDEN; f += blockDim.x) {
-            int v = clip8(((int)xr[f] * s_w[f]) / mean + s_bias[f]);
+#pragma unroll
+        for (int i = 0; i < FPL; i++) {
+            const int f = LANE + 32 * i;
+            const int v = clip8((xv[i] * s_w[f]) / mean + s_bias[f]);
             y[row * HIDDEN + f] = (i8)v;
             for (int p = 0; p < ndots; p++) dots[p] += (u32)scaled(v * s_n[p][f], s_f[p][f]);
         }
         for (int p = 0; p < ndots; p++) {
-            u32 total = block_sum_u32(dots[p]);
-            if (threadIdx.x == 0) sb[(long)p * rows + row] = (int)total;
+            const u32 total = warp_sum_u32(dots[p]);
+            if (LANE == 0) sb[(long)p * rows + row] = (int)total;
         }
     }
 }
@@ -230,8 +269,6 @@ extern "C" __global__ void qkv_rope(const int* g, const int* sb, i8* out, const 
                                     const int* signs, const i8* ov_q, const i8* ov_k, const i8* ov_v,
                                     u32 q_a, u32 k_a, u32 v_a, const int* rope_tab, int rows) {
     __shared__ int s_av[3][HIDDEN];
-    __shared__ int s_row[3][HIDDEN];
-    __shared__ int s_rot[3][HIDDEN];
     const int m = blockIdx.x;
     const u32 seed = seeds[m];
     const int sign = signs[m];
@@ -240,29 +277,46 @@ extern "C" __global__ void qkv_rope(const int* g, const int* sb, i8* out, const 
     output_noise(s_av[2], HIDDEN, ov_v, seed + v_a);
     __syncthreads();
     const long long half = 1ll << (ROPE_SHIFT - 1);
-    for (int t = 0; t < SEQ; t++) {
+    for (int t = WARP; t < SEQ; t += NWARPS) {
         const long row = (long)m * SEQ + t;
         for (int p = 0; p < 3; p++) {
             const int s = sb[(long)p * rows + row];
-            for (int f = threadIdx.x; f < HIDDEN; f += blockDim.x)
-                s_row[p][f] = wrap_add(g[row * 3 * HIDDEN + p * HIDDEN + f], output_term(s, s_av[p][f], sign));
-        }
-        __syncthreads();
-        for (int f = threadIdx.x; f < HIDDEN; f += blockDim.x) {
-            const int i = (f % HEAD_DIM) >> 1;
-            const long long c = rope_tab[(t * (HEAD_DIM / 2) + i) * 2];
-            const long long sn = rope_tab[(t * (HEAD_DIM / 2) + i) * 2 + 1];
-            for (int p = 0; p < 2; p++) {
-                const long long even = s_row[p][f & ~1], odd = s_row[p][f | 1];
-                long long r = (f & 1) ? (even * sn + odd * c + half) : (even * c - odd * sn + half);
-                s_rot[p][f] = (int)(r >> ROPE_SHIFT);
+            int v[FPL];
+#pragma unroll
+            for (int i = 0; i < FPL; i++) {
+                const int f = LANE + 32 * i;
+                v[i] = wrap_add(g[row * 3 * HIDDEN + p * HIDDEN + f], output_term(s, s_av[p][f], sign));
             }
-            s_rot[2][f] = s_row[2][f];
+            if (p < 2) {
+#pragma unroll
+                for (int i = 0; i < FPL; i++) {
+                    const int f = LANE + 32 * i;
+                    const int other = __shfl_xor_sync(0xffffffffu, v[i], 1);
+                    const int pi = (f % HEAD_DIM) >> 1;
+                    const long long c = rope_tab[(t * (HEAD_DIM / 2) + pi) * 2];
+                    const long long sn = rope_tab[(t * (HEAD_DIM / 2) + pi) * 2 + 1];
+                    const long long even = (f & 1) ? other : v[i], odd = (f & 1) ? v[i] : other;
+                    const long long r = (f & 1) ? (even * sn + odd * c + half) : (even * c - odd * sn + half);
+                    v[i] = (int)(r >> ROPE_SHIFT);
+                }
+            }
+            max_abs_normalize_warp(v, out + (long)p * rows * HIDDEN + row * HIDDEN);
         }
-        __syncthreads();
-        for (int p = 0; p < 3; p++)
-            max_abs_normalize_row(s_rot[p], out + (long)p * rows * HIDDEN + row * HIDDEN);
     }
+}
+
+// q . k over one head: packed int8 words, four per 128-bit shared load.
+__device__ __forceinline__ int qk_dot(const int* qw, const int* kw) {
+    int sc = 0;
+#pragma unroll
+    for (int w4 = 0; w4 < HEAD_DIM / 16; w4++) {
+        const int4 kk = ((const int4*)kw)[w4];
+        sc = __dp4a(qw[4 * w4], kk.x, sc);
+        sc = __dp4a(qw[4 * w4 + 1], kk.y, sc);
+        sc = __dp4a(qw[4 * w4 + 2], kk.z, sc);
+        sc = __dp4a(qw[4 * w4 + 3], kk.w, sc);
+    }
+    return sc;
 }
 
 // Causal integer softmax attention, block per (member, head), thread per query.
@@ -270,8 +324,8 @@ extern "C" __global__ void qkv_rope(const int* g, const int* sb, i8* out, const 
 extern "C" __global__ void attention_mix(const i8* q, const i8* k, const i8* v, i8* mixed,
                                          int* sb_o, const u32* seeds, const i8* ov_o_in, u32 o_b,
                                          const int* exp_tab) {
-    __shared__ int s_k[SEQ][HEAD_DIM / 4];
-    __shared__ int s_v[SEQ][HEAD_DIM];
+    __shared__ __align__(16) int s_k[SEQ][HEAD_DIM / 4];
+    __shared__ __align__(16) int s_v[SEQ][HEAD_DIM];
     __shared__ int s_exp[LUT_SIZE];
     __shared__ int s_bn[HEAD_DIM];
     __shared__ float s_bf[HEAD_DIM];
@@ -299,9 +353,7 @@ extern "C" __global__ void attention_mix(const i8* q, const i8* k, const i8* v, 
     for (int w = 0; w < HEAD_DIM / 4; w++) qw[w] = ((const int*)(q + row * HIDDEN + h * HEAD_DIM))[w];
     int peak = INT_MIN_;
     for (int s = 0; s <= t; s++) {
-        int sc = 0;
-#pragma unroll
-        for (int w = 0; w < HEAD_DIM / 4; w++) sc = __dp4a(qw[w], s_k[s][w], sc);
+        const int sc = qk_dot(qw, s_k[s]);
         peak = max(peak, sc);
     }
     attn_acc acc[HEAD_DIM];
@@ -310,15 +362,20 @@ extern "C" __global__ void attention_mix(const i8* q, const i8* k, const i8* v, 
     long long total = 0;
     const int top = peak >> SHIFT_ATTN;
     for (int s = 0; s <= t; s++) {
-        int sc = 0;
-#pragma unroll
-        for (int w = 0; w < HEAD_DIM / 4; w++) sc = __dp4a(qw[w], s_k[s][w], sc);
+        const int sc = qk_dot(qw, s_k[s]);
         int idx = top - (sc >> SHIFT_ATTN);
         idx = idx < 0 ? 0 : (idx > LUT_SIZE - 1 ? LUT_SIZE - 1 : idx);
         const int wgt = s_exp[idx];
         total += wgt;
+        const int4* vrow = (const int4*)s_v[s];
 #pragma unroll
-        for (int d = 0; d < HEAD_DIM; d++) acc[d] += (attn_acc)wgt * s_v[s][d];
+        for (int d4 = 0; d4 < HEAD_DIM / 4; d4++) {
+            const int4 vv = vrow[d4];
+            acc[4 * d4] += (attn_acc)wgt * vv.x;
+            acc[4 * d4 + 1] += (attn_acc)wgt * vv.y;
+            acc[4 * d4 + 2] += (attn_acc)wgt * vv.z;
+            acc[4 * d4 + 3] += (attn_acc)wgt * vv.w;
+        }
     }
     if (total == 0) total = 1;
     u32 dot = 0;
@@ -338,7 +395,6 @@ extern "C" __global__ void residual(const int* g, const int* sb, i8* x, const u3
                                    const i8* bias, const i8* ov_bias, u32 bias_a, u32 bias_b) {
     __shared__ int s_av[HIDDEN];
     __shared__ int s_bias[HIDDEN];
-    __shared__ int s_row[HIDDEN];
     const int m = blockIdx.x;
     const u32 seed = seeds[m];
     const int sign = signs[m];
@@ -346,14 +402,17 @@ extern "C" __global__ void residual(const int* g, const int* sb, i8* x, const u3
     for (int f = threadIdx.x; f < HIDDEN; f += blockDim.x)
         s_bias[f] = bias ? bias[f] + vector_noise(ov_bias, seed, bias_a, bias_b, f, sign) : 0;
     __syncthreads();
-    for (int t = 0; t < SEQ; t++) {
+    for (int t = WARP; t < SEQ; t += NWARPS) {
         const long row = (long)m * SEQ + t;
         const int s = sb[row];
-        for (int f = threadIdx.x; f < HIDDEN; f += blockDim.x) {
+        int v[FPL];
+#pragma unroll
+        for (int i = 0; i < FPL; i++) {
+            const int f = LANE + 32 * i;
             const int out = wrap_add(g[row * HIDDEN + f], output_term(s, s_av[f], sign));
-            s_row[f] = (int)x[row * HIDDEN + f] + (out >> shift) + s_bias[f];
+            v[i] = (int)x[row * HIDDEN + f] + (out >> shift) + s_bias[f];
         }
-        max_abs_normalize_row(s_row, x + row * HIDDEN);
+        max_abs_normalize_warp(v, x + row * HIDDEN);
     }
 }
 
@@ -380,11 +439,13 @@ extern "C" __global__ void mlp_up(const int* g, const int* sb_up, i8* hidden, in
     }
     for (int i = threadIdx.x; i < 256; i += blockDim.x) s_gelu[i] = gelu[i];
     __syncthreads();
-    for (int t = 0; t < SEQ; t++) {
+    for (int t = WARP; t < SEQ; t += NWARPS) {
         const long row = (long)m * SEQ + t;
         const int s = sb_up[row];
         u32 total = 0;
-        for (int j0 = threadIdx.x; j0 < HIDDEN; j0 += blockDim.x) {
+#pragma unroll
+        for (int i = 0; i < FPL; i++) {
+            const int j0 = LANE + 32 * i;
             int partial = 0;
 #pragma unroll
             for (int sub = 0; sub < 4; sub++) {
@@ -398,8 +459,8 @@ extern "C" __global__ void mlp_up(const int* g, const int* sb_up, i8* hidden, in
             }
             total += (u32)partial;
         }
-        total = block_sum_u32(total);
-        if (threadIdx.x == 0) sb_down[row] = (int)total;
+        total = warp_sum_u32(total);
+        if (LANE == 0) sb_down[row] = (int)total;
     }
 }
 
@@ -409,26 +470,38 @@ extern "C" __global__ void sequence_loss(const int* g, const int* sb, const int*
                                          const u32* seeds, const int* signs, const i8* ov_out,
                                          u32 off_a, const int* exp_tab, int* loss) {
     extern __shared__ int s_av[];
+    __shared__ int s_exp[LUT_SIZE];
     const int m = blockIdx.x;
     const u32 seed = seeds[m];
     const int sign = signs[m];
     output_noise(s_av, VOCAB, ov_out, seed + off_a);
+    for (int i = threadIdx.x; i < LUT_SIZE; i += blockDim.x) s_exp[i] = exp_tab[i];
     __syncthreads();
     u32 member_loss = 0;
     for (int t = 0; t < SEQ; t++) {
         const long row = (long)m * SEQ + t;
         const int s = sb[row];
         const int* gr = g + row * VOCAB;
+        int lg[LPT];
         int peak = INT_MIN_;
-        for (int j = threadIdx.x; j < VOCAB; j += blockDim.x)
-            peak = max(peak, wrap_add(gr[j], output_term(s, s_av[j], sign)) >> SHIFT_LOGIT);
+#pragma unroll
+        for (int i = 0; i < LPT; i++) {
+            const int j = threadIdx.x + i * NT;
+            if (j < VOCAB) {
+                lg[i] = wrap_add(gr[j], output_term(s, s_av[j], sign)) >> SHIFT_LOGIT;
+                peak = max(peak, lg[i]);
+            }
+        }
         peak = block_max_int(peak);
         long long total = 0;
-        for (int j = threadIdx.x; j < VOCAB; j += blockDim.x) {
-            const int lg = wrap_add(gr[j], output_term(s, s_av[j], sign)) >> SHIFT_LOGIT;
-            long long idx = (long long)peak - lg;
-            idx = idx < 0 ? 0 : (idx > LUT_SIZE - 1 ? LUT_SIZE - 1 : idx);
-            total += exp_tab[idx];
+#pragma unroll
+        for (int i = 0; i < LPT; i++) {
+            const int j = threadIdx.x + i * NT;
+            if (j < VOCAB) {
+                long long idx = (long long)peak - lg[i];
+                idx = idx < 0 ? 0 : (idx > LUT_SIZE - 1 ? LUT_SIZE - 1 : idx);
+                total += s_exp[idx];
+            }
         }
         total = block_sum_ll(total);
         if (threadIdx.x == 0) {

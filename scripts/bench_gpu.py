@@ -32,6 +32,7 @@ def main():
     ap.add_argument("--chunks", type=int, default=2, help="chunks of the forward to time")
     ap.add_argument("--updates", type=int, default=3, help="updates to time")
     ap.add_argument("--batch", type=int, default=None, help="members per forward sub-batch")
+    ap.add_argument("--profile", action="store_true", help="also time each kernel of one chunk")
     args = ap.parse_args()
     cfg = load_config(args.config)
     m, tr = cfg.model, cfg.training
@@ -61,6 +62,12 @@ def main():
         t0 = time.perf_counter()
         gpu.update(f, 1 + i, seed + i)
         updates.append(time.perf_counter() - t0)
+    profile = None
+    if args.profile:
+        gpu.profile = {}
+        gpu.losses(data, 2, seed, chunk)
+        profile = gpu.profile_report()
+        gpu.profile = None
     chunk_s = float(np.median(forward))
     update_s = float(np.median(updates))
     step_s = tr.n_chunks * chunk_s + update_s
@@ -75,6 +82,7 @@ def main():
         update_s=round(update_s, 4), updates=[round(x, 4) for x in updates],
         step_s=round(step_s, 4), extrapolated=args.chunks < tr.n_chunks,
         tokens_per_s=round(tr.population_size * m.seq_len / step_s),
+        profile_ms_one_chunk=profile,
     )))
 
 
