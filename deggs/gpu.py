@@ -380,7 +380,7 @@ class GpuBackend:
         sbd = buf["sbd"]
         cp.cuda.runtime.memsetAsync(sbd.data.ptr, 0, r * 4, cp.cuda.get_current_stream().ptr)
         rd = r * d
-        threads = (t + 31) // 32 * 32
+        threads = (2 * t + 31) // 32 * 32  # ATT_SPLIT threads per query
         self._launch("attention_mix", (nb, cfg.model.n_heads), (threads,), (
             qkv[:rd], qkv[rd:2 * rd], qkv[2 * rd:3 * rd], buf["y"], sbd, seeds, o("w_o_row"),
             u32(s("o_b")), self.d_exp))

@@ -319,8 +319,11 @@ __device__ __forceinline__ int qk_dot(const int* qw, const int* kw) {
     return sc;
 }
 
-// Causal integer softmax attention, block per (member, head), thread per query.
-// Writes the mixed values and adds their o-projection input dot into sb_o (zeroed).
+// Causal integer softmax attention, block per (member, head): ATT_SPLIT threads per
+// query, each accumulating ATT_DIMS of the head's dimensions. Writes the mixed values
+// and adds their o-projection input dot into sb_o (zeroed before).
+#define ATT_SPLIT 2
+#define ATT_DIMS (HEAD_DIM / ATT_SPLIT)
 extern "C" __global__ void attention_mix(const i8* q, const i8* k, const i8* v, i8* mixed,
                                          int* sb_o, const u32* seeds, const i8* ov_o_in, u32 o_b,
                                          const int* exp_tab) {
@@ -331,13 +334,16 @@ extern "C" __global__ void attention_mix(const i8* q, const i8* k, const i8* v, 
     __shared__ float s_bf[HEAD_DIM];
     const int m = blockIdx.x, h = blockIdx.y;
     const u32 seed = seeds[m];
-    for (int i = threadIdx.x; i < SEQ * HEAD_DIM / 4; i += blockDim.x) {
-        const int s = i / (HEAD_DIM / 4), w = i % (HEAD_DIM / 4);
-        s_k[s][w] = ((const int*)(k + ((long)m * SEQ + s) * HIDDEN + h * HEAD_DIM))[w];
-    }
-    for (int i = threadIdx.x; i < SEQ * HEAD_DIM; i += blockDim.x) {
-        const int s = i / HEAD_DIM, d = i % HEAD_DIM;
-        s_v[s][d] = v[((long)m * SEQ + s) * HIDDEN + h * HEAD_DIM + d];
+    for (int i = threadIdx.x; i < SEQ * (HEAD_DIM / 16); i += blockDim.x) {
+        const int s = i / (HEAD_DIM / 16), w = i % (HEAD_DIM / 16);
+        const long at = ((long)m * SEQ + s) * HIDDEN + h * HEAD_DIM;
+        ((int4*)s_k[s])[w] = ((const int4*)(k + at))[w];
+        const int4 vv = ((const int4*)(v + at))[w];
+        const int words[4] = {vv.x, vv.y, vv.z, vv.w};
+#pragma unroll
+        for (int c = 0; c < 4; c++)
+#pragma unroll
+            for (int b = 0; b < 4; b++) s_v[s][16 * w + 4 * c + b] = (int)(signed char)(words[c] >> (8 * b));
     }
     for (int i = threadIdx.x; i < LUT_SIZE; i += blockDim.x) s_exp[i] = exp_tab[i];
     for (int i = threadIdx.x; i < HEAD_DIM; i += blockDim.x) {
@@ -345,31 +351,34 @@ extern "C" __global__ void attention_mix(const i8* q, const i8* k, const i8* v, 
         s_bf[i] = adaptive_factor(ov_o_in, seed + o_b, h * HEAD_DIM + i);
     }
     __syncthreads();
-    const int t = threadIdx.x;
-    if (t >= SEQ) return;
+    const int t = threadIdx.x % SEQ, part = threadIdx.x / SEQ;
+    if (part >= ATT_SPLIT) return;
     const long row = (long)m * SEQ + t;
     int qw[HEAD_DIM / 4];
 #pragma unroll
-    for (int w = 0; w < HEAD_DIM / 4; w++) qw[w] = ((const int*)(q + row * HIDDEN + h * HEAD_DIM))[w];
-    int peak = INT_MIN_;
-    for (int s = 0; s <= t; s++) {
-        const int sc = qk_dot(qw, s_k[s]);
-        peak = max(peak, sc);
+    for (int w4 = 0; w4 < HEAD_DIM / 16; w4++) {
+        const int4 qq = ((const int4*)(q + row * HIDDEN + h * HEAD_DIM))[w4];
+        qw[4 * w4] = qq.x;
+        qw[4 * w4 + 1] = qq.y;
+        qw[4 * w4 + 2] = qq.z;
+        qw[4 * w4 + 3] = qq.w;
     }
-    attn_acc acc[HEAD_DIM];
+    int peak = INT_MIN_;
+    for (int s = 0; s <= t; s++) peak = max(peak, qk_dot(qw, s_k[s]));
+    const int d0 = part * ATT_DIMS;
+    attn_acc acc[ATT_DIMS];
 #pragma unroll
-    for (int d = 0; d < HEAD_DIM; d++) acc[d] = 0;
-    long long total = 0;
+    for (int d = 0; d < ATT_DIMS; d++) acc[d] = 0;
+    int total = 0;
     const int top = peak >> SHIFT_ATTN;
     for (int s = 0; s <= t; s++) {
-        const int sc = qk_dot(qw, s_k[s]);
-        int idx = top - (sc >> SHIFT_ATTN);
+        int idx = top - (qk_dot(qw, s_k[s]) >> SHIFT_ATTN);
         idx = idx < 0 ? 0 : (idx > LUT_SIZE - 1 ? LUT_SIZE - 1 : idx);
         const int wgt = s_exp[idx];
         total += wgt;
-        const int4* vrow = (const int4*)s_v[s];
+        const int4* vrow = (const int4*)(s_v[s] + d0);
 #pragma unroll
-        for (int d4 = 0; d4 < HEAD_DIM / 4; d4++) {
+        for (int d4 = 0; d4 < ATT_DIMS / 4; d4++) {
             const int4 vv = vrow[d4];
             acc[4 * d4] += (attn_acc)wgt * vv.x;
             acc[4 * d4 + 1] += (attn_acc)wgt * vv.y;
@@ -380,10 +389,11 @@ extern "C" __global__ void attention_mix(const i8* q, const i8* k, const i8* v, 
     if (total == 0) total = 1;
     u32 dot = 0;
 #pragma unroll
-    for (int d = 0; d < HEAD_DIM; d++) {
-        const int val = clip8((int)((long long)acc[d] / total));
-        mixed[row * HIDDEN + h * HEAD_DIM + d] = (i8)val;
-        dot += (u32)scaled(val * s_bn[d], s_bf[d]);
+    for (int d = 0; d < ATT_DIMS; d++) {
+        const int dd = d0 + d;
+        const int val = clip8((int)(acc[d] / (attn_acc)total));
+        mixed[row * HIDDEN + h * HEAD_DIM + dd] = (i8)val;
+        dot += (u32)scaled(val * s_bn[dd], s_bf[dd]);
     }
     atomicAdd((u32*)&sb_o[row], dot);
 }
