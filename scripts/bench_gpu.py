@@ -3,10 +3,11 @@
 
     python scripts/bench_gpu.py [--config config.toml] [--chunks K] [--updates N]
 
-Times K chunks of the forward (each chunk_size members) and N updates, after one warm-up
-chunk and one warm-up update (compilation, graph capture). A whole step is
-n_chunks * median chunk time + median update time; unless K >= n_chunks that is an
-extrapolation from the chunks timed, and the JSON says so ("extrapolated": true).
+Times K chunks of the forward (each chunk_size members), N updates and S whole steps
+(the whole population's losses in one call, then the update), after one warm-up chunk and
+one warm-up update (compilation, graph capture). step_s is the median whole step; with
+--steps 0 it is extrapolated as n_chunks * median chunk + median update, and the JSON
+says so ("extrapolated": true).
 Prints one JSON line.
 """
 
@@ -32,6 +33,8 @@ def main():
     ap.add_argument("--chunks", type=int, default=2, help="chunks of the forward to time")
     ap.add_argument("--updates", type=int, default=3, help="updates to time")
     ap.add_argument("--batch", type=int, default=None, help="members per forward sub-batch")
+    ap.add_argument("--steps", type=int, default=2,
+                    help="whole steps to time (losses of the population + update); 0: extrapolate")
     ap.add_argument("--profile", action="store_true", help="also time each kernel of one chunk")
     args = ap.parse_args()
     cfg = load_config(args.config)
@@ -62,6 +65,13 @@ def main():
         t0 = time.perf_counter()
         gpu.update(f, 1 + i, seed + i)
         updates.append(time.perf_counter() - t0)
+    whole = []
+    population = np.arange(tr.population_size)
+    for i in range(args.steps):
+        t0 = time.perf_counter()
+        gpu.losses(data, 10 + i, seed + i, population)
+        gpu.update(fitness(), 10 + i, seed + i)
+        whole.append(time.perf_counter() - t0)
     profile = None
     if args.profile:
         gpu.profile = {}
@@ -70,7 +80,8 @@ def main():
         gpu.profile = None
     chunk_s = float(np.median(forward))
     update_s = float(np.median(updates))
-    step_s = tr.n_chunks * chunk_s + update_s
+    extrapolated = not whole
+    step_s = float(np.median(whole)) if whole else tr.n_chunks * chunk_s + update_s
     print(json.dumps(dict(
         gpu=cp.cuda.runtime.getDeviceProperties(0)["name"].decode(),
         config=dict(hidden=m.hidden_dim, layers=m.n_layers, seq=m.seq_len, vocab=m.vocab_size,
@@ -80,7 +91,8 @@ def main():
         warmup_update_s=round(warm_update_s, 3),
         forward_s_per_chunk=round(chunk_s, 4), forward_chunks=[round(x, 4) for x in forward],
         update_s=round(update_s, 4), updates=[round(x, 4) for x in updates],
-        step_s=round(step_s, 4), extrapolated=args.chunks < tr.n_chunks,
+        step_s=round(step_s, 4), steps=[round(x, 4) for x in whole], extrapolated=extrapolated,
+        step_s_from_chunks=round(tr.n_chunks * chunk_s + update_s, 4),
         tokens_per_s=round(tr.population_size * m.seq_len / step_s),
         profile_ms_one_chunk=profile,
     )))
