@@ -158,8 +158,8 @@ class GpuBackend:
             cp.cuda.Device(device).use()
         self.cfg = cfg
         m = cfg.model
-        if m.hidden_dim % 32 or m.head_dim % 16 or m.hidden_dim % m.head_dim:
-            raise ValueError("gpu backend needs hidden_dim % 32 == 0 and head_dim % 16 == 0")
+        if m.hidden_dim % 32 or m.head_dim % 32 or m.hidden_dim % m.head_dim:
+            raise ValueError("gpu backend needs hidden_dim and head_dim multiples of 32")
         if m.hidden_dim > 512:
             raise ValueError("gpu backend supports hidden_dim <= 512 (shared memory of mlp_up)")
         if self._attention_smem() > 48 * 1024:
@@ -191,7 +191,7 @@ class GpuBackend:
     def _attention_smem(self) -> int:
         """Static shared memory of attention_mix (keys, values, exp table, o-input noise)."""
         m, lut = self.cfg.model, self.cfg.softmax.lut_size
-        return m.seq_len * m.head_dim * 5 + lut * 4 + m.head_dim * 8 + 4 * 32
+        return m.seq_len * m.head_dim * 2 + lut * 4 + m.head_dim * 8 + 4 * 32
 
     def _compile(self):
         c = self.cfg

@@ -307,16 +307,16 @@ extern "C" __global__ void qkv_rope(const int* g, const int* sb, i8* out, const 
 
 // q . k over one head: packed int8 words, four per 128-bit shared load.
 __device__ __forceinline__ int qk_dot(const int* qw, const int* kw) {
-    int sc = 0;
+    int sc[4] = {0, 0, 0, 0};  // four independent chains (integer sums: order is free)
 #pragma unroll
     for (int w4 = 0; w4 < HEAD_DIM / 16; w4++) {
         const int4 kk = ((const int4*)kw)[w4];
-        sc = __dp4a(qw[4 * w4], kk.x, sc);
-        sc = __dp4a(qw[4 * w4 + 1], kk.y, sc);
-        sc = __dp4a(qw[4 * w4 + 2], kk.z, sc);
-        sc = __dp4a(qw[4 * w4 + 3], kk.w, sc);
+        sc[0] = __dp4a(qw[4 * w4], kk.x, sc[0]);
+        sc[1] = __dp4a(qw[4 * w4 + 1], kk.y, sc[1]);
+        sc[2] = __dp4a(qw[4 * w4 + 2], kk.z, sc[2]);
+        sc[3] = __dp4a(qw[4 * w4 + 3], kk.w, sc[3]);
     }
-    return sc;
+    return (sc[0] + sc[1]) + (sc[2] + sc[3]);
 }
 
 // Causal integer softmax attention, block per (member, head): ATT_SPLIT threads per
@@ -328,7 +328,7 @@ extern "C" __global__ void attention_mix(const i8* q, const i8* k, const i8* v, 
                                          int* sb_o, const u32* seeds, const i8* ov_o_in, u32 o_b,
                                          const int* exp_tab) {
     __shared__ __align__(16) int s_k[SEQ][HEAD_DIM / 4];
-    __shared__ __align__(16) int s_v[SEQ][HEAD_DIM];
+    __shared__ __align__(16) int s_v[SEQ][HEAD_DIM / 4];  // packed int8, as s_k
     __shared__ int s_exp[LUT_SIZE];
     __shared__ int s_bn[HEAD_DIM];
     __shared__ float s_bf[HEAD_DIM];
@@ -338,12 +338,7 @@ extern "C" __global__ void attention_mix(const i8* q, const i8* k, const i8* v, 
         const int s = i / (HEAD_DIM / 16), w = i % (HEAD_DIM / 16);
         const long at = ((long)m * SEQ + s) * HIDDEN + h * HEAD_DIM;
         ((int4*)s_k[s])[w] = ((const int4*)(k + at))[w];
-        const int4 vv = ((const int4*)(v + at))[w];
-        const int words[4] = {vv.x, vv.y, vv.z, vv.w};
-#pragma unroll
-        for (int c = 0; c < 4; c++)
-#pragma unroll
-            for (int b = 0; b < 4; b++) s_v[s][16 * w + 4 * c + b] = (int)(signed char)(words[c] >> (8 * b));
+        ((int4*)s_v[s])[w] = ((const int4*)(v + at))[w];
     }
     for (int i = threadIdx.x; i < LUT_SIZE; i += blockDim.x) s_exp[i] = exp_tab[i];
     for (int i = threadIdx.x; i < HEAD_DIM; i += blockDim.x) {
@@ -364,6 +359,7 @@ extern "C" __global__ void attention_mix(const i8* q, const i8* k, const i8* v, 
         qw[4 * w4 + 3] = qq.w;
     }
     int peak = INT_MIN_;
+#pragma unroll 4
     for (int s = 0; s <= t; s++) peak = max(peak, qk_dot(qw, s_k[s]));
     const int d0 = part * ATT_DIMS;
     attn_acc acc[ATT_DIMS];
@@ -371,19 +367,25 @@ extern "C" __global__ void attention_mix(const i8* q, const i8* k, const i8* v, 
     for (int d = 0; d < ATT_DIMS; d++) acc[d] = 0;
     int total = 0;
     const int top = peak >> SHIFT_ATTN;
+#pragma unroll 2
     for (int s = 0; s <= t; s++) {
         int idx = top - (qk_dot(qw, s_k[s]) >> SHIFT_ATTN);
         idx = idx < 0 ? 0 : (idx > LUT_SIZE - 1 ? LUT_SIZE - 1 : idx);
         const int wgt = s_exp[idx];
         total += wgt;
-        const int4* vrow = (const int4*)(s_v[s] + d0);
+        const int4* vrow = (const int4*)(s_v[s] + d0 / 4);
 #pragma unroll
-        for (int d4 = 0; d4 < ATT_DIMS / 4; d4++) {
-            const int4 vv = vrow[d4];
-            acc[4 * d4] += (attn_acc)wgt * vv.x;
-            acc[4 * d4 + 1] += (attn_acc)wgt * vv.y;
-            acc[4 * d4 + 2] += (attn_acc)wgt * vv.z;
-            acc[4 * d4 + 3] += (attn_acc)wgt * vv.w;
+        for (int d16 = 0; d16 < ATT_DIMS / 16; d16++) {
+            const int4 vv = vrow[d16];
+            const int words[4] = {vv.x, vv.y, vv.z, vv.w};
+#pragma unroll
+            for (int c = 0; c < 4; c++) {
+                const int wd = words[c];
+                acc[16 * d16 + 4 * c] += (attn_acc)wgt * ((wd << 24) >> 24);
+                acc[16 * d16 + 4 * c + 1] += (attn_acc)wgt * ((wd << 16) >> 24);
+                acc[16 * d16 + 4 * c + 2] += (attn_acc)wgt * ((wd << 8) >> 24);
+                acc[16 * d16 + 4 * c + 3] += (attn_acc)wgt * (wd >> 24);
+            }
         }
     }
     if (total == 0) total = 1;
