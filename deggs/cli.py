@@ -109,8 +109,8 @@ class _StopOnSignal:
                    "the coordinator's config")
 @click.option("--data-dir", type=click.Path(file_okay=False), default=".", show_default=True,
               help="directory holding input.bin and decoding.bin")
-@click.option("--backend", type=click.Choice(["auto", "cpu"]), default="auto", show_default=True,
-              help="compute backend (auto: the CPU until deggs has its GPU backend)")
+@click.option("--backend", type=click.Choice(["auto", "cpu", "gpu"]), default="auto", show_default=True,
+              help="compute backend (auto: the GPU where CuPy sees one, else the CPU)")
 @click.option("--threads", type=click.IntRange(min=1), help="CPU backend threads (default: all cores)")
 def worker_main(host, port, config_path, data_dir, backend, threads):
     """Run a worker against the coordinator at HOST."""

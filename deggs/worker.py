@@ -43,11 +43,20 @@ class StopWorker(Exception):
 
 
 def make_backend(cfg: Config, name: str, threads: int | None = None):
-    """The compute backend by name. 'auto' is the CPU until deggs has a GPU backend."""
+    """The compute backend by name: 'auto' is the GPU where CuPy sees one, else the CPU."""
     from .backend import CpuBackend
+    if name in ("auto", "gpu"):
+        from .gpu import GpuBackend, gpu_available
+        if gpu_available():
+            try:
+                return GpuBackend(cfg)
+            except ValueError as e:  # a shape its kernels do not support
+                raise WorkerError(f"{e}; use --backend cpu") from None
+        if name == "gpu":
+            raise WorkerError("backend 'gpu' needs CuPy and a CUDA device")
     if name in ("auto", "cpu"):
         return CpuBackend(cfg, threads)
-    raise WorkerError(f"unknown backend {name!r} (available: auto, cpu)")
+    raise WorkerError(f"unknown backend {name!r} (available: auto, cpu, gpu)")
 
 
 class Worker:

@@ -98,20 +98,34 @@ def compare_losses(report, ours, theirs, tolerant):
     report.check("losses", ok, detail)
 
 
-def compare_chunks(report, cfg, golden, step, losses):
-    """Chunk fitness, sum_loss and packed chunk 0 from the given member losses."""
+def compare_chunks(report, cfg, golden, step, losses, tolerant=False):
+    """Chunk fitness, sum_loss and packed chunk 0 from the given member losses.
+
+    sum_loss must differ from the golden one by exactly the chunk's loss differences.
+    Where losses may differ (tolerant), so may the fitness of as many pairs as have a
+    differing loss; otherwise the fitness must be identical.
+    """
     c = cfg.training.chunk_size
+    g = f"step{step}"
+    theirs = golden[f"{g}/losses"].astype(np.int64)
     fitness, sums = [], []
     for start in range(0, cfg.training.population_size, c):
         result = chunk_fitness(cfg, losses[start:start + c])
         fitness.append(result.fitness)
         sums.append(result.sum_loss)
     fitness = np.concatenate(fitness)
-    g = f"step{step}"
-    report.check("fitness", np.array_equal(fitness, golden[f"{g}/fitness"]))
-    report.check("sum_loss", np.array_equal(np.array(sums), golden[f"{g}/sum_loss"]))
-    packed = pack_trits(fitness[:c // 2])
-    report.check("packed", packed == golden[f"{g}/packed_chunk0"].tobytes())
+    wrong = int((fitness != golden[f"{g}/fitness"]).sum())
+    if tolerant:
+        differing_pairs = int((losses != theirs).reshape(-1, 2).any(1).sum())
+        report.check("fitness", wrong <= differing_pairs, f"{wrong} pairs differ" if wrong else "")
+    else:
+        report.check("fitness", wrong == 0, f"{wrong} pairs differ" if wrong else "")
+    shift = (losses - theirs).reshape(-1, c).sum(1)
+    report.check("sum_loss", np.array_equal(np.array(sums), golden[f"{g}/sum_loss"] + shift))
+    if np.array_equal(fitness[:c // 2], golden[f"{g}/fitness"][:c // 2]):
+        report.check("packed", pack_trits(fitness[:c // 2]) == golden[f"{g}/packed_chunk0"].tobytes())
+    else:
+        report.note("packed not compared (chunk 0's fitness differs)")
     return fitness
 
 
@@ -146,7 +160,7 @@ def run_full(cfg, golden, data, backend, steps, tolerant, decoding):
         compare_generation(report, cfg, backend, golden, data, step, seed, decoding)
         losses = backend.losses(data, step, seed, population)
         compare_losses(report, losses, golden[f"step{step}/losses"], tolerant)
-        fitness = compare_chunks(report, cfg, golden, step, losses)
+        fitness = compare_chunks(report, cfg, golden, step, losses.astype(np.int64), tolerant)
         if f"after{step + 1}/model/embedding" in golden.files:
             if tolerant:  # our fitness may differ where the reference raced: use its own
                 fitness = golden[f"after{step + 1}/fitness_used"]
