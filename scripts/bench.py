@@ -1,13 +1,14 @@
 #!/usr/bin/env python3
-"""Measure a worker backend: forward (losses) throughput and the update.
+"""Measure a worker backend at a config: forward, update, whole step, tokens/s.
 
-    python scripts/bench.py [--config PATH | --golden NAME.npz] [--backend cpu]
-                            [--members N] [--repeats R] [--update/--no-update]
+    python scripts/bench.py [--config PATH | --golden NAME.npz] [--backend cpu|gpu]
+        [--members N] [--repeats R] [--updates U] [--steps S] [--batch B] [--profile]
 
-Times `losses` on N members of chunk 0 (median of R runs after one warm-up) and, with
---update, one whole update from a random fitness vector. Prints one JSON line:
-member-tokens per second of the forward pass and the projected time of a whole step of
-the config (population / N forward runs plus one update) on this one machine.
+After one warm-up of each (compilation, caches, graph capture) it times R forward runs
+of N members (default: a whole chunk on the GPU, 64 members on the CPU), U updates from
+random ternary fitness, and S whole steps (every member's loss, then the update). The
+step time is the median whole step, or with --steps 0 the projection
+population / N * forward + update ("extrapolated": true). Prints one JSON line.
 """
 
 from __future__ import annotations
@@ -29,16 +30,27 @@ from deggs.backend import CpuBackend  # noqa: E402
 from deggs.config import load_config  # noqa: E402
 
 BACKENDS = {"cpu": CpuBackend}
+try:
+    from deggs.gpu import GpuBackend, cp, gpu_available  # noqa: E402
+    if gpu_available():
+        BACKENDS["gpu"] = GpuBackend
+except ImportError:  # no CuPy
+    pass
 
 
-def timed(fn, repeats):
-    fn()  # warm-up: compilation, caches
+def median_time(fn, runs):
     times = []
-    for _ in range(repeats):
+    for i in range(runs):
         start = time.perf_counter()
-        fn()
+        fn(i)
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return statistics.median(times), times
+
+
+def device_name(backend):
+    if backend == "gpu":
+        return cp.cuda.runtime.getDeviceProperties(0)["name"].decode()
+    return f"{platform.machine()} CPU, {os.cpu_count()} cores"
 
 
 @click.command()
@@ -46,44 +58,67 @@ def timed(fn, repeats):
 @click.option("--golden", type=click.Path(exists=True, dir_okay=False),
               help="take the config of a golden .npz instead")
 @click.option("--backend", type=click.Choice(sorted(BACKENDS)), default="cpu", show_default=True)
-@click.option("--members", type=click.IntRange(min=2), default=64, show_default=True)
+@click.option("--members", type=click.IntRange(min=2), help="members per timed forward run")
 @click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True)
-@click.option("--update/--no-update", default=True, show_default=True)
-def main(config_path, golden, backend, members, repeats, update):
+@click.option("--updates", type=click.IntRange(min=0), default=1, show_default=True)
+@click.option("--steps", type=click.IntRange(min=0), default=0, show_default=True,
+              help="whole steps to time (0: project from the forward and the update)")
+@click.option("--batch", type=click.IntRange(min=2), help="GPU: members per forward sub-batch")
+@click.option("--profile", is_flag=True, help="GPU: also time each kernel of one forward run")
+def main(config_path, golden, backend, members, repeats, updates, steps, batch, profile):
     if golden:
         sys.path.insert(0, str(Path(__file__).resolve().parent))
         from conformance import golden_config
         cfg = golden_config(np.load(golden))
     else:
         cfg = load_config(config_path)
-    engine = BACKENDS[backend](cfg)
+    m, t = cfg.model, cfg.training
+    start = time.perf_counter()
+    engine = GpuBackend(cfg, batch=batch) if backend == "gpu" else CpuBackend(cfg)
+    init_s = time.perf_counter() - start
     rng = np.random.default_rng(0)
-    n = max(cfg.model.seq_len + 1, 100_000)
-    data = rng.integers(0, cfg.model.vocab_size, n).astype(cfg.token_dtype)
-    batch = np.arange(min(members, cfg.training.population_size))
-    forward_s = timed(lambda: engine.losses(data, 0, cfg.training.seed, batch), repeats)
-    member_tokens = len(batch) * cfg.model.seq_len / forward_s
+    data = rng.integers(0, m.vocab_size, max(m.seq_len + 1, 1_000_000)).astype(cfg.token_dtype)
+    n = min(members or (t.chunk_size if backend == "gpu" else 64), t.population_size)
+    batch_members = np.arange(n)
+    fitness = lambda: rng.integers(-1, 2, t.n_pairs).astype(np.int32)
+    seed = t.seed
+
+    engine.losses(data, 0, seed, batch_members)  # warm-ups
+    if updates or steps:
+        engine.update(fitness(), 0, seed)
+    forward_s, forward_runs = median_time(
+        lambda i: engine.losses(data, 1 + i, seed + i, batch_members), repeats)
     record = {
-        "date": time.strftime("%Y-%m-%d"),
-        "backend": backend,
-        "device": platform.processor() or platform.machine(),
-        "cores": os.cpu_count(),
-        "config": {"hidden": cfg.model.hidden_dim, "layers": cfg.model.n_layers,
-                   "seq": cfg.model.seq_len, "vocab": cfg.model.vocab_size,
-                   "population": cfg.training.population_size},
-        "members": len(batch),
-        "forward_s": round(forward_s, 4),
-        "member_tokens_per_s": round(member_tokens),
+        "date": time.strftime("%Y-%m-%d"), "backend": backend, "device": device_name(backend),
+        "config": {"hidden": m.hidden_dim, "layers": m.n_layers, "seq": m.seq_len,
+                   "vocab": m.vocab_size, "population": t.population_size, "chunk": t.chunk_size},
+        "init_s": round(init_s, 3), "members": n,
+        "forward_s": round(forward_s, 4), "forward_runs": [round(x, 4) for x in forward_runs],
+        "member_tokens_per_s": round(n * m.seq_len / forward_s),
     }
-    if update:
-        fitness = rng.integers(-1, 2, cfg.training.n_pairs).astype(np.int32)
-        start = time.perf_counter()
-        engine.update(fitness, 0, cfg.training.seed)
-        record["update_s"] = round(time.perf_counter() - start, 3)
-        step_tokens = cfg.training.population_size * cfg.model.seq_len
-        step_s = step_tokens / member_tokens + record["update_s"]
-        record["projected_step_s"] = round(step_s, 1)
-        record["projected_tokens_per_s"] = round(step_tokens / step_s)
+    if updates:
+        update_s, update_runs = median_time(lambda i: engine.update(fitness(), 1 + i, seed + i), updates)
+        record.update(update_s=round(update_s, 4), update_runs=[round(x, 4) for x in update_runs])
+    population = np.arange(t.population_size)
+
+    def whole_step(i):
+        engine.losses(data, 10 + i, seed + i, population)
+        engine.update(fitness(), 10 + i, seed + i)
+
+    if steps:
+        step_s, step_runs = median_time(whole_step, steps)
+        record.update(step_runs=[round(x, 4) for x in step_runs], extrapolated=False)
+    else:
+        step_s = t.population_size / n * forward_s + record.get("update_s", 0.0)
+        record["extrapolated"] = True
+    record.update(step_s=round(step_s, 4), tokens_per_s=round(t.population_size * m.seq_len / step_s))
+    if backend == "gpu":
+        record.update(batch=engine.batch, graph=engine.graph is not None, graph_error=engine.graph_error)
+        if profile:
+            engine.profile = {}
+            engine.losses(data, 2, seed, batch_members)
+            record["profile_ms"] = engine.profile_report()
+            engine.profile = None
     print(json.dumps(record))
 
 
