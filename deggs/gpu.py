@@ -17,8 +17,11 @@ Structure (kernels/deggs.cu holds the kernels, named after deggs/model.py's func
   update is captured once as a CUDA graph and replayed each step (step seed, learning
   rates and fitness are read from device buffers).
 
-Generation (one token at a time, once every few steps) runs the CPU code on the fetched
-weights.
+Generation (deggs/sampling.py, once every few steps) runs on the device too: the row
+kernels run the one sequence as a single member of sign 0 (no perturbation), the prompt's
+positions together and then each new position alone, with a key/value cache per layer;
+`cached_attention` attends over the cache and `choose_token` samples the next token into
+the token buffer on the device, so nothing returns to the host until the end.
 """
 
 from __future__ import annotations
@@ -33,7 +36,6 @@ from .config import Config
 from .model import (LAYER_SEED_STRIDE, SEED, init_overlays, init_params, make_tables,
                     member_tokens, param_shapes)
 from .optimizer import OptimizerState, update_plan
-from .sampling import generate
 
 try:  # CuPy is optional: the backend is only usable where it imports and sees a GPU
     import cupy as cp
@@ -44,7 +46,8 @@ KERNEL_SOURCE = Path(__file__).resolve().parents[1] / "kernels" / "deggs.cu"
 MATRICES = ("embedding", "w_emb_mlp_up", "w_emb_mlp_down",
             "w_q", "w_k", "w_v", "w_o", "w_up", "w_down")
 KERNELS = ("embed", "standard_norm", "qkv_rope", "attention_mix", "residual", "mlp_up",
-           "sequence_loss", "noise_matrix", "vector_votes", "optimizer_step", "update_overlay")
+           "sequence_loss", "noise_matrix", "vector_votes", "optimizer_step", "update_overlay",
+           "cached_attention", "choose_token")
 
 NT = 256                 # threads of the row kernels
 FORWARD_BUDGET = 8 << 30  # bytes for the largest GEMM output of a sub-batch of members
@@ -168,17 +171,19 @@ class GpuBackend:
         self.stream = cp.cuda.Stream(non_blocking=True)
         self.module = self._compile()
         self.k = {name: self.module.get_function(name) for name in KERNELS}
-        loss_smem = 4 * m.vocab_size
-        if loss_smem > 48 * 1024:
-            self.k["sequence_loss"].max_dynamic_shared_size_bytes = loss_smem
+        vocab_smem = 4 * m.vocab_size
+        if vocab_smem > 48 * 1024:
+            for name in ("sequence_loss", "choose_token"):
+                self.k[name].max_dynamic_shared_size_bytes = vocab_smem
         self.blas = Cublas()
         self.d_exp = cp.asarray(self.tables.exp.astype(np.int32))
         self.d_gelu = cp.asarray(self.tables.gelu.astype(np.int32))
-        self.d_rope = cp.asarray(self.tables.rope[:m.seq_len].astype(np.int32).ravel())
+        self.d_rope = cp.asarray(self.tables.rope.astype(np.int32).ravel())
         per_member = m.seq_len * max(4 * m.hidden_dim, m.vocab_size) * 4
         budget = min(FORWARD_BUDGET, cp.cuda.runtime.memGetInfo()[0] // 4)
         self.batch = batch or max(1, budget // per_member)
         self._fwd = None
+        self._gen = None
         self._upd = None
         self.use_graph = use_graph
         self.graph = None
@@ -284,13 +289,19 @@ class GpuBackend:
         if self._fwd is not None and self._fwd["nb"] >= nb:
             return self._fwd
         self._fwd = None
-        r, d = nb * m.seq_len, m.hidden_dim
-        self._fwd = dict(
-            nb=nb, x=cp.empty(r * d, cp.int8), y=cp.empty(r * 4 * d, cp.int8),
-            g=cp.empty(r * max(4 * d, 3 * d, m.vocab_size), cp.int32),
+        self._fwd = self._row_buffers(nb * m.seq_len, nb * m.seq_len)
+        self._fwd["nb"] = nb
+        return self._fwd
+
+    def _row_buffers(self, r, logit_rows):
+        """Activations of r rows (and logits of logit_rows of them)."""
+        m = self.cfg.model
+        d = m.hidden_dim
+        return dict(
+            rows=r, x=cp.empty(r * d, cp.int8), y=cp.empty(r * 4 * d, cp.int8),
+            g=cp.empty(max(r * 4 * d, logit_rows * m.vocab_size), cp.int32),
             sb=cp.empty(3 * r, cp.int32), sbd=cp.empty(r, cp.int32),
             qkv=cp.empty(3 * r * d, cp.int8))
-        return self._fwd
 
     def losses(self, data: np.ndarray, step: int, step_seed: int, members) -> np.ndarray:
         members = np.asarray(members, np.int64)
@@ -316,35 +327,43 @@ class GpuBackend:
     def _forward(self, buf, tok, seeds, signs, nb, loss):
         cfg = self.cfg
         d, v = cfg.model.hidden_dim, cfg.model.vocab_size
-        r = nb * cfg.model.seq_len
+        seq = cfg.model.seq_len
+        r = nb * seq
+        ctx = (buf, seeds, signs, nb, seq, r)
+        self._hidden(ctx, tok)
+        self._project(self.dp["embedding"], buf["y"], buf["g"], v, r, d)
+        self._launch("sequence_loss", (nb,), (NT,), (
+            buf["g"], buf["sb"], tok, seeds, signs, self.dov["embedding_row"], u32(SEED["emb"]),
+            self.d_exp, loss), shared_mem=4 * v)
+
+    def _hidden(self, ctx, tok, cache=None, start=0):
+        """Embedding, blocks and final norm of ctx's rows into buf["y"] (see `_attention`)."""
+        buf, seeds, signs, nb, seq, r = ctx
+        cfg = self.cfg
+        d = cfg.model.hidden_dim
         dp, ov = self.dp, self.dov
-        ctx = (buf, seeds, signs, nb, r)
         self._launch("embed", (nb,), (NT,), (
             tok, seeds, signs, dp["embedding"], dp["emb_bias"], ov["embedding_row"],
             ov["embedding_col"], ov["emb_bias"], u32(SEED["emb"]), u32(SEED["emb_bias_a"]),
-            u32(SEED["emb_bias_b"]), buf["x"]))
+            u32(SEED["emb_bias_b"]), buf["x"], i32(seq)))
         self._mlp(ctx, INIT_NAMES, None)
         for layer in range(cfg.model.n_layers):
-            self._attention(ctx, layer)
+            self._attention(ctx, layer, None if cache is None else cache[layer], start)
             self._mlp(ctx, LAYER_NAMES, layer)
         self._norm(ctx, dp["ln_f"], dp["ln_f_bias"], ov["ln_f"], ov["ln_f_bias"],
                    [SEED["ln_f_a"], SEED["ln_f_b"], SEED["ln_f_bias_a"], SEED["ln_f_bias_b"]],
                    [(ov["embedding_col"], SEED["emb"] + d)])
-        self._project(dp["embedding"], buf["y"], buf["g"], v, r, d)
-        self._launch("sequence_loss", (nb,), (NT,), (
-            buf["g"], buf["sb"], tok, seeds, signs, ov["embedding_row"], u32(SEED["emb"]),
-            self.d_exp, loss), shared_mem=4 * v)
 
     def _norm(self, ctx, w, b, ov_w, ov_b, offsets, dots):
-        buf, seeds, signs, nb, r = ctx
+        buf, seeds, signs, nb, seq, r = ctx
         pad = dots + [(ov_w, 0)] * (3 - len(dots))
         self._launch("standard_norm", (nb,), (NT,), (
             buf["x"], buf["y"], seeds, signs, w, b, ov_w, ov_b, *(u32(o) for o in offsets),
             i32(len(dots)), pad[0][0], pad[1][0], pad[2][0], u32(pad[0][1]), u32(pad[1][1]),
-            u32(pad[2][1]), buf["sb"], i32(r)))
+            u32(pad[2][1]), buf["sb"], i32(seq), i32(r)))
 
     def _mlp(self, ctx, names, layer):
-        buf, seeds, signs, nb, r = ctx
+        buf, seeds, signs, nb, seq, r = ctx
         cfg = self.cfg
         d = cfg.model.hidden_dim
         base = 0 if layer is None else layer * LAYER_SEED_STRIDE
@@ -361,17 +380,20 @@ class GpuBackend:
         self._launch("mlp_up", (nb,), (NT,), (
             buf["g"], buf["sb"], buf["y"], buf["sbd"], seeds, signs, p("bias_up"),
             o(up + "_col"), o(names["bias_up"]), o(down + "_row"), u32(s(f"{sd}_up_a")),
-            u32(s(f"{sbias}_up_a")), u32(s(f"{sbias}_up_b")), u32(s(f"{sd}_down_b")), self.d_gelu))
+            u32(s(f"{sbias}_up_a")), u32(s(f"{sbias}_up_b")), u32(s(f"{sd}_down_b")), self.d_gelu,
+            i32(seq)))
         self._project(p("down"), buf["y"], buf["g"], d, r, 4 * d)
         self._launch("residual", (nb,), (NT,), (
             buf["g"], buf["sbd"], buf["x"], seeds, signs, o(down + "_col"), u32(s(f"{sd}_down_a")),
             i32(cfg.quantization.shift_mlp_down), p("bias_down"), o(names["bias_down"]),
-            u32(s(f"{sbias}_down_a")), u32(s(f"{sbias}_down_b"))))
+            u32(s(f"{sbias}_down_a")), u32(s(f"{sbias}_down_b")), i32(seq)))
 
-    def _attention(self, ctx, layer):
-        buf, seeds, signs, nb, r = ctx
+    def _attention(self, ctx, layer, cache=None, start=0):
+        """Attention block of ctx's rows; with a cache (keys, values of the layer, flat
+        [position, hidden]), the rows are positions start.. of one unperturbed sequence."""
+        buf, seeds, signs, nb, seq, r = ctx
         cfg = self.cfg
-        d, t = cfg.model.hidden_dim, cfg.model.seq_len
+        d, hd = cfg.model.hidden_dim, cfg.model.head_dim
         base = layer * LAYER_SEED_STRIDE
         s = lambda key: base + SEED[key]
         dp = {k: v[layer] for k, v in self.dp.items() if k in ("ln_1", "ln_1_bias", "w_q", "w_k", "w_v", "w_o")}
@@ -385,18 +407,25 @@ class GpuBackend:
         qkv = buf["qkv"]
         self._launch("qkv_rope", (nb,), (NT,), (
             g, buf["sb"], qkv, seeds, signs, o("w_q_col"), o("w_k_col"), o("w_v_col"),
-            u32(s("q_a")), u32(s("k_a")), u32(s("v_a")), self.d_rope, i32(r)))
+            u32(s("q_a")), u32(s("k_a")), u32(s("v_a")), self.d_rope[start * hd:], i32(seq), i32(r)))
         sbd = buf["sbd"]
-        cp.cuda.runtime.memsetAsync(sbd.data.ptr, 0, r * 4, cp.cuda.get_current_stream().ptr)
         rd = r * d
-        threads = (2 * t + 31) // 32 * 32  # ATT_SPLIT threads per query
-        self._launch("attention_mix", (nb, cfg.model.n_heads), (threads,), (
-            qkv[:rd], qkv[rd:2 * rd], qkv[2 * rd:3 * rd], buf["y"], sbd, seeds, o("w_o_row"),
-            u32(s("o_b")), self.d_exp))
+        q, k, v = qkv[:rd], qkv[rd:2 * rd], qkv[2 * rd:3 * rd]
+        if cache is None:
+            cp.cuda.runtime.memsetAsync(sbd.data.ptr, 0, r * 4, cp.cuda.get_current_stream().ptr)
+            threads = (2 * seq + 31) // 32 * 32  # ATT_SPLIT threads per query
+            self._launch("attention_mix", (nb, cfg.model.n_heads), (threads,), (
+                q, k, v, buf["y"], sbd, seeds, o("w_o_row"), u32(s("o_b")), self.d_exp))
+        else:  # sign 0: the o-projection's input dot (sbd) is never used
+            keys, values = cache
+            keys[start * d:(start + seq) * d] = k
+            values[start * d:(start + seq) * d] = v
+            self._launch("cached_attention", (seq, cfg.model.n_heads), (128,), (
+                q, keys, values, buf["y"], i32(start), self.d_exp), shared_mem=4 * (start + seq))
         self._project(dp["w_o"], buf["y"], g, d, r, d)
         self._launch("residual", (nb,), (NT,), (
             g, sbd, buf["x"], seeds, signs, o("w_o_col"), u32(s("o_a")),
-            i32(cfg.quantization.shift_out), NULL, NULL, u32(0), u32(0)))
+            i32(cfg.quantization.shift_out), NULL, NULL, u32(0), u32(0), i32(seq)))
 
     # --- update -----------------------------------------------------------------------
 
@@ -519,10 +548,49 @@ class GpuBackend:
     # --- generation -------------------------------------------------------------------
 
     def generate(self, prompt, seed: int, n_tokens: int | None = None) -> np.ndarray:
-        needed = len(prompt) + (self.cfg.sampling.generate_tokens if n_tokens is None else n_tokens)
-        if needed > self.tables.rope.shape[0]:
-            self.tables = make_tables(self.cfg, needed)
-        return generate(self.cfg, self.tables, self.params, self.overlays, prompt, seed, n_tokens)
+        """Prompt followed by n_tokens sampled tokens, as deggs.sampling.generate."""
+        cfg = self.cfg
+        m, s = cfg.model, cfg.sampling
+        n_tokens = s.generate_tokens if n_tokens is None else n_tokens
+        prompt = np.asarray(prompt, np.int64)
+        total = len(prompt) + n_tokens
+        buffer = np.zeros(total, np.int64)
+        buffer[:len(prompt)] = prompt
+        first = max(len(prompt), 1)  # positions run together before the first choice
+        if total <= first:
+            return buffer
+        if total > self.tables.rope.shape[0]:
+            self.tables = make_tables(cfg, total)
+            self.d_rope = cp.asarray(self.tables.rope.astype(np.int32).ravel())
+        if 4 * total > 48 * 1024:
+            self.k["cached_attention"].max_dynamic_shared_size_bytes = 4 * total
+        f = np.float32
+        penalty = int(f(s.presence_penalty) * f(1 << cfg.quantization.shift_logit))
+        min_p_limit = int(float(np.log(f(s.min_p))) * float(cfg.softmax.exp_scale))
+        seed &= 0xFFFFFFFF
+        d = m.hidden_dim
+        with self.stream:
+            if self._gen is None or self._gen["rows"] < first:
+                self._gen = self._row_buffers(first, 1)
+                self._gen["seed"] = cp.zeros(1, cp.uint32)
+                self._gen["sign"] = cp.zeros(1, cp.int32)  # sign 0: the unperturbed model
+            buf = self._gen
+            tokens = cp.asarray(buffer.astype(np.int32))
+            cache = [(cp.zeros(total * d, cp.int8), cp.zeros(total * d, cp.int8))
+                     for _ in range(m.n_layers)]
+            start = 0
+            for t in range(first - 1, total - 1):
+                seq = t + 1 - start
+                ctx = (buf, buf["seed"], buf["sign"], 1, seq, seq)
+                self._hidden(ctx, tokens[start:], cache, start)
+                self._project(self.dp["embedding"], buf["y"][(seq - 1) * d:], buf["g"], m.vocab_size, 1, d)
+                self._launch("choose_token", (1,), (d,), (
+                    buf["g"], tokens, i32(t), u32(seed), i32(penalty), f(s.temperature),
+                    i32(min_p_limit), self.d_exp), shared_mem=4 * m.vocab_size)
+                start = t + 1
+            out = tokens.get(stream=self.stream)
+        self.stream.synchronize()
+        return out.astype(np.int64)
 
 
 INIT_NAMES = dict(ln="ln_init", ln_bias="ln_init_bias", up="w_emb_mlp_up",

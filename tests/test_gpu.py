@@ -72,6 +72,48 @@ def test_gpu_matches_cpu_on_random_configs(case):
     assert np.array_equal(gpu.generate(prompt, 7), cpu.generate(prompt, 7))
 
 
+# Sampling settings x model switches of the generation comparisons (vocab 256: bytes).
+GENERATION = [
+    (dict(temperature=0.6, min_p=0.08, presence_penalty=0.2), dict(model=dict(vocab_size=256))),
+    (dict(temperature=1.0, min_p=0.01, presence_penalty=0.0), dict(model=dict(vocab_size=512))),
+    (dict(temperature=0.3, min_p=0.5, presence_penalty=1.5),
+     dict(model=dict(vocab_size=2048), adaptive_noise=dict(mode=2))),
+    (dict(temperature=1.7, min_p=0.0001, presence_penalty=0.7),
+     dict(model=dict(vocab_size=256), noise=dict(perturb_distribution="three_sample"))),
+    (dict(temperature=0.05, min_p=1.0, presence_penalty=3.0), dict(model=dict(vocab_size=1024))),
+]
+
+
+def shuffled_weights(rng, params, overlays):
+    """Weights and overlays moved off their initial values, for livelier logits."""
+    params = {k: np.clip(v.astype(np.int64) + rng.integers(-40, 41, v.shape), -127, 127).astype(np.int8)
+              for k, v in params.items()}
+    overlays = {k: rng.integers(-127, 128, v.shape).astype(np.int8) for k, v in overlays.items()}
+    return params, overlays
+
+
+@pytest.mark.parametrize("case", range(len(GENERATION)))
+def test_generation_matches_cpu(case):
+    sampling, switches = GENERATION[case]
+    rng = np.random.default_rng(2000 + case)
+    cfg = small_config(rng, sampling=sampling, **switches)
+    cpu, gpu = CpuBackend(cfg, threads=1), GpuBackend_(cfg)
+    params, overlays = shuffled_weights(rng, cpu.params, cpu.overlays)
+    cpu.params, cpu.overlays = params, overlays
+    gpu.load_state(params, overlays)
+    t, v = cfg.model.seq_len, cfg.model.vocab_size
+    # prompts shorter and longer than a window (and none); generations past the RoPE table
+    for n_prompt, n_tokens in [(8, None), (1, 2 * t + 5), (2 * t + 3, t), (0, 6),
+                               (int(rng.integers(1, 20)), 0),
+                               (int(rng.integers(1, 20)), int(rng.integers(1, 40)))]:
+        prompt = rng.integers(0, v, n_prompt)
+        seed = int(rng.integers(2**32))
+        ours, theirs = gpu.generate(prompt, seed, n_tokens), cpu.generate(prompt, seed, n_tokens)
+        assert np.array_equal(ours, theirs), (n_prompt, n_tokens, ours, theirs)
+        assert np.array_equal(ours[:n_prompt], prompt)
+    assert np.array_equal(gpu.generate(prompt, 3), cpu.generate(prompt, 3))  # the default length
+
+
 def GpuBackend_(cfg, **kw):
     from deggs.gpu import GpuBackend
     return GpuBackend(cfg, **kw)
