@@ -284,6 +284,10 @@ def run(golden_path, input_path, decoding_path=None, steps=None, backend="cpu",
     decoding = text_of(decoding_path, cfg)
     if members is None and update_slice is None:
         return run_full(cfg, golden, data, engine, chosen, tolerant, decoding)
+    if backend != "cpu":
+        # the slice edits the backend's weights in place: host arrays only
+        raise click.UsageError("slice mode (--members, --update-slice) runs on the cpu backend; "
+                               "the gpu backend checks the whole config")
     return run_slice(cfg, golden, data, engine, chosen, tolerant, members, update_slice, decoding)
 
 
