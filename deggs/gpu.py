@@ -33,8 +33,8 @@ import numpy as np
 
 from .backend import rope_positions
 from .config import Config
-from .model import (LAYER_SEED_STRIDE, SEED, init_overlays, init_params, make_tables,
-                    member_tokens, param_shapes)
+from .model import (INIT_MLP, LAYER_MLP, LAYER_SEED_STRIDE, SEED, init_overlays, init_params,
+                    make_tables, member_tokens, param_shapes)
 from .optimizer import OptimizerState, update_plan
 
 try:  # CuPy is optional: the backend is only usable where it imports and sees a GPU
@@ -346,10 +346,10 @@ class GpuBackend:
             tok, seeds, signs, dp["embedding"], dp["emb_bias"], ov["embedding_row"],
             ov["embedding_col"], ov["emb_bias"], u32(SEED["emb"]), u32(SEED["emb_bias_a"]),
             u32(SEED["emb_bias_b"]), buf["x"], i32(seq)))
-        self._mlp(ctx, INIT_NAMES, None)
+        self._mlp(ctx, INIT_MLP, None)
         for layer in range(cfg.model.n_layers):
             self._attention(ctx, layer, None if cache is None else cache[layer], start)
-            self._mlp(ctx, LAYER_NAMES, layer)
+            self._mlp(ctx, LAYER_MLP, layer)
         self._norm(ctx, dp["ln_f"], dp["ln_f_bias"], ov["ln_f"], ov["ln_f_bias"],
                    [SEED["ln_f_a"], SEED["ln_f_b"], SEED["ln_f_bias_a"], SEED["ln_f_bias_b"]],
                    [(ov["embedding_col"], SEED["emb"] + d)])
@@ -591,11 +591,3 @@ class GpuBackend:
             out = tokens.get(stream=self.stream)
         self.stream.synchronize()
         return out.astype(np.int64)
-
-
-INIT_NAMES = dict(ln="ln_init", ln_bias="ln_init_bias", up="w_emb_mlp_up",
-                  bias_up="mlp_emb_bias_up", down="w_emb_mlp_down", bias_down="mlp_emb_bias_down",
-                  seed="emb_mlp", seed_ln="ln_init", seed_bias="emb_mlp_bias")
-LAYER_NAMES = dict(ln="ln_2", ln_bias="ln_2_bias", up="w_up", bias_up="mlp_bias_up",
-                   down="w_down", bias_down="mlp_bias_down",
-                   seed="mlp", seed_ln="ln_2", seed_bias="mlp_bias")
