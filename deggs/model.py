@@ -246,7 +246,7 @@ class Perturbation:
     def noise(self, offset: int, idx):
         """noise_from_hash(seed + offset, idx) per member; idx is [n] or [member, n]."""
         idx = np.asarray(idx)
-        if idx.ndim == 1:  # the same indices for every member: numba, parallel over members
+        if idx.ndim == 1:  # the same indices for every member: the numba table
             return noise_table(self.seed(offset)[:, 0], idx.astype(np.uint32), self.mask, self.three)
         return noise_np(self.seed(offset), idx, self.mask, self.three)
 

@@ -172,38 +172,45 @@ def update_overlay(cfg: Config, overlay, changes):
     return ov.astype(np.int8)
 
 
+def update_region(cfg: Config, params, state: OptimizerState, u: Update, fitness, step: int,
+                  step_seed: int, rows, cols=None):
+    """Update rows (x cols, for a matrix) of one parameter slice in place.
+
+    Weights and optimizer state change there; returns the changed-weight mask.
+    """
+    sel = (slice(None),) if u.layer is None else (u.layer,)
+    lr = np.float32(cfg.learning_rate(step))
+    if u.bias_lr:
+        lr = lr * np.float32(cfg.optimizer.bias_lr_scale)
+    if u.is_matrix:
+        vote = matrix_votes(cfg, fitness, step_seed, u.off_a, u.off_b, rows, cols)
+        region = np.ix_(rows, cols)
+    else:
+        vote = vector_votes(cfg, fitness, step_seed, u.off_a, u.off_b, rows)
+        region = (rows,)
+    arrays = [d[u.name][sel] for d in (params, state.m, state.v, state.acc)]
+    *new, changed = optimizer_step(cfg, *(a[region] for a in arrays), vote, lr)
+    for a, value in zip(arrays, new):
+        a[region] = value
+    return changed
+
+
 def apply_update(cfg: Config, params, overlays, state: OptimizerState, fitness, step: int,
                  step_seed: int) -> int:
     """Update params, overlays and state in place from the fitness of `step`.
 
     Returns how many weights changed.
     """
-    lr = np.float32(cfg.learning_rate(step))
-    lr_bias = lr * np.float32(cfg.optimizer.bias_lr_scale)
     updates = 0
     for u in update_plan(cfg):
         sel = (slice(None),) if u.layer is None else (u.layer,)
-        w = params[u.name][sel]
-        if u.is_matrix:
-            vote = matrix_votes(cfg, fitness, step_seed, u.off_a, u.off_b,
-                                np.arange(w.shape[0]), np.arange(w.shape[1]))
-        else:
-            vote = vector_votes(cfg, fitness, step_seed, u.off_a, u.off_b, np.arange(w.shape[0]))
-        new_w, changed = _step(cfg, w, state, u, sel, vote, lr_bias if u.bias_lr else lr)
-        params[u.name][sel] = new_w
+        shape = params[u.name][sel].shape
+        rows = np.arange(shape[0])
+        cols = np.arange(shape[1]) if u.is_matrix else None
+        changed = update_region(cfg, params, state, u, fitness, step, step_seed, rows, cols)
         updates += int(changed.sum())
         if cfg.adaptive_noise.mode > 0:
-            if u.is_matrix:
-                counts = (changed.sum(1), changed.sum(0))
-            else:
-                counts = (changed,)
+            counts = (changed.sum(1), changed.sum(0)) if u.is_matrix else (changed,)
             for name, count in zip(u.overlays, counts):
                 overlays[name][sel] = update_overlay(cfg, overlays[name][sel], count)
     return updates
-
-
-def _step(cfg, w, state, u, sel, vote, lr):
-    m, v, acc = (s[u.name][sel] for s in (state.m, state.v, state.acc))
-    new_w, new_m, new_v, new_acc, changed = optimizer_step(cfg, w, m, v, acc, vote, lr)
-    state.m[u.name][sel], state.v[u.name][sel], state.acc[u.name][sel] = new_m, new_v, new_acc
-    return new_w, changed

@@ -38,7 +38,7 @@ from deggs.config import Config, apply_switches  # noqa: E402
 from deggs.data import detokenize, load_decoding  # noqa: E402
 from deggs.fitness import chunk_fitness  # noqa: E402
 from deggs.noise import next_step_seed  # noqa: E402
-from deggs.optimizer import matrix_votes, optimizer_step, update_overlay, update_plan, vector_votes  # noqa: E402
+from deggs.optimizer import update_overlay, update_plan, update_region  # noqa: E402
 from deggs.sampling import prompt_window  # noqa: E402
 from deggs.ternary import pack_trits  # noqa: E402
 
@@ -205,26 +205,15 @@ def sliced_update(report, cfg, backend, golden, step, seed, size, known):
     """The update on the first `size` rows and columns of each parameter, vs golden."""
     a = f"after{step + 1}"
     fitness = golden[f"{a}/fitness_used"]
-    lr = np.float32(cfg.learning_rate(step))
-    lr_bias = lr * np.float32(cfg.optimizer.bias_lr_scale)
     bad_w, changes, overlay_counts = [], 0, []
     for u in update_plan(cfg):
         sel = (slice(None),) if u.layer is None else (u.layer,)
         w = backend.params[u.name][sel]
         rows = np.arange(min(size, w.shape[0]))
-        if u.is_matrix:
-            cols = np.arange(min(size, w.shape[1]))
-            vote = matrix_votes(cfg, fitness, seed, u.off_a, u.off_b, rows, cols)
-            region = np.ix_(rows, cols)
-        else:
-            vote = vector_votes(cfg, fitness, seed, u.off_a, u.off_b, rows)
-            region = (rows,)
-        state = [s[u.name][sel] for s in (backend.state.m, backend.state.v, backend.state.acc)]
-        new_w, m, v, acc, changed = optimizer_step(
-            cfg, w[region], state[0][region], state[1][region], state[2][region], vote,
-            lr_bias if u.bias_lr else lr)
-        w[region] = new_w
-        state[0][region], state[1][region], state[2][region] = m, v, acc
+        cols = np.arange(min(size, w.shape[1])) if u.is_matrix else None
+        region = np.ix_(rows, cols) if u.is_matrix else (rows,)
+        changed = update_region(cfg, backend.params, backend.state, u, fitness, step, seed, rows, cols)
+        new_w = w[region]
         changes += int(changed.sum())
         if not np.array_equal(new_w, golden[f"{a}/model/{u.name}"][sel][region]):
             bad_w.append(u.name if u.layer is None else f"{u.name}[{u.layer}]")
