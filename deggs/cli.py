@@ -18,6 +18,13 @@ DEFAULT_CONFIG = Path("config.toml")
 EXIT_BAD_INPUT = 2
 
 
+def _load_optional_config(config_path):
+    """--config, else ./config.toml if present, else the built-in defaults."""
+    if config_path is None and DEFAULT_CONFIG.exists():
+        config_path = DEFAULT_CONFIG
+    return load_config(config_path)
+
+
 def _setup_logging():
     handler = logging.StreamHandler(sys.stdout)  # flushes after every record
     handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
@@ -59,9 +66,7 @@ def coordinator_main(config_path, host, port, save_dir, load_dir, max_steps):
     """Run the d-eggs coordinator."""
     _setup_logging()
     try:
-        if config_path is None and DEFAULT_CONFIG.exists():
-            config_path = DEFAULT_CONFIG
-        config = load_config(config_path)
+        config = _load_optional_config(config_path)
         coordinator = Coordinator(config, save_dir=save_dir, load_dir=load_dir,
                                   max_steps=max_steps, host=host, port=port)
         asyncio.run(_run_coordinator(coordinator))
@@ -75,12 +80,6 @@ def coordinator_main(config_path, host, port, save_dir, load_dir, max_steps):
 def _fail(command: str, error: Exception):
     click.echo(f"{command}: error: {error}", err=True)
     sys.exit(EXIT_BAD_INPUT)
-
-
-def _load_optional_config(config_path):
-    if config_path is None and DEFAULT_CONFIG.exists():
-        config_path = DEFAULT_CONFIG
-    return load_config(config_path)
 
 
 class _StopOnSignal:
