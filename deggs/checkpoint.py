@@ -8,12 +8,19 @@ checkpoint_%08d.bin has the reference layout, little-endian:
 where step and seed are those of the step the run has just reached and the data is the
 packed whole-population fitness of the step before it. So checkpoint S+1 holds the
 fitness of step S, and the files together are the full history a worker starting from
-scratch replays. Every file is written atomically (temporary file, fsync, rename), so a
-crash leaves either the old state or the new one, never half a file.
+scratch replays. Every file is written atomically (temporary file, fsync, rename, fsync
+of the directory), so a crash leaves either the old state or the new one, never half a
+file.
+
+metrics.jsonl gets one JSON line per finished step, appended before that step's
+checkpoint is written (commit_step). A crash between the two leaves a line for a step
+that is run again after the restart, and a crash inside an append leaves a torn last
+line: read_metrics skips torn lines and keeps the last record of each step, and a resumed
+run first rewrites the file without them (tidy_metrics).
 
 A file that fails validation (bad magic or version, a size that disagrees with the
-header or the config, a step that disagrees with its name) raises CheckpointError naming
-the file. The newest checkpoint is loaded when a run resumes, and a bad one stops the
+header or the config, bytes that are not packed trits, a step that disagrees with its
+name) raises CheckpointError naming the file. The newest checkpoint is loaded when a run resumes, and a bad one stops the
 start: quietly falling back to an older step would put the coordinator behind workers
 that already applied the newer one. Older files are read only when a worker needs them
 to catch up; a bad one there fails that worker's catch-up, not the run.
@@ -31,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .config import Config, ConfigError
+from .ternary import packed_size, unpack_trits
 
 CHECKPOINT_MAGIC = 0x45474743
 CHECKPOINT_VERSION = 1
@@ -61,8 +69,11 @@ def encode_checkpoint(checkpoint: Checkpoint) -> bytes:
     return header + checkpoint.fitness
 
 
-def decode_checkpoint(data: bytes, name: str, fitness_size: int | None = None) -> Checkpoint:
-    """Parse and validate a checkpoint file's bytes; `name` is used in error messages."""
+def decode_checkpoint(data: bytes, name: str, n_pairs: int | None = None) -> Checkpoint:
+    """Parse and validate a checkpoint file's bytes; `name` is used in error messages.
+
+    With n_pairs (the population's pairs) the fitness must be exactly their packed trits.
+    """
     if len(data) < _HEADER.size:
         raise CheckpointError(f"{name}: truncated ({len(data)} bytes, the header alone is "
                               f"{_HEADER.size})")
@@ -74,10 +85,16 @@ def decode_checkpoint(data: bytes, name: str, fitness_size: int | None = None) -
     if len(data) != _HEADER.size + size:
         raise CheckpointError(f"{name}: header announces {size} bytes of fitness, the file "
                               f"holds {len(data) - _HEADER.size}")
-    if fitness_size is not None and size != fitness_size:
-        raise CheckpointError(f"{name}: {size} bytes of fitness, this config's population "
-                              f"packs into {fitness_size}")
-    return Checkpoint(step, seed, bytes(data[_HEADER.size:]))
+    fitness = bytes(data[_HEADER.size:])
+    if n_pairs is not None:
+        if size != packed_size(n_pairs):
+            raise CheckpointError(f"{name}: {size} bytes of fitness, this config's population "
+                                  f"packs into {packed_size(n_pairs)}")
+        try:
+            unpack_trits(fitness, n_pairs)
+        except ValueError as e:
+            raise CheckpointError(f"{name}: corrupt fitness: {e}") from None
+    return Checkpoint(step, seed, fitness)
 
 
 def write_atomic(path: str | Path, data: bytes) -> None:
@@ -115,14 +132,14 @@ def save_checkpoint(directory: str | Path, checkpoint: Checkpoint) -> Path:
     return path
 
 
-def read_checkpoint(path: str | Path, fitness_size: int | None = None) -> Checkpoint:
+def read_checkpoint(path: str | Path, n_pairs: int | None = None) -> Checkpoint:
     """Read and validate one checkpoint file, checking its step against its name."""
     path = Path(path)
     try:
         data = path.read_bytes()
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read: {e.strerror or e}") from None
-    checkpoint = decode_checkpoint(data, str(path), fitness_size)
+    checkpoint = decode_checkpoint(data, str(path), n_pairs)
     match = _NAME.fullmatch(path.name)
     if match and int(match.group(1)) != checkpoint.step:
         raise CheckpointError(f"{path}: header says step {checkpoint.step}")
@@ -142,12 +159,12 @@ def list_checkpoints(directory: str | Path) -> dict[int, Path]:
     return dict(sorted(found.items()))
 
 
-def load_latest(directory: str | Path, fitness_size: int | None = None) -> Checkpoint | None:
+def load_latest(directory: str | Path, n_pairs: int | None = None) -> Checkpoint | None:
     """The newest checkpoint of a directory, validated; None when there is none."""
     files = list_checkpoints(directory)
     if not files:
         return None
-    return read_checkpoint(files[max(files)], fitness_size)
+    return read_checkpoint(files[max(files)], n_pairs)
 
 
 # --- config.json ---------------------------------------------------------------------
@@ -202,12 +219,53 @@ def copy_history(source: str | Path, target: str | Path) -> int:
     return copied
 
 
-# --- metrics.jsonl -------------------------------------------------------------------
+# --- metrics.jsonl and committing a step ----------------------------------------------
 
 def append_metrics(directory: str | Path, record: dict) -> None:
-    """Append one finished step's record as a JSON line."""
+    """Append one finished step's record as a JSON line, durably.
+
+    A file whose last line was torn by a crash gets a newline first, so the torn part
+    stays a line of its own that readers skip instead of spoiling this record.
+    """
     record = {**record, "time": record.get("time", time.time())}
-    with open(Path(directory) / METRICS_FILE, "a") as f:
-        f.write(json.dumps(record) + "\n")
+    with open(Path(directory) / METRICS_FILE, "a+b") as f:
+        end = f.seek(0, os.SEEK_END)
+        torn = end > 0 and f.seek(end - 1) >= 0 and f.read(1) != b"\n"
+        f.write((b"\n" if torn else b"") + json.dumps(record).encode() + b"\n")
         f.flush()
         os.fsync(f.fileno())
+
+
+def read_metrics(directory: str | Path) -> list[dict]:
+    """The records of metrics.jsonl by step: torn lines skipped, the last record of a step
+    that was run twice (around a crash) kept."""
+    path = Path(directory) / METRICS_FILE
+    if not path.exists():
+        return []
+    by_step = {}
+    for line in path.read_bytes().splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and isinstance(record.get("step"), int):
+            by_step[record["step"]] = record
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def tidy_metrics(directory: str | Path, start_step: int) -> None:
+    """Before a run resumes at start_step: keep only whole records of earlier steps."""
+    path = Path(directory) / METRICS_FILE
+    if not path.exists():
+        return
+    kept = [r for r in read_metrics(directory) if r["step"] < start_step]
+    write_atomic(path, b"".join(json.dumps(r).encode() + b"\n" for r in kept))
+
+
+def commit_step(directory: str | Path, checkpoint: Checkpoint, record: dict) -> None:
+    """Make a finished step durable: its metrics line, then the checkpoint of the next step.
+
+    Safe to call again after it failed part way (a repeated metrics line is read as one).
+    """
+    append_metrics(directory, record)
+    save_checkpoint(directory, checkpoint)

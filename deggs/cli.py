@@ -10,12 +10,17 @@ from pathlib import Path
 
 import click
 
+from .auth import SecretError, load_secret
 from .checkpoint import CheckpointError
 from .config import ConfigError, load_config
 from .coordinator import Coordinator
+from .protocol import Reason
 
 DEFAULT_CONFIG = Path("config.toml")
-EXIT_BAD_INPUT = 2
+# Exit codes of every command.
+EXIT_OK = 0
+EXIT_BAD_INPUT = 2  # a user's mistake, or a refusal that retrying cannot fix
+EXIT_DISK_FAILURE = 3  # the coordinator could not make a step durable
 
 
 def _load_optional_config(config_path):
@@ -34,20 +39,27 @@ def _setup_logging():
     root.propagate = False
 
 
-async def _run_coordinator(coordinator: Coordinator):
-    """Serve until --max-steps is reached or SIGINT/SIGTERM arrives, then flush and stop."""
+async def _run_coordinator(coordinator: Coordinator) -> int:
+    """Serve until --max-steps, a disk failure or SIGINT/SIGTERM; then tell the workers,
+    flush, stop, and return the exit code."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await coordinator.start()
-    waiters = [asyncio.create_task(stop.wait()), asyncio.create_task(coordinator.finished.wait())]
+    waiters = [asyncio.create_task(stop.wait()), asyncio.create_task(coordinator.ended.wait())]
     await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
     for w in waiters:
         w.cancel()
-    if stop.is_set():
+    if coordinator.failure is not None:
+        await coordinator.stop(Reason.DISK_FAILURE)
+        return EXIT_DISK_FAILURE
+    if coordinator.finished.is_set():
+        await coordinator.stop(Reason.FINISHED)
+    else:
         logging.getLogger("deggs").info("signal received, shutting down")
-    await coordinator.stop()
+        await coordinator.stop(Reason.SHUTTING_DOWN)
+    return EXIT_OK
 
 
 @click.command()
@@ -63,16 +75,25 @@ async def _run_coordinator(coordinator: Coordinator):
 @click.option("--max-steps", type=click.IntRange(min=0),
               help="exit once the run reaches this step")
 def coordinator_main(config_path, host, port, save_dir, load_dir, max_steps):
-    """Run the d-eggs coordinator."""
+    """Run the d-eggs coordinator.
+
+    Workers must prove the shared secret in DEGGS_SECRET (or the file DEGGS_SECRET_FILE)
+    when one is set. Exit codes: 0 finished or stopped, 2 bad input, 3 a step could not be
+    saved (the save directory stays consistent: resume it with --load-dir).
+    """
     _setup_logging()
     try:
         config = _load_optional_config(config_path)
         coordinator = Coordinator(config, save_dir=save_dir, load_dir=load_dir,
-                                  max_steps=max_steps, host=host, port=port)
-        asyncio.run(_run_coordinator(coordinator))
-    except (ConfigError, CheckpointError, OSError) as e:
+                                  max_steps=max_steps, host=host, port=port,
+                                  secret=load_secret())
+        code = asyncio.run(_run_coordinator(coordinator))
+    except (ConfigError, CheckpointError, SecretError, OSError) as e:
         click.echo(f"deggs-coordinator: error: {e}", err=True)
         sys.exit(EXIT_BAD_INPUT)
+    if code == EXIT_DISK_FAILURE:
+        click.echo(f"deggs-coordinator: error: {coordinator.failure}", err=True)
+    sys.exit(code)
 
 
 # --- the worker side ---------------------------------------------------------------------
@@ -112,21 +133,30 @@ class _StopOnSignal:
               help="compute backend (auto: the GPU where CuPy sees one, else the CPU)")
 @click.option("--threads", type=click.IntRange(min=1), help="CPU backend threads (default: all cores)")
 def worker_main(host, port, config_path, data_dir, backend, threads):
-    """Run a worker against the coordinator at HOST."""
+    """Run a worker against the coordinator at HOST.
+
+    When the coordinator requires a shared secret, put it in DEGGS_SECRET or in a file
+    named by DEGGS_SECRET_FILE (never on the command line, where other users see it).
+    The worker reconnects whenever the coordinator goes away. Exit codes: 0 the run is
+    finished (or stopped by SIGINT/SIGTERM), 2 bad input or a refusal that retrying
+    cannot fix (another config or secret, a coordinator that lost this worker's history).
+    """
     from .data import DataError
     from .worker import StopWorker, Worker, WorkerError
     try:
+        secret = load_secret()
         config = None
         if config_path is not None or DEFAULT_CONFIG.exists():
             config = _load_optional_config(config_path)
         worker = Worker(host, port, config, data_dir, backend, threads,
-                        log=lambda text: click.echo(text))
+                        log=lambda text: click.echo(text), secret=secret)
         with _StopOnSignal():
-            worker.run()
+            worker.run()  # returns when the coordinator says the run is finished
     except StopWorker as e:
         click.echo(f"[worker] {e}: stopping at step {worker.step}")
-    except (ConfigError, DataError, WorkerError) as e:
+    except (ConfigError, DataError, SecretError, WorkerError) as e:
         _fail("deggs-worker", e)
+    sys.exit(EXIT_OK)
 
 
 @click.command()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import re
 import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -132,10 +133,23 @@ class CoordinatorConfig:
     port: int = 12345
     straggler_timeout_s: float = 90.0
     max_history: int = 5000
+    handshake_timeout_s: float = 10.0  # connect -> first complete frame (and AUTH)
+    frame_timeout_s: float = 30.0      # a frame, once begun, must complete
+    max_connections: int = 1024        # lowered to what the descriptor limit allows
+    max_send_buffer: int = 1 << 20     # bytes queued to one peer before we stop reading it
+    disk_retry_s: float = 60.0         # how long a failing checkpoint write is retried
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    reply_timeout_s: float = 60.0  # a coordinator silent this long is taken as gone
+    frame_timeout_s: float = 30.0  # a frame, once begun, must complete
+    retry_max_s: float = 10.0      # the longest pause between reconnects
+    resolve_tries: int = 3         # a host name that does not resolve this often is an error
 
 
 # Tables that do not change the math, and so stay out of the fingerprint.
-NON_MATH_SECTIONS = ("coordinator",)
+NON_MATH_SECTIONS = ("coordinator", "worker")
 
 CHOICES = {
     ("noise", "init_distribution"): ("uniform", "three_sample"),
@@ -158,6 +172,7 @@ class Config:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     coordinator: CoordinatorConfig = field(default_factory=CoordinatorConfig)
+    worker: WorkerConfig = field(default_factory=WorkerConfig)
 
     def __post_init__(self):
         _validate(self)
@@ -193,11 +208,9 @@ class Config:
 
     @classmethod
     def from_json(cls, text: str) -> "Config":
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"config JSON is malformed: {e}") from None
-        return cls.from_dict(data)
+        """Parse config JSON, which may come from a peer: bounded in size, depth and
+        number length, and free of NaN and infinities."""
+        return cls.from_dict(_parse_json(text))
 
     def replace(self, **sections) -> "Config":
         """A copy with some tables' keys changed: replace(model={'seq_len': 16})."""
@@ -242,6 +255,42 @@ class Config:
     def token_dtype(self):
         import numpy as np
         return np.uint8 if self.model.byte_tokens else np.uint32
+
+
+MAX_JSON_CHARS = 64 * 1024
+MAX_JSON_DEPTH = 4  # a config is a table of tables; lr_schedule adds two levels
+MAX_NUMBER_CHARS = 40
+_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
+
+
+def _parse_json(text: str) -> Any:
+    if len(text) > MAX_JSON_CHARS:
+        raise ConfigError(f"config JSON is {len(text)} characters, more than {MAX_JSON_CHARS}")
+    depth = deepest = 0
+    for c in _JSON_STRING.sub("", text):  # brackets inside strings do not nest
+        if c in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif c in "]}":
+            depth -= 1
+    if deepest > MAX_JSON_DEPTH:
+        raise ConfigError(f"config JSON nests {deepest} levels deep, at most {MAX_JSON_DEPTH}")
+
+    def number(kind):
+        def parse(s: str):
+            if len(s) > MAX_NUMBER_CHARS:
+                raise ConfigError(f"config JSON holds a number of {len(s)} characters")
+            return kind(s)
+        return parse
+
+    def no_constant(name: str):
+        raise ConfigError(f"config JSON holds {name}, which no setting takes")
+
+    try:
+        return json.loads(text, parse_int=number(int), parse_float=number(float),
+                          parse_constant=no_constant)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"config JSON is malformed: {e}") from None
 
 
 def load_config(path: str | Path | None = None) -> Config:
@@ -430,3 +479,13 @@ def _validate(c: Config):
     _require(0 <= k.port <= 65535, "coordinator.port", "must be in 0..65535")
     _require(k.straggler_timeout_s > 0, "coordinator.straggler_timeout_s", "must be positive")
     _require(k.max_history >= 1, "coordinator.max_history", "must be at least 1")
+    _require(bool(k.host), "coordinator.host", "must not be empty")
+    for key in ("handshake_timeout_s", "frame_timeout_s", "disk_retry_s"):
+        _require(0 < getattr(k, key) < 1e6, f"coordinator.{key}", "must be positive")
+    _require(k.max_connections >= 1, "coordinator.max_connections", "must be at least 1")
+    _require(k.max_send_buffer >= 1 << 16, "coordinator.max_send_buffer",
+             "must be at least 65536 (a catch-up reply must fit)")
+    w = c.worker
+    for key in ("reply_timeout_s", "frame_timeout_s", "retry_max_s"):
+        _require(0 < getattr(w, key) < 1e6, f"worker.{key}", "must be positive")
+    _require(w.resolve_tries >= 1, "worker.resolve_tries", "must be at least 1")

@@ -3,21 +3,37 @@
 A step's population is cut into chunks of chunk_size members. A worker asks for a job
 (JOB_REQUEST), gets a chunk (JOB_RESPONSE with a data_position), evaluates its antithetic
 pairs and sends back their ternary fitness (RESULT). When every chunk is in, the packed
-whole-population fitness becomes the step's update: it is kept in memory and on disk, the
-step and seed advance, and every worker applies it before its next chunk. A worker that
-is behind (a new one, or one that was away) replays the steps it missed, one
+whole-population fitness is the step's update: it is made durable on disk first, then
+the step and seed advance, and every worker applies it before its next chunk. A worker
+that is behind (a new one, or one that was away) replays the steps it missed, one
 JOB_RESPONSE with that step's fitness per request, before it gets a chunk.
 
-One asyncio event loop serves every connection. Disk work (checkpoints, metrics, reading
-old history) runs on a single background thread, in submission order, so the loop never
-blocks on a file and a checkpoint is written before any later one. A connection that
-breaks the protocol is closed with one log line; the step and every other worker carry on.
+The rules that keep a run exact and the server alive, whoever connects:
+
+- With a shared secret (auth.py) a peer must prove it before it may do anything; a peer
+  that has not is closed with a log line and told nothing, not even the step.
+- A RESULT counts only for a chunk handed to that connection. A chunk whose every holder
+  has disconnected goes back to the queue at once; one held past straggler_timeout_s is
+  handed to the next worker that asks, and the first RESULT to arrive wins.
+- Nothing is served from a step before it is on disk: the step's checkpoint is written,
+  fsynced and renamed before any worker is sent its fitness and before the next step's
+  chunks go out. A write that keeps failing for disk_retry_s ends the run with a reason
+  (`failure`) instead of leaving a hole in the history.
+- Every read has a deadline (the handshake, each frame), every peer a bound on the
+  replies queued to it, and the number of connections a bound below the descriptor limit.
+
+One asyncio event loop serves every connection through `Peer`, a Protocol that cuts
+frames from the bytes as they arrive and writes each batch of replies with one send.
+Disk work (checkpoints, metrics, reading old history) runs on a single background thread,
+in submission order, so the loop never blocks on a file.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
+import resource
 import time
 from collections import OrderedDict, deque
 from concurrent.futures import ThreadPoolExecutor
@@ -26,26 +42,30 @@ from pathlib import Path
 
 import numpy as np
 
+from . import auth
 from . import checkpoint as ckpt
-from .config import Config
+from .config import Config, ConfigError
 from .noise import next_step_seed
-from .protocol import (DEGGS_PROTOCOL, HEADER_SIZE, HELLO, JOB_REQUEST, LOG_MESSAGE,
-                       NO_FINGERPRINT, OPCODE_NAMES, RESULT, WAIT, Hello, HelloReply,
-                       JobRequest, JobResponse, LogMessage, ProtocolError, Result,
-                       read_frame)
-from .ternary import packed_size, pack_trits, unpack_trits
+from .protocol import (AUTH, DEGGS_PROTOCOL, HELLO, JOB_REQUEST, LOG_MESSAGE,
+                       MAX_CONFIG_JSON, MAX_LOG_TEXT, NO_FINGERPRINT, NONCE_SIZE, PROOF_SIZE,
+                       RESULT, WAIT, Auth, Challenge, FrameReader, Goodbye, Hello, HelloReply,
+                       JobRequest, JobResponse, LogMessage, ProtocolError, Reason, Result,
+                       printable, set_keepalive)
+from .ternary import pack_trits, packed_size, unpack_trits
 
 log = logging.getLogger("deggs.coordinator")
 
 LOSS_SCALE = 16  # the worker sums losses in Q.4 fixed point
+FD_RESERVE = 64  # descriptors kept free of connections: checkpoints, metrics, logs
+LINGER_S = 1.0  # how long a GOODBYE waits for the peer to read it before the socket closes
 
 
 class Drop(Exception):
-    """Close this connection, after sending `frame` (a message explaining why) if any."""
+    """Close this connection, after sending `goodbye` (a frame saying why) if any."""
 
-    def __init__(self, reason: str, frame: bytes = b""):
+    def __init__(self, reason: str, goodbye: bytes = b""):
         super().__init__(reason)
-        self.frame = frame
+        self.goodbye = goodbye
 
 
 @dataclass
@@ -56,9 +76,12 @@ class StepState:
     started: float  # clock time the step began
     n_chunks: int
     fitness: np.ndarray  # int32 per pair of the population
-    pending: deque = field(default_factory=deque)  # chunks never handed out
-    in_progress: dict = field(default_factory=dict)  # chunk -> time handed out, oldest first
-    done: set = field(default_factory=set)
+    pending: deque = field(default_factory=deque)  # chunks nobody holds, next first
+    in_progress: OrderedDict = field(default_factory=OrderedDict)  # chunk -> time handed out, oldest first
+    holders: dict = field(default_factory=dict)  # chunk in progress -> the Peers holding it
+    done: bytearray = field(default_factory=bytearray)  # 1 per chunk whose RESULT counted
+    n_done: int = 0
+    sealing: bool = False  # every chunk is in; the step is being made durable
     sum_loss: int = 0
     transmissions: int = 0  # RESULTs for this step, duplicates included
     updates_total: int = 0
@@ -72,11 +95,11 @@ class StepState:
         t = config.training
         return cls(step=step, seed=seed, started=now, n_chunks=t.n_chunks,
                    fitness=np.zeros(t.n_pairs, dtype=np.int32),
-                   pending=deque(range(t.n_chunks)))
+                   pending=deque(range(t.n_chunks)), done=bytearray(t.n_chunks))
 
     @property
     def complete(self) -> bool:
-        return len(self.done) == self.n_chunks
+        return self.n_done == self.n_chunks
 
 
 class Coordinator:
@@ -85,35 +108,49 @@ class Coordinator:
     save_dir: where checkpoints, config.json and metrics.jsonl go (None: nowhere).
     load_dir: resume from its newest checkpoint; older ones serve catch-up on demand.
     max_steps: stop handing out chunks once the run reaches this step; `finished` is set.
-    clock: monotonic seconds, injectable for tests of the straggler timeout.
+    secret: the shared secret workers must prove (None: anyone may join).
+    clock: monotonic seconds for step times and stragglers, injectable for tests.
+
+    `ended` is set when the run cannot go on without its operator: `finished` (max_steps
+    reached) or `failure` (the reason a step could not be made durable).
     """
 
     def __init__(self, config: Config, *, save_dir=None, load_dir=None,
                  max_steps: int | None = None, host: str | None = None,
-                 port: int | None = None, clock=time.monotonic):
+                 port: int | None = None, secret: bytes | None = None, clock=time.monotonic):
         self.config = config
-        self.host = config.coordinator.host if host is None else host
-        self.port = config.coordinator.port if port is None else port
+        k = config.coordinator
+        self.host = k.host if host is None else host
+        self.port = k.port if port is None else port
         self.save_dir = Path(save_dir) if save_dir is not None else None
         self.load_dir = Path(load_dir) if load_dir is not None else None
         self.max_steps = max_steps
+        self.secret = secret
         self.clock = clock
 
         t = config.training
         self.chunk_size = t.chunk_size
         self.chunk_pairs = t.chunk_size // 2
         self.chunk_bytes = packed_size(self.chunk_pairs)
-        self.population_bytes = packed_size(t.n_pairs)
-        # The largest frame a worker has reason to send is a RESULT.
-        self.max_payload = max(1 << 20, 44 + self.chunk_bytes)
+        # The largest payload we accept of each opcode a worker sends.
+        self.limits = {JOB_REQUEST: JobRequest._FIELDS.size,
+                       RESULT: Result._FIELDS.size + self.chunk_bytes,
+                       LOG_MESSAGE: MAX_LOG_TEXT,
+                       HELLO: 2 + 8 + 4 + MAX_CONFIG_JSON + NONCE_SIZE,
+                       AUTH: PROOF_SIZE}
         self.history_dirs = [d for d in (self.save_dir, self.load_dir) if d is not None]
+        self.max_connections = k.max_connections
 
         self.history: OrderedDict[int, bytes] = OrderedDict()  # step -> packed fitness
         self.finished = asyncio.Event()
+        self.ended = asyncio.Event()
+        self.failure: str | None = None
+        self.peers: set[Peer] = set()
         self._disk = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deggs-disk")
         self._server: asyncio.Server | None = None
-        self._connections: dict[asyncio.Task, asyncio.StreamWriter] = {}
+        self._tasks: set[asyncio.Task] = set()
         self._prev_loss: float | None = None
+        self._over_limit = _Burst(log, "refused {n} connection(s) over the limit of {limit}")
         self.state = self._initial_state()
 
     # --- lifecycle ---------------------------------------------------------------------
@@ -122,7 +159,7 @@ class Coordinator:
         step, seed = 0, self.config.training.seed
         if self.load_dir is not None:
             ckpt.check_saved_config(self.load_dir, self.config)
-            latest = ckpt.load_latest(self.load_dir, self.population_bytes)
+            latest = ckpt.load_latest(self.load_dir, self.config.training.n_pairs)
             if latest is None:
                 log.info("no checkpoint in %s: starting at step 0", self.load_dir)
             else:
@@ -137,27 +174,46 @@ class Coordinator:
         """Prepare the save directory, listen, and return the bound port."""
         if self.save_dir is not None:
             ckpt.prepare_save_dir(self.save_dir, self.config, self.state.step)
+            ckpt.tidy_metrics(self.save_dir, self.state.step)
             if self.load_dir is not None and self.load_dir.resolve() != self.save_dir.resolve():
-                self._on_disk(ckpt.copy_history, self.load_dir, self.save_dir)
-        self._server = await asyncio.start_server(self._serve, self.host, self.port)
+                await self._on_disk(ckpt.copy_history, self.load_dir, self.save_dir)
+        self.max_connections = _connection_budget(self.config.coordinator.max_connections)
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(lambda: Peer(self), self.host, self.port)
         self.port = self._server.sockets[0].getsockname()[1]
+        self._spawn(self._sweep_deadlines())
         self.state.started = self.clock()
         t = self.config.training
-        log.info("listening on %s:%d", self.host, self.port)
-        log.info("step %d, population %d in %d chunks of %d, fingerprint %s",
+        log.info("listening on %s:%d (at most %d connections)", self.host, self.port,
+                 self.max_connections)
+        if self.secret is None and not _is_loopback(self.host):
+            log.warning("no shared secret: anyone who can reach %s:%d can join and steer "
+                        "training; set %s or %s", self.host, self.port, auth.SECRET_ENV,
+                        auth.SECRET_FILE_ENV)
+        log.info("step %d, population %d in %d chunks of %d, fingerprint %s%s",
                  self.state.step, t.population_size, t.n_chunks, t.chunk_size,
-                 self.config.fingerprint().hex())
+                 self.config.fingerprint().hex(), ", workers must prove the shared secret"
+                 if self.secret is not None else "")
         self._check_finished()
         return self.port
 
-    async def stop(self) -> None:
-        """Close every connection and wait until checkpoints and metrics are on disk."""
+    async def stop(self, reason: Reason = Reason.SHUTTING_DOWN) -> None:
+        """Say GOODBYE(reason) to every worker, close, and wait for the disk thread."""
         if self._server is not None:
             self._server.close()
-        # Closing a connection ends its handler at the next read, with the usual log line.
-        for writer in self._connections.values():
-            writer.close()
-        await asyncio.gather(*self._connections, return_exceptions=True)
+        for task in self._tasks:
+            task.cancel()
+        text = self.failure or {Reason.FINISHED: f"the run reached step {self.state.step}",
+                                Reason.SHUTTING_DOWN: "the coordinator is shutting down"}.get(
+                                    reason, reason.name.lower())
+        goodbye = Goodbye(reason, text).encode()
+        for peer in list(self.peers):
+            peer.close_with(goodbye if peer.welcomed else b"")
+        deadline = time.monotonic() + LINGER_S + 0.5
+        while self.peers and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        for peer in list(self.peers):
+            peer.transport.abort()
         if self._server is not None:
             await self._server.wait_closed()
             self._server = None
@@ -169,96 +225,116 @@ class Coordinator:
             if not self.finished.is_set():
                 log.info("reached step %d (--max-steps)", self.state.step)
             self.finished.set()
+            self.ended.set()
+
+    def _fail(self, reason: str):
+        self.failure = reason
+        log.error("%s", reason)
+        self.ended.set()
+
+    def _spawn(self, coro) -> asyncio.Task:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
 
     def _on_disk(self, fn, *args):
         """Run fn on the disk thread, after everything submitted before it."""
-        future = asyncio.get_running_loop().run_in_executor(self._disk, fn, *args)
-        future.add_done_callback(_log_disk_failure)
-        return future
+        return asyncio.get_running_loop().run_in_executor(self._disk, fn, *args)
 
-    # --- connections -------------------------------------------------------------------
+    async def _sweep_deadlines(self):
+        k = self.config.coordinator
+        every = min(1.0, k.handshake_timeout_s / 4, k.frame_timeout_s / 4)
+        while True:
+            await asyncio.sleep(every)
+            now = time.monotonic()
+            for peer in list(self.peers):
+                peer.check_deadlines(now)
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
-        task = asyncio.current_task()
-        self._connections[task] = writer
-        peer = _peer_name(writer)
-        log.info("worker %s connected", peer)
-        try:
-            while (got := await read_frame(reader, self.max_payload)) is not None:
-                opcode, payload = got
-                self.state.bytes_received += HEADER_SIZE + len(payload)
-                reply = await self._handle(opcode, payload, peer)
-                if reply:
-                    await self._send(writer, reply)
-            log.info("worker %s disconnected", peer)
-        except Drop as drop:
-            log.warning("closing connection to %s: %s", peer, drop)
-            if drop.frame:
-                await self._say_goodbye(reader, writer, drop.frame)
-        except ProtocolError as e:
-            log.warning("dropping %s: %s", peer, e)
-        except OSError as e:
-            log.warning("lost %s: %s", peer, e)
-        finally:
-            writer.close()
-            try:
-                await writer.wait_closed()
-            except OSError:
-                pass
-            self._connections.pop(task, None)
+    # --- connections (called by Peer) --------------------------------------------------
 
-    async def _say_goodbye(self, reader, writer, frame: bytes, linger_s: float = 1.0):
-        """Send a last frame and let the peer read it before the connection closes.
+    def admit(self, peer: "Peer") -> bool:
+        if len(self.peers) >= self.max_connections:
+            self._over_limit.note(limit=self.max_connections)
+            return False
+        self.peers.add(peer)
+        return True
 
-        Closing with unread input (a worker pipelines JOB_REQUEST after HELLO) would
-        reset the connection, and the reset can destroy the explanation on its way.
+    def forget(self, peer: "Peer"):
+        """A connection closed: the chunks only it held go back to the queue at once."""
+        self.peers.discard(peer)
+        s = self.state
+        if peer.step != s.step:
+            return
+        for chunk in peer.chunks:
+            holders = s.holders.get(chunk)
+            if holders is None:
+                continue  # done, or already back in the queue
+            holders.discard(peer)
+            if not holders:
+                del s.holders[chunk]
+                s.in_progress.pop(chunk, None)
+                s.pending.appendleft(chunk)
+                log.info("chunk %d of step %d back in the queue: %s left", chunk, s.step,
+                         peer.name)
+
+    def handle(self, peer: "Peer", opcode: int, payload: bytes):
+        """The reply to one message: a frame, an awaitable of a frame, or None.
+
+        Raises Drop or ProtocolError to close the connection.
         """
-        try:
-            await self._send(writer, frame)
-            writer.write_eof()
-            async with asyncio.timeout(linger_s):
-                while await reader.read(1 << 16):
-                    pass
-        except (OSError, TimeoutError):
-            pass
-
-    async def _send(self, writer: asyncio.StreamWriter, data: bytes):
-        writer.write(data)
-        self.state.bytes_sent += len(data)
-        await writer.drain()
-
-    async def _handle(self, opcode: int, payload: bytes, peer: str) -> bytes | None:
-        """The reply frame to one message (None: no reply). Raises Drop or ProtocolError."""
-        if opcode == JOB_REQUEST:
-            return await self._on_job_request(JobRequest.decode(payload))
-        if opcode == RESULT:
-            self._on_result(Result.decode(payload), peer)
-            return None
-        if opcode == LOG_MESSAGE:
-            log.info("[%s] %s", peer, LogMessage.decode(payload).text.rstrip("\n"))
-            return None
         if opcode == HELLO:
-            return self._on_hello(Hello.decode(payload), peer)
-        if opcode in OPCODE_NAMES:
-            raise ProtocolError(f"unexpected {OPCODE_NAMES[opcode]} from a worker")
-        raise ProtocolError(f"unknown opcode {opcode}")
+            return self._on_hello(peer, Hello.decode(payload))
+        if opcode == AUTH:
+            return self._on_auth(peer, Auth.decode(payload))
+        if not peer.authorized:
+            raise Drop("sent a message before proving the shared secret"
+                       + ("" if peer.hello else " (a reference worker? they cannot prove it)"))
+        if opcode == RESULT:
+            self._on_result(peer, Result.decode(payload))
+            return None
+        if opcode == JOB_REQUEST:
+            return self._on_job_request(peer, JobRequest.decode(payload))
+        # LOG_MESSAGE: a line per line of text, each marked with its sender, so a peer can
+        # neither forge the coordinator's own lines nor drive the terminal.
+        for line in LogMessage.decode(payload).text.rstrip("\n").split("\n"):
+            log.info("[%s] %s", peer.name, printable(line))
+        return None
 
-    # --- messages ----------------------------------------------------------------------
+    # --- the handshake -----------------------------------------------------------------
 
-    def _on_hello(self, hello: Hello, peer: str) -> bytes:
-        ours = self.config.fingerprint()
-        config_json = self.config.to_json()
+    def _on_hello(self, peer: "Peer", hello: Hello) -> bytes:
+        if peer.hello is not None:
+            raise ProtocolError("a second HELLO")
+        peer.hello = hello
         if hello.deggs_protocol != DEGGS_PROTOCOL:
-            problem = (f"worker speaks deggs protocol {hello.deggs_protocol}, the coordinator "
-                       f"{DEGGS_PROTOCOL}")
-        elif hello.fingerprint in (NO_FINGERPRINT, ours):
-            what = "sent the config" if hello.fingerprint == NO_FINGERPRINT else "config matches"
-            log.info("worker %s: hello accepted (%s)", peer, what)
-            return HelloReply(True, ours, config_json, "welcome").encode()
-        else:
-            problem = "config differs from the coordinator's: " + self._config_differences(hello)
-        reply = HelloReply(False, ours, config_json, problem).encode()
-        raise Drop(f"hello refused: {problem}", reply)
+            raise self._refusal(peer, Reason.PROTOCOL_MISMATCH,
+                                f"the worker speaks deggs protocol {hello.deggs_protocol}, the "
+                                f"coordinator {DEGGS_PROTOCOL}: run the same deggs version")
+        if self.secret is None:
+            return self._welcome(peer)
+        peer.nonce = auth.new_nonce()
+        return Challenge(peer.nonce, auth.proof(self.secret, "coordinator", hello.nonce,
+                                                peer.nonce)).encode()
+
+    def _on_auth(self, peer: "Peer", message: Auth) -> bytes:
+        if self.secret is None or peer.nonce is None or peer.authenticated:
+            raise ProtocolError("AUTH without a challenge")
+        if not auth.verify(self.secret, "worker", peer.hello.nonce, peer.nonce, message.proof):
+            raise Drop("wrong proof of the shared secret")
+        peer.authenticated = True
+        return self._welcome(peer)
+
+    def _welcome(self, peer: "Peer") -> bytes:
+        """HELLO_REPLY to an admitted deggs worker whose config matches (or who has none)."""
+        hello, ours = peer.hello, self.config.fingerprint()
+        if hello.fingerprint not in (NO_FINGERPRINT, ours):
+            raise self._refusal(peer, Reason.CONFIG_MISMATCH, "the worker's config differs "
+                                "from the coordinator's: " + self._config_differences(hello))
+        peer.welcomed = True
+        log.info("worker %s joined (%s)", peer.name, "config matches"
+                 if hello.fingerprint == ours else "takes the coordinator's config")
+        return HelloReply(ours, self.config.to_json()).encode()
 
     def _config_differences(self, hello: Hello) -> str:
         fingerprints = (f"fingerprints differ (worker {hello.fingerprint.hex()}, "
@@ -267,88 +343,79 @@ class Coordinator:
             return fingerprints
         try:
             worker_config = Config.from_json(hello.config_json)
-        except ValueError as e:
+        except ConfigError as e:
             return f"{fingerprints}; the worker's config is unreadable: {e}"
         diffs = worker_config.differences(self.config)
         return "(worker != coordinator) " + "; ".join(diffs) if diffs else fingerprints
 
-    async def _on_job_request(self, req: JobRequest) -> bytes:
+    def _refusal(self, peer: "Peer", reason: Reason, text: str) -> Drop:
+        """Close with a GOODBYE saying why. Reference workers cannot read one: they get
+        the close alone, and the log line here says why."""
+        return Drop(text, Goodbye(reason, text).encode() if peer.hello else b"")
+
+    # --- jobs and results --------------------------------------------------------------
+
+    def _on_job_request(self, peer: "Peer", req: JobRequest):
         s = self.state
+        if self.finished.is_set():
+            raise self._refusal(peer, Reason.FINISHED, f"the run reached step {s.step}")
         if req.last_step < s.step:
-            return await self._catch_up(req.last_step)
+            return self._catch_up(peer, req.last_step)
         if req.last_step > s.step:
             raise self._refusal(
-                f"worker is at step {req.last_step} but the coordinator is at step {s.step}; "
-                "was the coordinator restarted without --load-dir?")
+                peer, Reason.COORDINATOR_BEHIND,
+                f"the worker is at step {req.last_step} but the coordinator is at step "
+                f"{s.step}; was the coordinator restarted without --load-dir?")
         if req.seed != s.seed:
             raise self._refusal(
-                f"worker's seed {req.seed} for step {s.step} differs from the coordinator's "
-                f"{s.seed} (another training.seed?)")
-        return self._assign().encode()
+                peer, Reason.SEED_MISMATCH,
+                f"the worker's seed {req.seed} for step {s.step} differs from the "
+                f"coordinator's {s.seed} (another training.seed?)")
+        return self._assign(peer).encode()
 
-    def _refusal(self, reason: str) -> Drop:
-        return Drop(reason, LogMessage(f"coordinator: {reason}\n").encode())
-
-    async def _catch_up(self, step: int) -> bytes:
+    def _catch_up(self, peer: "Peer", step: int):
         """The fitness of `step`, which moves a worker from `step` to `step + 1`."""
         fitness = self.history.get(step)
-        if fitness is None and self.history_dirs:
+        if fitness is not None:
+            return JobResponse(self.state.seed, step + 1, 0, fitness).encode()
+        return self._catch_up_from_disk(peer, step)
+
+    async def _catch_up_from_disk(self, peer: "Peer", step: int) -> bytes:
+        fitness = None
+        if self.history_dirs:
             fitness = await self._on_disk(_fitness_from_disk, self.history_dirs, step,
-                                          self.population_bytes)
+                                          self.config.training.n_pairs)
         if fitness is None:
             raise self._refusal(
+                peer, Reason.HISTORY_GONE,
                 f"the fitness of step {step} is no longer kept (neither in memory nor in a "
                 f"checkpoint), so a worker at step {step} cannot catch up to step "
                 f"{self.state.step}")
         return JobResponse(self.state.seed, step + 1, 0, fitness).encode()
 
-    def _assign(self) -> JobResponse:
+    def _assign(self, peer: "Peer") -> JobResponse:
         s = self.state
-        wait = JobResponse(s.seed, s.step, WAIT)
-        if self.finished.is_set():
-            return wait
-        now = self.clock()
         if s.pending:
             chunk = s.pending.popleft()
-        else:
-            timeout = self.config.coordinator.straggler_timeout_s
-            chunk = next((c for c, t in s.in_progress.items() if now - t >= timeout), None)
-            if chunk is None:
-                return wait
-            log.info("re-assigning chunk %d after %.1f s", chunk, now - s.in_progress.pop(chunk))
-        s.in_progress[chunk] = now  # (re)inserted last: the dict stays oldest first
+        elif s.in_progress:
+            # The oldest chunk out is the only one that can have timed out first.
+            chunk, handed_out = next(iter(s.in_progress.items()))
+            waited = self.clock() - handed_out
+            if waited < self.config.coordinator.straggler_timeout_s:
+                return JobResponse(s.seed, s.step, WAIT)
+            log.info("re-assigning chunk %d after %.1f s", chunk, waited)
+        else:  # every chunk is in: the step is being sealed
+            return JobResponse(s.seed, s.step, WAIT)
+        s.in_progress[chunk] = self.clock()
+        s.in_progress.move_to_end(chunk)
+        s.holders.setdefault(chunk, set()).add(peer)
+        if peer.step != s.step:
+            peer.step, peer.chunks = s.step, set()
+        peer.chunks.add(chunk)
         return JobResponse(s.seed, s.step, chunk * self.chunk_size)
 
-    def _on_result(self, res: Result, peer: str):
-        chunk, fitness = self._validate_result(res)
+    def _on_result(self, peer: "Peer", res: Result):
         s = self.state
-        if res.last_step != s.step:
-            log.info("ignoring a RESULT for step %d from %s (now at step %d)",
-                     res.last_step, peer, s.step)
-            return
-        if res.seed != s.seed:
-            raise ProtocolError(f"RESULT for step {s.step} carries seed {res.seed}, expected "
-                                f"{s.seed}")
-        s.transmissions += 1  # duplicates count, as in the reference's statistics
-        s.updates_total += res.updates_count
-        s.updates_min = res.updates_count if s.updates_min is None else min(s.updates_min,
-                                                                            res.updates_count)
-        s.updates_max = max(s.updates_max, res.updates_count)
-        s.in_progress.pop(chunk, None)
-        if chunk in s.done:
-            log.info("ignoring a duplicate RESULT for chunk %d from %s", chunk, peer)
-            return
-        if chunk in s.pending:
-            s.pending.remove(chunk)
-        s.done.add(chunk)
-        s.sum_loss += res.sum_loss
-        first = chunk * self.chunk_pairs
-        s.fitness[first:first + self.chunk_pairs] = fitness
-        if s.complete:
-            self._finish_step()
-
-    def _validate_result(self, res: Result) -> tuple[int, np.ndarray]:
-        """(chunk index, fitness) of a well-formed RESULT; ProtocolError otherwise."""
         population = self.config.training.population_size
         if res.data_position % self.chunk_size or res.data_position >= population:
             raise ProtocolError(f"RESULT data_position {res.data_position} is not the start of "
@@ -356,29 +423,77 @@ class Coordinator:
         if len(res.data) != self.chunk_bytes:
             raise ProtocolError(f"RESULT carries {len(res.data)} bytes of fitness, a chunk "
                                 f"packs into {self.chunk_bytes}")
+        chunk = res.data_position // self.chunk_size
+        if res.last_step != s.step:
+            log.info("ignoring a RESULT for step %d from %s (now at step %d)",
+                     res.last_step, peer.name, s.step)
+            return
+        if res.seed != s.seed:
+            raise ProtocolError(f"RESULT for step {s.step} carries seed {res.seed}, expected "
+                                f"{s.seed}")
+        if peer.step != s.step or chunk not in peer.chunks:
+            raise ProtocolError(f"RESULT for chunk {chunk} of step {s.step}, which was not "
+                                "handed to this connection")
         try:
             fitness = unpack_trits(res.data, self.chunk_pairs)
         except ValueError as e:
             raise ProtocolError(f"RESULT fitness is malformed: {e}") from None
-        return res.data_position // self.chunk_size, fitness
+        s.transmissions += 1  # duplicates count, as in the reference's statistics
+        s.updates_total += res.updates_count
+        s.updates_min = res.updates_count if s.updates_min is None else min(s.updates_min,
+                                                                            res.updates_count)
+        s.updates_max = max(s.updates_max, res.updates_count)
+        if s.done[chunk]:
+            log.info("ignoring a duplicate RESULT for chunk %d from %s", chunk, peer.name)
+            return
+        s.done[chunk] = 1
+        s.n_done += 1
+        s.in_progress.pop(chunk, None)
+        s.holders.pop(chunk, None)
+        s.sum_loss += res.sum_loss
+        first = chunk * self.chunk_pairs
+        s.fitness[first:first + self.chunk_pairs] = fitness
+        if s.complete:
+            s.sealing = True
+            self._spawn(self._seal(s))
 
     # --- finishing a step --------------------------------------------------------------
 
-    def _finish_step(self):
-        s = self.state
+    async def _seal(self, s: StepState):
+        """Make a finished step durable, then move every worker on to the next one."""
         packed = pack_trits(s.fitness)
-        self._remember(s.step, packed)
         record = self._metrics(s)
+        step, seed = s.step + 1, next_step_seed(s.seed, s.step + 1)
+        if self.save_dir is not None:
+            try:
+                await self._durably(ckpt.commit_step, self.save_dir,
+                                    ckpt.Checkpoint(step, seed, packed), record)
+            except OSError as e:
+                self._fail(f"cannot save step {s.step} in {self.save_dir} "
+                           f"({e.strerror or e}); the run stops at step {s.step}, and "
+                           f"--load-dir {self.save_dir} resumes it once the disk is fixed")
+                return
         log.info(format_step_line(record, self._prev_loss))
         self._prev_loss = record["loss"]
-
-        step = s.step + 1
-        seed = next_step_seed(s.seed, step)
-        if self.save_dir is not None:
-            self._on_disk(ckpt.save_checkpoint, self.save_dir, ckpt.Checkpoint(step, seed, packed))
-            self._on_disk(ckpt.append_metrics, self.save_dir, record)
+        self._remember(s.step, packed)
         self.state = StepState.fresh(self.config, step, seed, self.clock())
         self._check_finished()
+
+    async def _durably(self, fn, *args):
+        """fn on the disk thread, retried while it fails with OSError, for disk_retry_s."""
+        deadline = time.monotonic() + self.config.coordinator.disk_retry_s
+        pause = 0.1
+        while True:
+            try:
+                return await self._on_disk(fn, *args)
+            except OSError as e:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise
+                log.warning("writing the checkpoint failed (%s); workers wait, retrying for "
+                            "another %.1f s", e.strerror or e, left)
+                await asyncio.sleep(min(pause, left))
+                pause = min(pause * 2, 5.0)
 
     def _remember(self, step: int, packed: bytes):
         self.history[step] = packed
@@ -407,6 +522,243 @@ class Coordinator:
         }
 
 
+class Peer(asyncio.Protocol):
+    """One connection: frames in, replies out, and the state of its handshake.
+
+    Frames are handled in order. A reply that must come from disk (old history) pauses
+    reading until it is written; so does a peer that leaves more than max_send_buffer
+    bytes of replies unread, which bounds what one connection can make us hold.
+    """
+
+    def __init__(self, coordinator: Coordinator):
+        self.coord = coordinator
+        self.transport: asyncio.Transport | None = None
+        self.name = "?"
+        self.reader = FrameReader(coordinator.limits)
+        self.queue: deque[tuple[int, bytes]] = deque()
+        self.opened = time.monotonic()
+        self.partial_since: float | None = None  # when the unfinished frame began
+        self.write_paused_since: float | None = None
+        self.busy = False  # waiting for a reply from disk
+        self.closing = False
+        self.got_frame = False
+        self.hello: Hello | None = None
+        self.nonce: bytes | None = None  # our challenge's
+        self.authenticated = False
+        self.welcomed = False  # a deggs worker that passed the handshake
+        self.step: int | None = None  # the step of `chunks`
+        self.chunks: set[int] = set()  # chunks handed to this connection in that step
+
+    @property
+    def authorized(self) -> bool:
+        """May this peer ask for work and send results? With a secret: once proven.
+        Without one: anyone, but a deggs worker only after its HELLO was answered."""
+        if self.coord.secret is not None:
+            return self.authenticated
+        return self.hello is None or self.welcomed
+
+    # --- asyncio.Protocol --------------------------------------------------------------
+
+    def connection_made(self, transport):
+        self.transport = transport
+        self.name = _peer_name(transport)
+        if not self.coord.admit(self):
+            transport.abort()
+            self.closing = True
+            return
+        set_keepalive(transport.get_extra_info("socket"))
+        transport.set_write_buffer_limits(high=self.coord.config.coordinator.max_send_buffer)
+        log.debug("%s connected", self.name)
+
+    def connection_lost(self, exc):
+        if self.transport is None or self not in self.coord.peers:
+            return
+        if self.reader.partial and not self.closing:
+            log.warning("%s dropping: disconnected mid-frame", self.name)
+        elif self.welcomed or (self.coord.secret is None and self.got_frame):
+            log.info("worker %s disconnected", self.name)
+        self.closing = True
+        self.coord.forget(self)
+
+    def data_received(self, data: bytes):
+        if self.closing:
+            return
+        self.coord.state.bytes_received += len(data)
+        try:
+            frames = self.reader.feed(data)
+        except ProtocolError as e:
+            self._close(f"dropping: {e}")
+            return
+        if not self.reader.partial:
+            self.partial_since = None
+        elif frames or self.partial_since is None:
+            self.partial_since = time.monotonic()
+        if frames:
+            self.got_frame = True
+            self.queue.extend(frames)
+            self._process()
+
+    def eof_received(self):
+        return False  # close our side too, once our replies are out
+
+    def pause_writing(self):
+        self.write_paused_since = time.monotonic()
+        self.transport.pause_reading()
+
+    def resume_writing(self):
+        self.write_paused_since = None
+        if not self.busy and not self.closing:
+            self.transport.resume_reading()
+            self._process()
+
+    # --- frames ------------------------------------------------------------------------
+
+    def _process(self):
+        """Handle queued frames until one must wait for the disk or the peer stops reading
+        its replies (pause_writing); send each batch of replies as one write."""
+        limit = self.coord.config.coordinator.max_send_buffer
+        while (self.queue and not self.busy and not self.closing
+               and self.write_paused_since is None):
+            out, size = [], 0
+            while self.queue and size < limit and not self.busy:
+                opcode, payload = self.queue.popleft()
+                try:
+                    reply = self.coord.handle(self, opcode, payload)
+                except Drop as drop:
+                    self._write(out)
+                    self._close(f"closing: {drop}", drop.goodbye)
+                    return
+                except ProtocolError as e:
+                    self._write(out)
+                    self._close(f"dropping: {e}")
+                    return
+                except Exception as e:  # a bug of ours: this connection ends, the run goes on
+                    self._write(out)
+                    self._close(f"internal error handling its message: {e!r}",
+                                level=logging.ERROR)
+                    return
+                if isinstance(reply, bytes):
+                    out.append(reply)
+                    size += len(reply)
+                elif reply is not None:
+                    self.busy = True
+                    self.transport.pause_reading()
+                    asyncio.ensure_future(reply).add_done_callback(self._reply_ready)
+            self._write(out)
+
+    def _reply_ready(self, future: asyncio.Future):
+        self.busy = False
+        if future.cancelled():
+            return
+        error = future.exception()  # retrieved even when nobody is left to tell
+        if self.closing:
+            return
+        if isinstance(error, Drop):
+            self._close(f"closing: {error}", error.goodbye)
+            return
+        if error is not None:
+            self._close(f"internal error handling its message: {error!r}", level=logging.ERROR)
+            return
+        self._write([future.result()])
+        if self.write_paused_since is None:
+            self.transport.resume_reading()
+        self._process()
+
+    def _write(self, frames: list[bytes]):
+        if frames and not self.transport.is_closing():
+            data = b"".join(frames)
+            self.coord.state.bytes_sent += len(data)
+            self.transport.write(data)
+
+    # --- closing -----------------------------------------------------------------------
+
+    def check_deadlines(self, now: float):
+        k = self.coord.config.coordinator
+        admitted = self.authenticated if self.coord.secret is not None else self.got_frame
+        if not admitted and now - self.opened > k.handshake_timeout_s:
+            self._close(f"closing: no handshake within {k.handshake_timeout_s:g} s")
+        elif self.partial_since is not None and now - self.partial_since > k.frame_timeout_s:
+            self._close(f"closing: a frame still unfinished after {k.frame_timeout_s:g} s")
+        elif (self.write_paused_since is not None
+              and now - self.write_paused_since > k.frame_timeout_s):
+            self._close(f"closing: it has not read its replies for {k.frame_timeout_s:g} s")
+
+    def _close(self, why: str, goodbye: bytes = b"", level: int = logging.WARNING):
+        if self.closing:
+            return
+        log.log(level, "%s %s", self.name, why)
+        self.close_with(goodbye)
+
+    def close_with(self, goodbye: bytes = b""):
+        """Close, letting queued replies and a GOODBYE out for at most LINGER_S.
+
+        After a GOODBYE we half-close and read on (ignoring it) until the peer closes:
+        closing with its unread input (a worker pipelines JOB_REQUEST after HELLO) would
+        reset the connection and could destroy the explanation on its way. A peer that
+        reads nothing at all is cut off when LINGER_S runs out.
+        """
+        if self.closing:
+            return
+        self.closing = True
+        self.queue.clear()
+        transport = self.transport
+        if goodbye and not transport.is_closing():
+            self._write([goodbye])
+            if transport.can_write_eof():
+                transport.write_eof()
+            transport.resume_reading()
+        else:
+            transport.close()
+        asyncio.get_running_loop().call_later(LINGER_S, transport.abort)
+
+
+class _Burst:
+    """Logs an event the first time, then at most once per `every` seconds with a count,
+    so a flood of refused connections costs a few lines, not one per connection."""
+
+    def __init__(self, logger: logging.Logger, message: str, every: float = 10.0):
+        self.logger, self.message, self.every = logger, message, every
+        self.last = -float("inf")
+        self.count = 0
+
+    def note(self, **details):
+        self.count += 1
+        now = time.monotonic()
+        if now - self.last >= self.every:
+            self.logger.warning(self.message.format(n=self.count, **details))
+            self.last, self.count = now, 0
+
+
+def _connection_budget(wanted: int) -> int:
+    """max_connections, lowered so that connections never take the descriptors that
+    checkpoint and metrics writes need (the soft limit is raised toward the hard one)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = wanted + FD_RESERVE
+    if soft != resource.RLIM_INFINITY and soft < need:
+        target = need if hard == resource.RLIM_INFINITY else min(need, hard)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):
+            pass
+    if soft == resource.RLIM_INFINITY:
+        return wanted
+    budget = max(1, min(wanted, soft - FD_RESERVE))
+    if budget < wanted:
+        log.warning("coordinator.max_connections lowered from %d to %d: the descriptor limit "
+                    "is %d (ulimit -n)", wanted, budget, soft)
+    return budget
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def format_step_line(r: dict, prev_loss: float | None = None) -> str:
     """The human summary of a finished step, after the reference's."""
     trend = "" if prev_loss is None else (" v" if r["loss"] < prev_loss else
@@ -428,25 +780,20 @@ def _humanize(n: int, base: int, units: list[str]) -> str:
     return f"{n}{units[0]}"
 
 
-def _fitness_from_disk(dirs: list[Path], step: int, size: int) -> bytes | None:
+def _fitness_from_disk(dirs: list[Path], step: int, n_pairs: int) -> bytes | None:
     """Step `step`'s packed fitness from checkpoint step+1 in the first dir that has it."""
     for directory in dirs:
         path = ckpt.checkpoint_path(directory, step + 1)
         if path.exists():
             try:
-                return ckpt.read_checkpoint(path, size).fitness
+                return ckpt.read_checkpoint(path, n_pairs).fitness
             except ckpt.CheckpointError as e:
                 log.error("cannot serve step %d from disk: %s", step, e)
     return None
 
 
-def _log_disk_failure(future):
-    if not future.cancelled() and future.exception() is not None:
-        log.error("disk task failed: %s", future.exception())
-
-
-def _peer_name(writer: asyncio.StreamWriter) -> str:
-    peer = writer.get_extra_info("peername")
+def _peer_name(transport: asyncio.BaseTransport) -> str:
+    peer = transport.get_extra_info("peername")
     if isinstance(peer, tuple) and len(peer) >= 2:
         return f"{peer[0]}:{peer[1]}"
     return str(peer)

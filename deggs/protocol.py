@@ -10,33 +10,46 @@ u8, payload length u32) and then the payload. All integers are big-endian.
                                      packed population fitness (a catch-up step) or nothing
     LOG_MESSAGE  3  either way       UTF-8 text
     HELLO        4  worker -> coord  deggs_protocol u16, fingerprint 8 bytes,
-                                     config_len u32, config JSON
-    HELLO_REPLY  5  coord -> worker  accepted u8, fingerprint 8 bytes, config_len u32,
-                                     config JSON, message_len u32, message UTF-8
+                                     config_len u32, config JSON, nonce 16 bytes
+    HELLO_REPLY  5  coord -> worker  fingerprint 8 bytes, config_len u32, config JSON
+    CHALLENGE    6  coord -> worker  nonce 16 bytes, proof 32 bytes
+    AUTH         7  worker -> coord  proof 32 bytes
+    GOODBYE      8  coord -> worker  reason u8, UTF-8 text
 
 A JOB_RESPONSE whose data_position is 2^64-1 means "no chunk free, ask again later".
 
-HELLO and HELLO_REPLY are deggs' own handshake. The reference worker never sends HELLO,
-so the coordinator serves a worker that starts with JOB_REQUEST as well. The reference
-coordinator ignores opcodes it does not know, so our worker sends HELLO and then
-JOB_REQUEST straight away, without waiting, and accepts either a HELLO_REPLY (deggs
-coordinator) or a JOB_RESPONSE (reference coordinator) as the first answer.
+Opcodes 4..8 are deggs' own handshake and farewell (see auth.py for the proofs). The
+reference worker never sends HELLO, so without a shared secret the coordinator serves a
+worker that starts with JOB_REQUEST as well. The reference coordinator ignores opcodes it
+does not know, so a deggs worker without a secret sends HELLO and JOB_REQUEST back to
+back and accepts a HELLO_REPLY (deggs) or a JOB_RESPONSE (reference) as the first answer.
+With a secret the coordinator answers HELLO with a CHALLENGE, and nothing but AUTH is
+accepted until the worker has proven the secret.
+
+GOODBYE tells a deggs worker why the coordinator is closing its connection, as a code it
+need not parse from text: the run is finished, the coordinator is going away for now, or
+a refusal that retrying cannot fix (Reason.permanent).
 """
 
 from __future__ import annotations
 
-import asyncio
 import socket
 import struct
+import time
 from dataclasses import dataclass, fields
+from enum import IntEnum
 from typing import ClassVar
 
 MAGIC = b"JOBS"
 VERSION = 1
 HEADER_SIZE = 10
-DEGGS_PROTOCOL = 1  # version of the HELLO handshake
+DEGGS_PROTOCOL = 2  # version of the HELLO handshake (2: nonces, CHALLENGE/AUTH, GOODBYE)
 WAIT = 2**64 - 1  # JOB_RESPONSE.data_position: nothing to do yet
 NO_FINGERPRINT = bytes(8)  # HELLO from a worker that has no config yet
+NONCE_SIZE = 16
+PROOF_SIZE = 32  # HMAC-SHA256
+MAX_CONFIG_JSON = 64 * 1024  # a config is ~2 KB; anything near this is not one
+MAX_LOG_TEXT = 64 * 1024  # a generation is a few hundred bytes
 
 JOB_REQUEST = 0
 RESULT = 1
@@ -44,14 +57,39 @@ JOB_RESPONSE = 2
 LOG_MESSAGE = 3
 HELLO = 4
 HELLO_REPLY = 5
+CHALLENGE = 6
+AUTH = 7
+GOODBYE = 8
 OPCODE_NAMES = {JOB_REQUEST: "JOB_REQUEST", RESULT: "RESULT", JOB_RESPONSE: "JOB_RESPONSE",
-                LOG_MESSAGE: "LOG_MESSAGE", HELLO: "HELLO", HELLO_REPLY: "HELLO_REPLY"}
+                LOG_MESSAGE: "LOG_MESSAGE", HELLO: "HELLO", HELLO_REPLY: "HELLO_REPLY",
+                CHALLENGE: "CHALLENGE", AUTH: "AUTH", GOODBYE: "GOODBYE"}
 
 _HEADER = struct.Struct(">4sBBI")
 
 
 class ProtocolError(Exception):
     """A frame or payload that does not follow the protocol."""
+
+
+class NotOurProtocol(ProtocolError):
+    """A header with another magic or version: the peer speaks something else entirely
+    (an SSH or web server answering on the port), so retrying cannot help."""
+
+
+class Reason(IntEnum):
+    """Why the coordinator says GOODBYE. Codes from 16 up are refusals for good."""
+    FINISHED = 0         # the run reached --max-steps: a worker's work is done
+    SHUTTING_DOWN = 1    # stopped by its operator; it may come back (--load-dir)
+    DISK_FAILURE = 2     # it cannot make its history durable and exits; it may come back
+    CONFIG_MISMATCH = 16
+    PROTOCOL_MISMATCH = 17
+    HISTORY_GONE = 18    # the fitness a worker needs to catch up is no longer kept
+    COORDINATOR_BEHIND = 19  # the worker is ahead: a coordinator restarted without history
+    SEED_MISMATCH = 20
+
+    @property
+    def permanent(self) -> bool:
+        return self >= 16
 
 
 def frame(opcode: int, payload: bytes) -> bytes:
@@ -65,9 +103,9 @@ def parse_header(header: bytes) -> tuple[int, int]:
         raise ProtocolError(f"header must be {HEADER_SIZE} bytes, got {len(header)}")
     magic, version, opcode, length = _HEADER.unpack(header)
     if magic != MAGIC:
-        raise ProtocolError(f"bad magic {magic!r} (expected {MAGIC!r})")
+        raise NotOurProtocol(f"bad magic {bytes(magic)!r} (expected {MAGIC!r})")
     if version != VERSION:
-        raise ProtocolError(f"unsupported protocol version {version} (expected {VERSION})")
+        raise NotOurProtocol(f"unsupported protocol version {version} (expected {VERSION})")
     return opcode, length
 
 
@@ -78,6 +116,12 @@ def _need(payload: bytes, size: int, what: str):
 
 def _text(data: bytes) -> str:
     return data.decode("utf-8", errors="replace")
+
+
+def printable(text: str) -> str:
+    """A peer's text made safe for one log line: control characters escaped, so it can
+    neither forge lines of its own nor drive the terminal."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 # --- messages ------------------------------------------------------------------------
@@ -178,66 +222,121 @@ class _Reader:
     def uint(self, size: int, field: str) -> int:
         return int.from_bytes(self.take(size, field), "big")
 
-    def blob(self, field: str) -> bytes:
-        """A u32 length followed by that many bytes."""
-        return self.take(self.uint(4, f"{field} length"), field)
+    def blob(self, field: str, limit: int) -> bytes:
+        """A u32 length (at most `limit`) followed by that many bytes."""
+        size = self.uint(4, f"{field} length")
+        if size > limit:
+            raise ProtocolError(f"{self.what} {field} of {size} bytes exceeds {limit}")
+        return self.take(size, field)
 
 
 @dataclass(frozen=True)
 class Hello:
     fingerprint: bytes  # 8 bytes; NO_FINGERPRINT when the worker has no config
     config_json: str = ""
+    nonce: bytes = bytes(NONCE_SIZE)  # fresh for every connection
     deggs_protocol: int = DEGGS_PROTOCOL
 
     OPCODE: ClassVar[int] = HELLO
 
     def encode(self) -> bytes:
         config = self.config_json.encode("utf-8")
-        payload = (struct.pack(">H", self.deggs_protocol) + _fingerprint(self.fingerprint)
-                   + struct.pack(">I", len(config)) + config)
+        payload = (struct.pack(">H", self.deggs_protocol) + _sized(self.fingerprint, 8)
+                   + struct.pack(">I", len(config)) + config + _sized(self.nonce, NONCE_SIZE))
         return frame(self.OPCODE, payload)
 
     @classmethod
     def decode(cls, payload: bytes) -> "Hello":
         r = _Reader(payload, "HELLO")
         version = r.uint(2, "deggs_protocol")
+        if version != DEGGS_PROTOCOL:  # the rest may be laid out otherwise
+            return cls(NO_FINGERPRINT, "", bytes(NONCE_SIZE), version)
         fingerprint = r.take(8, "fingerprint")
-        return cls(fingerprint, _text(r.blob("config")), version)
+        config = _text(r.blob("config", MAX_CONFIG_JSON))
+        return cls(fingerprint, config, r.take(NONCE_SIZE, "nonce"), version)
 
 
 @dataclass(frozen=True)
 class HelloReply:
-    accepted: bool
-    fingerprint: bytes  # the coordinator's
-    config_json: str  # the coordinator's full config, for a worker to adopt
-    message: str = ""
+    """The handshake's success: the coordinator's config, for a worker to check or adopt."""
+    fingerprint: bytes
+    config_json: str
 
     OPCODE: ClassVar[int] = HELLO_REPLY
 
     def encode(self) -> bytes:
-        config, message = self.config_json.encode("utf-8"), self.message.encode("utf-8")
-        payload = (bytes([1 if self.accepted else 0]) + _fingerprint(self.fingerprint)
-                   + struct.pack(">I", len(config)) + config
-                   + struct.pack(">I", len(message)) + message)
-        return frame(self.OPCODE, payload)
+        config = self.config_json.encode("utf-8")
+        return frame(self.OPCODE, _sized(self.fingerprint, 8) + struct.pack(">I", len(config))
+                     + config)
 
     @classmethod
     def decode(cls, payload: bytes) -> "HelloReply":
         r = _Reader(payload, "HELLO_REPLY")
-        accepted = r.uint(1, "accepted") != 0
         fingerprint = r.take(8, "fingerprint")
-        config = _text(r.blob("config"))
-        return cls(accepted, fingerprint, config, _text(r.blob("message")))
+        return cls(fingerprint, _text(r.blob("config", MAX_CONFIG_JSON)))
 
 
-def _fingerprint(value: bytes) -> bytes:
-    if len(value) != 8:
-        raise ValueError(f"a fingerprint is 8 bytes, got {len(value)}")
+@dataclass(frozen=True)
+class Challenge:
+    """The coordinator's nonce and its proof that it knows the secret (auth.py)."""
+    nonce: bytes
+    proof: bytes
+
+    OPCODE: ClassVar[int] = CHALLENGE
+
+    def encode(self) -> bytes:
+        return frame(self.OPCODE, _sized(self.nonce, NONCE_SIZE) + _sized(self.proof, PROOF_SIZE))
+
+    @classmethod
+    def decode(cls, payload: bytes) -> "Challenge":
+        r = _Reader(payload, "CHALLENGE")
+        return cls(r.take(NONCE_SIZE, "nonce"), r.take(PROOF_SIZE, "proof"))
+
+
+@dataclass(frozen=True)
+class Auth:
+    """The worker's proof that it knows the secret."""
+    proof: bytes
+
+    OPCODE: ClassVar[int] = AUTH
+
+    def encode(self) -> bytes:
+        return frame(self.OPCODE, _sized(self.proof, PROOF_SIZE))
+
+    @classmethod
+    def decode(cls, payload: bytes) -> "Auth":
+        return cls(_Reader(payload, "AUTH").take(PROOF_SIZE, "proof"))
+
+
+@dataclass(frozen=True)
+class Goodbye:
+    reason: Reason
+    text: str = ""
+
+    OPCODE: ClassVar[int] = GOODBYE
+
+    def encode(self) -> bytes:
+        return frame(self.OPCODE, bytes([self.reason]) + self.text.encode("utf-8"))
+
+    @classmethod
+    def decode(cls, payload: bytes) -> "Goodbye":
+        r = _Reader(payload, "GOODBYE")
+        code = r.uint(1, "reason")
+        try:
+            reason = Reason(code)
+        except ValueError:
+            raise ProtocolError(f"GOODBYE with unknown reason {code}") from None
+        return cls(reason, _text(payload[1:]))
+
+
+def _sized(value: bytes, size: int) -> bytes:
+    if len(value) != size:
+        raise ValueError(f"expected {size} bytes, got {len(value)}")
     return bytes(value)
 
 
 MESSAGES = {cls.OPCODE: cls for cls in (JobRequest, Result, JobResponse, LogMessage,
-                                         Hello, HelloReply)}
+                                         Hello, HelloReply, Challenge, Auth, Goodbye)}
 
 
 def decode_message(opcode: int, payload: bytes):
@@ -249,35 +348,62 @@ def decode_message(opcode: int, payload: bytes):
 
 
 # --- reading and writing frames --------------------------------------------------------
+#
+# A peer announces a payload's length before sending it, so every reader takes a table of
+# the largest payload it accepts per opcode and refuses a larger one from the header alone,
+# before anything is allocated. An opcode missing from the table is refused too.
 
-def _check_length(opcode: int, length: int, max_payload: int):
-    if length > max_payload:
-        name = OPCODE_NAMES.get(opcode, f"opcode {opcode}")
-        raise ProtocolError(f"{name} payload of {length} bytes exceeds the limit of "
-                            f"{max_payload}")
+def _check_length(opcode: int, length: int, limits: dict[int, int]):
+    limit = limits.get(opcode)
+    name = OPCODE_NAMES.get(opcode, f"opcode {opcode}")
+    if limit is None:
+        raise ProtocolError(f"unexpected {name}" if opcode in OPCODE_NAMES
+                            else f"unknown opcode {opcode}")
+    if length > limit:
+        raise ProtocolError(f"{name} payload of {length} bytes exceeds the limit of {limit}")
 
 
-async def read_frame(reader: asyncio.StreamReader, max_payload: int) -> tuple[int, bytes] | None:
-    """Next (opcode, payload) from a stream; None on a clean end of stream between frames.
+class FrameReader:
+    """Cuts a byte stream into frames as its bytes arrive (the coordinator's side).
 
-    The length is checked before anything is allocated. A stream that ends inside a
-    frame raises ProtocolError('disconnected mid-frame ...').
+    feed() returns the frames completed by new bytes; `partial` says whether the bytes of an
+    unfinished frame are waiting, so the caller can hold that frame to a deadline. A bad
+    header raises ProtocolError as soon as its 10 bytes are in.
     """
-    try:
-        header = await reader.readexactly(HEADER_SIZE)
-    except asyncio.IncompleteReadError as e:
-        if not e.partial:
-            return None
-        raise ProtocolError(f"disconnected mid-frame ({len(e.partial)} of {HEADER_SIZE} "
-                            "header bytes)") from None
-    opcode, length = parse_header(header)
-    _check_length(opcode, length, max_payload)
-    try:
-        payload = await reader.readexactly(length)
-    except asyncio.IncompleteReadError as e:
-        raise ProtocolError(f"disconnected mid-frame ({len(e.partial)} of {length} payload "
-                            "bytes)") from None
-    return opcode, payload
+
+    def __init__(self, limits: dict[int, int]):
+        self.limits = limits
+        self._buf = bytearray()
+
+    @property
+    def partial(self) -> bool:
+        return bool(self._buf)
+
+    def feed(self, data: bytes) -> list[tuple[int, bytes]]:
+        buf = self._buf
+        buf += data
+        frames, pos = [], 0
+        while len(buf) - pos >= HEADER_SIZE:
+            opcode, length = parse_header(bytes(buf[pos:pos + HEADER_SIZE]))
+            _check_length(opcode, length, self.limits)
+            end = pos + HEADER_SIZE + length
+            if len(buf) < end:
+                break
+            frames.append((opcode, bytes(buf[pos + HEADER_SIZE:end])))
+            pos = end
+        del buf[:pos]
+        return frames
+
+
+def set_keepalive(sock: socket.socket | None) -> None:
+    """Let the kernel find a peer that vanished without a word (a pulled cable, a crash)
+    while we wait on a long chunk and read nothing: 60 s idle, then 6 probes 10 s apart."""
+    if sock is None:
+        return
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in (("TCP_KEEPIDLE", 60), ("TCP_KEEPINTVL", 10), ("TCP_KEEPCNT", 6)):
+        if hasattr(socket, name):
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
 
 
 def send_frame(sock: socket.socket, data: bytes) -> None:
@@ -285,22 +411,36 @@ def send_frame(sock: socket.socket, data: bytes) -> None:
     sock.sendall(data)
 
 
-def _recv_exact(sock: socket.socket, size: int, what: str, start: bytes = b"") -> bytes:
+def recv_frame(sock: socket.socket, limits: dict[int, int], wait_s: float | None = None,
+               frame_s: float | None = None) -> tuple[int, bytes] | None:
+    """Next (opcode, payload) from a blocking socket; None when the peer closed cleanly.
+
+    wait_s bounds the wait for a frame's first byte, frame_s the time from its first byte to
+    its last (None: no bound); either running out raises TimeoutError. Deadlines are per
+    frame, not per recv, so a peer dripping a byte at a time cannot hold the reader.
+    """
+    sock.settimeout(wait_s)
+    first = sock.recv(HEADER_SIZE)
+    if not first:
+        return None
+    deadline = None if frame_s is None else time.monotonic() + frame_s
+    header = _recv_exact(sock, HEADER_SIZE, "header", deadline, first)
+    opcode, length = parse_header(header)
+    _check_length(opcode, length, limits)
+    return opcode, _recv_exact(sock, length, "payload", deadline)
+
+
+def _recv_exact(sock: socket.socket, size: int, what: str, deadline: float | None,
+                start: bytes = b"") -> bytes:
     buf = bytearray(start)
     while len(buf) < size:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"a frame took too long ({len(buf)} of {size} {what} bytes)")
+            sock.settimeout(left)
         part = sock.recv(min(size - len(buf), 1 << 20))
         if not part:
             raise ProtocolError(f"disconnected mid-frame ({len(buf)} of {size} {what} bytes)")
         buf += part
     return bytes(buf)
-
-
-def recv_frame(sock: socket.socket, max_payload: int) -> tuple[int, bytes] | None:
-    """Blocking twin of read_frame: (opcode, payload), or None when the peer closed cleanly."""
-    first = sock.recv(HEADER_SIZE)
-    if not first:
-        return None
-    header = _recv_exact(sock, HEADER_SIZE, "header", first)
-    opcode, length = parse_header(header)
-    _check_length(opcode, length, max_payload)
-    return opcode, _recv_exact(sock, length, "payload")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from .checkpoint import CheckpointError, list_checkpoints, read_checkpoint
 from .noise import next_step_seed
-from .ternary import packed_size, unpack_trits
+from .ternary import unpack_trits
 
 
 def replay(save_dir: str | Path, engine, until: int | None = None, progress=None) -> tuple[int, int]:
@@ -19,14 +19,13 @@ def replay(save_dir: str | Path, engine, until: int | None = None, progress=None
     cfg = engine.cfg
     files = list_checkpoints(save_dir)
     last = max(files, default=0) if until is None else until
-    size = packed_size(cfg.training.n_pairs)
     seed = cfg.training.seed
     for step in range(last):
         path = files.get(step + 1)
         if path is None:
             raise CheckpointError(f"{Path(save_dir)}: no checkpoint for step {step + 1}; "
                                   f"the history to replay stops at step {step}")
-        checkpoint = read_checkpoint(path, size)
+        checkpoint = read_checkpoint(path, cfg.training.n_pairs)
         updates = engine.update(unpack_trits(checkpoint.fitness, cfg.training.n_pairs), step, seed)
         seed = next_step_seed(seed, step + 1)
         if checkpoint.seed != seed:

@@ -12,6 +12,9 @@ import numpy as np
 TRITS_PER_BYTE = 5
 MAX_PACKED_BYTE = 242  # 2 * (1 + 3 + 9 + 27 + 81)
 _PLACE = np.array([1, 3, 9, 27, 81], dtype=np.int32)
+# Every byte's five values, least significant first; rows above 242 are never read.
+_UNPACK = ((np.arange(256)[:, None] // _PLACE) % 3).astype(np.int8)
+_UNPACK[_UNPACK == 2] = -1
 
 
 def packed_size(count: int) -> int:
@@ -32,8 +35,12 @@ def pack_trits(values) -> bytes:
 
 
 def unpack_trits(data, count: int) -> np.ndarray:
-    """Unpack `count` values from `data` (bytes-like) into an int32 array of -1/0/1."""
-    raw = np.frombuffer(bytes(data), dtype=np.uint8)
+    """Unpack `count` values from `data` (bytes-like) into an int32 array of -1/0/1.
+
+    ValueError for data of the wrong size, a byte above 242 or a partial last byte that
+    carries values beyond `count`: bytes a correct packer never writes.
+    """
+    raw = np.frombuffer(data, dtype=np.uint8)
     if raw.size != packed_size(count):
         raise ValueError(f"unpack_trits: {count} values need {packed_size(count)} bytes, "
                          f"got {raw.size}")
@@ -41,9 +48,7 @@ def unpack_trits(data, count: int) -> np.ndarray:
         where = int(np.argmax(raw > MAX_PACKED_BYTE))
         raise ValueError(f"unpack_trits: byte {where} is {raw[where]}, above {MAX_PACKED_BYTE} "
                          "(not five trits)")
-    trits = (raw.astype(np.int32)[:, None] // _PLACE) % 3
-    # A partial last byte must not carry trits past `count` either.
-    if trits.size > count and trits.reshape(-1)[count:].any():
+    values = _UNPACK[raw].reshape(-1)
+    if values[count:].any():
         raise ValueError(f"unpack_trits: the last byte holds trits beyond the {count} values")
-    values = trits.reshape(-1)[:count]
-    return np.where(values == 2, -1, values).astype(np.int32)
+    return values[:count].astype(np.int32)

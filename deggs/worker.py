@@ -2,14 +2,28 @@
 
 Its loop, as the reference worker's:
 
-    HELLO (our handshake), then repeatedly JOB_REQUEST(step, seed)
+    JOB_REQUEST(step, seed)
       <- JOB_RESPONSE with fitness data: the update of our step; apply it, step += 1
       <- JOB_RESPONSE "wait": sleep a little, ask again
       <- JOB_RESPONSE with a chunk: losses of its members -> fitness -> RESULT
 
+Every connection starts with deggs' handshake (protocol.py, auth.py):
+
+    no secret, a config:  HELLO and JOB_REQUEST back to back. A deggs coordinator answers
+                          HELLO_REPLY first; the reference coordinator ignores HELLO and
+                          answers the JOB_REQUEST, which is how it joins us.
+    no secret, no config: HELLO, then wait for the HELLO_REPLY whose config we adopt.
+    a shared secret:      HELLO -> CHALLENGE (the coordinator's proof, checked first)
+                          -> AUTH (ours) -> HELLO_REPLY.
+
 The model lives on the worker, not on the wire: a worker that falls behind catches up
-one step per request from the coordinator's fitness history. When the coordinator goes
-away the worker keeps its model and reconnects with backoff.
+one step per request from the coordinator's fitness history. How a run ends for it:
+
+- GOODBYE(FINISHED), or the model reaches max_steps: run() returns.
+- A refusal that retrying cannot fix (another config, another secret, a coordinator that
+  lost the history we need, something that is not a coordinator at all): WorkerError.
+- Anything else (refused or dropped connections, silence, a coordinator restarting):
+  the worker keeps its model and reconnects with backoff.
 """
 
 from __future__ import annotations
@@ -20,18 +34,23 @@ from pathlib import Path
 
 import numpy as np
 
-from . import protocol
-from .config import Config, ConfigError
+from . import auth, protocol
+from .config import Config, ConfigError, WorkerConfig
 from .data import detokenize, load_decoding, load_tokens
 from .fitness import chunk_fitness
 from .noise import next_step_seed
-from .protocol import Hello, HelloReply, JobRequest, JobResponse, LogMessage, ProtocolError, Result
+from .protocol import (CHALLENGE, GOODBYE, HELLO_REPLY, JOB_RESPONSE, LOG_MESSAGE,
+                       MAX_CONFIG_JSON, MAX_LOG_TEXT, NONCE_SIZE, PROOF_SIZE, Auth, Challenge,
+                       Goodbye, Hello, HelloReply, JobRequest, JobResponse, LogMessage,
+                       NotOurProtocol, ProtocolError, Reason, Result, printable,
+                       set_keepalive)
 from .sampling import prompt_window
 from .ternary import pack_trits, packed_size, unpack_trits
 
-WAIT_S = 0.1            # the reference worker's pause after a WAIT
-BACKOFF_S = (0.5, 10.0)  # first and longest pause between reconnects
-REPLY_TIMEOUT_S = 300.0  # a coordinator silent this long is taken as gone
+WAIT_S = 0.1             # the reference worker's pause after a WAIT
+FIRST_PAUSE_S = 0.5      # the first pause between reconnects; doubles to worker.retry_max_s
+CONNECT_TIMEOUT_S = 10.0
+JOB_RESPONSE_FIELDS = 28  # seed, last_step, data_position u64 and the data's size u32
 
 
 class WorkerError(Exception):
@@ -40,6 +59,14 @@ class WorkerError(Exception):
 
 class StopWorker(Exception):
     """Raised from a signal handler to end the worker cleanly."""
+
+
+class Finished(Exception):
+    """The coordinator says the run is over (GOODBYE FINISHED): run() returns."""
+
+
+class CoordinatorAway(Exception):
+    """The coordinator said GOODBYE for now (stopped, or its disk failed); it may return."""
 
 
 def make_backend(cfg: Config, name: str, threads: int | None = None):
@@ -60,10 +87,20 @@ def make_backend(cfg: Config, name: str, threads: int | None = None):
 
 
 class Worker:
+    """Trains against the coordinator at host:port.
+
+    cfg: our config, checked against the coordinator's; None adopts the coordinator's.
+    secret: the shared secret to prove (auth.load_secret()), or None.
+    log: called with each line of text the worker reports.
+    """
+
     def __init__(self, host: str, port: int, cfg: Config | None, data_dir: str | Path = ".",
-                 backend: str = "auto", threads: int | None = None, log=print):
+                 backend: str = "auto", threads: int | None = None, log=print,
+                 secret: bytes | None = None):
         self.host, self.port = host, port
+        self.address = f"{host}:{port}"
         self.cfg = cfg
+        self.secret = secret
         self.data_dir = Path(data_dir)
         self.backend_name, self.threads = backend, threads
         self.log = log
@@ -74,6 +111,8 @@ class Worker:
         self.seed = cfg.training.seed if cfg else None
         self.last_updates = 0
         self.chunks_done = 0
+        self._pause = FIRST_PAUSE_S  # before the next reconnect
+        self._heard = False          # has this connection delivered a frame yet?
         if cfg is not None:
             self._prepare(cfg)
 
@@ -94,89 +133,252 @@ class Worker:
         self.log(f"[worker] {len(self.tokens)} tokens, backend {self.engine.name}, "
                  f"config {cfg.fingerprint().hex()}")
 
+    @property
+    def settings(self) -> WorkerConfig:
+        """The [worker] table: deadlines and retries (the defaults until we have a config)."""
+        return self.cfg.worker if self.cfg is not None else WorkerConfig()
+
+    def _limits(self) -> dict[int, int]:
+        """The largest payload we accept of each message a coordinator sends."""
+        pairs = self.cfg.training.n_pairs if self.cfg is not None else 0
+        return {JOB_RESPONSE: max(1 << 20, JOB_RESPONSE_FIELDS + packed_size(pairs)),
+                LOG_MESSAGE: MAX_LOG_TEXT,
+                HELLO_REPLY: 8 + 4 + MAX_CONFIG_JSON,
+                CHALLENGE: NONCE_SIZE + PROOF_SIZE,
+                GOODBYE: 1 + MAX_LOG_TEXT}
+
+    # --- connecting and reconnecting ---------------------------------------------------
+
+    def run(self, max_steps: int | None = None):
+        """Serve until the run is finished, the model reaches max_steps, or StopWorker.
+
+        Raises WorkerError for what retrying cannot fix; retries everything else."""
+        self._pause = FIRST_PAUSE_S
+        unresolved = 0  # failed name lookups in a row
+        while not self._reached(max_steps):
+            try:
+                sock = self._connect()
+            except socket.gaierror as e:
+                # A lookup can fail for a moment (a DNS server restarting), a typo forever.
+                unresolved += 1
+                if unresolved >= self.settings.resolve_tries:
+                    raise WorkerError(f"cannot resolve host {self.host!r}: "
+                                      f"{e.strerror or e} ({unresolved} tries)") from None
+                self._retry_later(f"cannot resolve host {self.host!r} ({e.strerror or e})")
+                continue
+            except OSError as e:  # refused or unreachable: the coordinator may not be up yet
+                unresolved = 0
+                self._retry_later(f"cannot connect to {self.address}: {e}")
+                continue
+            unresolved = 0
+            try:
+                with sock:
+                    self._serve(sock, max_steps)
+            except Finished:
+                # self.step is our model's: the run's last update is never handed out.
+                self.log(f"[worker] the run is finished at step {self.step}")
+                return
+            except (OSError, ProtocolError, CoordinatorAway) as e:  # TimeoutError included
+                self._retry_later(f"connection to {self.address} lost: {e}")
+
+    def _reached(self, max_steps: int | None) -> bool:
+        return max_steps is not None and self.step >= max_steps
+
+    def _connect(self) -> socket.socket:
+        sock = socket.create_connection((self.host, self.port), timeout=CONNECT_TIMEOUT_S)
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            set_keepalive(sock)
+        except OSError:
+            sock.close()
+            raise
+        self.log(f"[worker] connected to {self.address}")
+        return sock
+
+    def _retry_later(self, why: str):
+        """Pause before the next connection: FIRST_PAUSE_S, doubling up to retry_max_s.
+        Only a completed handshake starts it over (_joined), so a peer that accepts and
+        drops every connection is not hammered."""
+        longest = self.settings.retry_max_s
+        pause = min(self._pause, longest)
+        self.log(f"[worker] {why}; retrying in {pause:g} s")
+        time.sleep(pause)
+        self._pause = min(pause * 2, longest)
+
+    def _joined(self, how: str):
+        self._pause = FIRST_PAUSE_S
+        self.log(f"[worker] joined {self.address} ({how}) at step {self.step}")
+
+    # --- one connection ----------------------------------------------------------------
+
+    def _serve(self, sock: socket.socket, max_steps: int | None):
+        """Handshake, then request and do jobs until max_steps (or an exception)."""
+        self._heard = False
+        pipelined = self.secret is None and self.cfg is not None
+        job = self._handshake(sock, pipelined)
+        # A pipelined JOB_REQUEST is answered after the HELLO_REPLY: do not ask twice.
+        asked = pipelined and job is None
+        while not self._reached(max_steps):
+            if job is None:
+                if not asked:
+                    self._send(sock, JobRequest(self.seed, self.step).encode())
+                asked = False
+                job = self._next_job(sock)
+            self._do_job(sock, job)
+            job = None
+
+    def _handshake(self, sock: socket.socket, pipelined: bool) -> JobResponse | None:
+        """Introduce ourselves until the coordinator accepts us. Returns the JOB_RESPONSE a
+        reference coordinator sends instead of HELLO_REPLY, else None."""
+        ours = auth.new_nonce()
+        fingerprint = self.cfg.fingerprint() if self.cfg else protocol.NO_FINGERPRINT
+        hello = Hello(fingerprint, self.cfg.to_json() if self.cfg else "", ours).encode()
+        if pipelined:
+            self._send(sock, hello, JobRequest(self.seed, self.step).encode())
+            hint = ""
+        elif self.secret is None:
+            self._send(sock, hello)
+            hint = " (a reference coordinator never answers HELLO: pass --config)"
+        else:
+            self._send(sock, hello)
+            hint = " (a reference coordinator never answers HELLO, nor checks a secret)"
+
+        message = self._receive(sock, hint)
+        if isinstance(message, Challenge):
+            if self.secret is None:
+                raise WorkerError(f"the coordinator requires a shared secret: set "
+                                  f"{auth.SECRET_ENV} or {auth.SECRET_FILE_ENV}")
+            if not auth.verify(self.secret, "coordinator", ours, message.nonce, message.proof):
+                raise WorkerError("the coordinator proved a different shared secret: "
+                                  f"{auth.SECRET_ENV} differs between it and this worker")
+            self._send(sock, Auth(auth.proof(self.secret, "worker", ours, message.nonce)).encode())
+            message = self._receive(sock)
+            if isinstance(message, Challenge):
+                raise ProtocolError("a second CHALLENGE")
+        elif self.secret is not None:
+            # Anyone can claim to be the coordinator; only one that knows the secret is.
+            raise WorkerError("the coordinator did not prove the shared secret; is "
+                              f"{auth.SECRET_ENV} set there?")
+
+        if isinstance(message, HelloReply):
+            self._adopt(message)
+            self._joined("shared secret proven" if self.secret is not None else "deggs")
+            return None
+        if not pipelined:
+            raise ProtocolError(f"a {type(message).__name__} in answer to HELLO")
+        self._classify(message)  # a reference coordinator joins us with a valid job
+        self._joined("a reference coordinator")
+        return message
+
     def _adopt(self, reply: HelloReply):
-        if not reply.accepted:
-            raise WorkerError(f"coordinator refused this worker: {reply.message}")
+        """Check the coordinator's config against ours, or take it when we have none."""
         try:
             theirs = Config.from_json(reply.config_json)
         except ConfigError as e:
-            raise WorkerError(f"coordinator sent a config we cannot use: {e}") from None
+            raise WorkerError(f"the coordinator sent a config we cannot use: "
+                              f"{printable(str(e))}") from None
+        if theirs.fingerprint() != reply.fingerprint:
+            raise WorkerError(f"the coordinator's fingerprint {reply.fingerprint.hex()} is not "
+                              f"that of its config ({theirs.fingerprint().hex()}): another "
+                              "deggs version?")
         if self.cfg is None:
             self.log("[worker] using the coordinator's config")
             self._prepare(theirs)
         elif theirs.fingerprint() != self.cfg.fingerprint():
             diff = "; ".join(self.cfg.differences(theirs))
-            raise WorkerError(f"coordinator's config differs from ours: {diff}")
+            raise WorkerError(f"the coordinator's config differs from ours: {diff}")
 
-    # --- the loop ----------------------------------------------------------------------
+    def _send(self, sock: socket.socket, *frames: bytes):
+        # The last read may have left a short timeout on the socket: sending has its own.
+        sock.settimeout(self.settings.frame_timeout_s)
+        protocol.send_frame(sock, b"".join(frames))
 
-    def run(self, max_steps: int | None = None):
-        """Serve until stopped (StopWorker), or until the model reaches max_steps."""
-        backoff = BACKOFF_S[0]
-        while max_steps is None or self.step < max_steps:
-            try:
-                with socket.create_connection((self.host, self.port), timeout=10) as sock:
-                    sock.settimeout(REPLY_TIMEOUT_S)
-                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                    self.log(f"[worker] connected to {self.host}:{self.port}")
-                    backoff = BACKOFF_S[0]
-                    self._serve(sock, max_steps)
-                    return
-            except (OSError, ProtocolError) as e:
-                self.log(f"[worker] connection to {self.host}:{self.port} lost: {e}; "
-                         f"retrying in {backoff:.1f} s")
-            time.sleep(backoff)
-            backoff = min(backoff * 2, BACKOFF_S[1])
+    def _next_job(self, sock: socket.socket) -> JobResponse:
+        message = self._receive(sock)
+        if not isinstance(message, JobResponse):
+            raise ProtocolError(f"a {type(message).__name__} where a JOB_RESPONSE belongs")
+        return message
 
-    def _serve(self, sock, max_steps):
-        fingerprint = self.cfg.fingerprint() if self.cfg else protocol.NO_FINGERPRINT
-        config_json = self.cfg.to_json() if self.cfg else ""
-        protocol.send_frame(sock, Hello(fingerprint, config_json).encode())
-        if self.cfg is None:  # nothing to ask for until we know the config
-            opcode, payload = self._receive(sock)
-            if opcode != protocol.HELLO_REPLY:
-                raise WorkerError("this coordinator sends no config (a reference coordinator?): "
-                                  "pass --config")
-            self._adopt(HelloReply.decode(payload))
-        while max_steps is None or self.step < max_steps:
-            protocol.send_frame(sock, JobRequest(self.seed, self.step).encode())
-            response = self._next_job(sock)
-            if response.data:
-                self._apply_update(response)
-            elif response.is_wait:
-                time.sleep(WAIT_S)
+    def _receive(self, sock: socket.socket, hint: str = ""):
+        """The coordinator's next message, after the log lines it sends first. A GOODBYE
+        raises: Finished, WorkerError (a refusal for good) or CoordinatorAway."""
+        while True:
+            message = protocol.decode_message(*self._read_frame(sock, hint))
+            if isinstance(message, LogMessage):
+                self._show("[coordinator]", message.text)
+            elif isinstance(message, Goodbye):
+                self._goodbye(message)
             else:
-                self._run_chunk(sock, response)
+                return message
 
-    def _receive(self, sock):
-        item = protocol.recv_frame(sock, self._max_payload())
+    def _read_frame(self, sock: socket.socket, hint: str) -> tuple[int, bytes]:
+        w = self.settings
+        first, self._heard = not self._heard, True
+        try:
+            item = protocol.recv_frame(sock, self._limits(), w.reply_timeout_s, w.frame_timeout_s)
+        except TimeoutError as e:
+            raise TimeoutError(f"no complete message from the coordinator in time ({e}; "
+                               f"worker.reply_timeout_s = {w.reply_timeout_s:g}, "
+                               f"frame_timeout_s = {w.frame_timeout_s:g}){hint}") from None
+        except NotOurProtocol as e:
+            if first:  # later, it is more likely a corrupted stream
+                raise WorkerError(f"{self.address} is not a d-eggs coordinator: {e}") from None
+            raise
         if item is None:
-            raise ConnectionError("coordinator closed the connection")
+            raise ConnectionError("the coordinator closed the connection")
         return item
 
-    def _max_payload(self) -> int:
-        pairs = self.cfg.training.n_pairs if self.cfg else 0
-        return max(1 << 20, 28 + packed_size(pairs))
+    def _goodbye(self, goodbye: Goodbye):
+        reason = goodbye.reason
+        if reason.permanent:  # the CLI prints the error on one line: newlines escaped too
+            raise WorkerError(f"the coordinator refused this worker ({reason.name}): "
+                              f"{printable(goodbye.text)}")
+        self._show(f"[coordinator] {reason.name}:", goodbye.text)
+        if reason == Reason.FINISHED:
+            raise Finished(goodbye.text)
+        raise CoordinatorAway(f"the coordinator said goodbye ({reason.name})")
 
-    def _next_job(self, sock) -> JobResponse:
-        """Read until a JOB_RESPONSE, handling the handshake reply and log lines."""
-        while True:
-            opcode, payload = self._receive(sock)
-            if opcode == protocol.JOB_RESPONSE:
-                return JobResponse.decode(payload)
-            if opcode == protocol.HELLO_REPLY:
-                self._adopt(HelloReply.decode(payload))
-            elif opcode == protocol.LOG_MESSAGE:
-                self.log(f"[coordinator] {LogMessage.decode(payload).text}")
-            else:
-                raise ProtocolError(f"unexpected opcode {opcode} from the coordinator")
+    def _show(self, prefix: str, text: str):
+        """A peer's text, line by line, with control characters escaped."""
+        for line in text.rstrip("\n").split("\n"):
+            self.log(f"{prefix} {printable(line)}")
 
     # --- the work ----------------------------------------------------------------------
 
+    def _classify(self, job: JobResponse) -> str:
+        """'update', 'wait' or 'chunk'; refuses a job we cannot do. The reference
+        coordinator never says GOODBYE, so its dead ends are recognised here."""
+        if job.data:
+            if job.last_step != self.step + 1:
+                raise ProtocolError(f"update to step {job.last_step} while at step {self.step}")
+            return "update"
+        if job.is_wait:
+            return "wait"
+        if self.step > 0 and job == JobResponse(0, 0, 0):
+            raise WorkerError(f"the coordinator no longer has the history this worker needs "
+                              f"to catch up from step {self.step} (a reference coordinator "
+                              "restarted?)")
+        if job.last_step < self.step:
+            raise WorkerError(f"the coordinator is behind this worker: it hands out step "
+                              f"{job.last_step}, the worker is at step {self.step} (restarted "
+                              "without --load-dir?)")
+        c, population = self.cfg.training.chunk_size, self.cfg.training.population_size
+        if job.last_step > self.step or job.data_position % c or job.data_position >= population:
+            raise ProtocolError(f"bad job: step {job.last_step}, position {job.data_position} "
+                                f"(we are at step {self.step})")
+        return "chunk"
+
+    def _do_job(self, sock: socket.socket, job: JobResponse):
+        kind = self._classify(job)
+        if kind == "update":
+            self._apply_update(job)
+        elif kind == "wait":
+            time.sleep(WAIT_S)
+        else:
+            self._run_chunk(sock, job)
+
     def _apply_update(self, response: JobResponse):
         cfg = self.cfg
-        if response.last_step != self.step + 1:
-            raise ProtocolError(f"update for step {response.last_step} while at step {self.step}")
         try:
             fitness = unpack_trits(response.data, cfg.training.n_pairs)
         except ValueError as e:
@@ -188,21 +390,18 @@ class Worker:
         self.log(f"[worker] updated to step {self.step}: {self.last_updates} weights changed "
                  f"({time.perf_counter() - started:.2f} s)")
 
-    def _run_chunk(self, sock, response: JobResponse):
+    def _run_chunk(self, sock: socket.socket, response: JobResponse):
         cfg = self.cfg
         c = cfg.training.chunk_size
         start = response.data_position
-        if start % c or start >= cfg.training.population_size or response.last_step != self.step:
-            raise ProtocolError(f"bad job: step {response.last_step}, position {start} "
-                                f"(we are at step {self.step})")
         chunk = start // c
         if chunk == 0 and self.step % cfg.sampling.every_steps == 0:
-            protocol.send_frame(sock, LogMessage(self.generation_text()).encode())
+            self._send(sock, LogMessage(self.generation_text()).encode())
         started = time.perf_counter()
         losses = self.engine.losses(self.tokens, self.step, self.seed, np.arange(start, start + c))
         result = chunk_fitness(cfg, losses)
-        protocol.send_frame(sock, Result(self.seed, self.step, start, self.last_updates,
-                                         result.sum_loss, pack_trits(result.fitness)).encode())
+        self._send(sock, Result(self.seed, self.step, start, self.last_updates,
+                                result.sum_loss, pack_trits(result.fitness)).encode())
         self.last_updates = 0  # counted once, with the first chunk after the update
         self.chunks_done += 1
         seconds = time.perf_counter() - started
@@ -210,9 +409,13 @@ class Worker:
                  f"{c * cfg.model.seq_len / seconds:,.0f} member-tokens/s")
 
     def generation_text(self) -> str:
+        """A sample of the model, in plain text: the coordinator escapes control
+        characters, so colours would show as escape codes."""
         cfg = self.cfg
         prompt = prompt_window(cfg, self.tokens, self.step)
         tokens = self.engine.generate(prompt, self.seed + 999)
         n = len(prompt)
-        return ("\n--- GENERATION ---\n\033[32m" + detokenize(tokens[:n], cfg, self.pieces)
-                + "\033[36m" + detokenize(tokens[n:], cfg, self.pieces) + "\033[0m\n\n")
+        return (f"--- GENERATION at step {self.step} ---\n"
+                f"{detokenize(tokens[:n], cfg, self.pieces)} >>> "
+                f"{detokenize(tokens[n:], cfg, self.pieces)}\n")
+

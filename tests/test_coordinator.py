@@ -24,9 +24,10 @@ from deggs import checkpoint as ckpt
 from deggs.config import Config, ConfigError
 from deggs.coordinator import Coordinator
 from deggs.noise import next_step_seed
-from deggs.protocol import (NO_FINGERPRINT, WAIT, Hello, HelloReply, JobRequest,
-                            JobResponse, LogMessage, Result, decode_message,
-                            read_frame, recv_frame, send_frame)
+from deggs import auth
+from deggs.protocol import (LogMessage, NO_FINGERPRINT, OPCODE_NAMES, WAIT, Auth, Challenge, FrameReader,
+                            Goodbye, Hello, HelloReply, JobRequest, JobResponse, Reason,
+                            Result, decode_message, recv_frame, send_frame)
 from deggs.ternary import pack_trits
 
 # 4 chunks of 10 members: 5 pairs (1 packed byte) a chunk, 20 pairs (4 bytes) a step.
@@ -49,6 +50,10 @@ def chunk_fitness(step: int, chunk: int) -> np.ndarray:
 
 def step_fitness(step: int) -> np.ndarray:
     return np.concatenate([chunk_fitness(step, c) for c in range(N_CHUNKS)])
+
+
+ANY_FRAME = dict.fromkeys(OPCODE_NAMES, 1 << 24)  # what a test client accepts
+SECRET = b"correct horse battery staple"
 
 
 def run(coro, timeout=20):
@@ -78,6 +83,8 @@ class Client:
 
     def __init__(self, reader, writer):
         self.reader, self.writer = reader, writer
+        self.frames = FrameReader(ANY_FRAME)
+        self.received: deque = deque()
 
     @classmethod
     async def connect(cls, coord):
@@ -92,9 +99,24 @@ class Client:
         await self.writer.drain()
 
     async def recv(self):
-        got = await asyncio.wait_for(read_frame(self.reader, 1 << 24), 5)
-        assert got is not None, "the coordinator closed the connection"
-        return decode_message(*got)
+        while not self.received:
+            data = await asyncio.wait_for(self.reader.read(1 << 16), 5)
+            assert data, "the coordinator closed the connection"
+            self.received.extend(self.frames.feed(data))
+        return decode_message(*self.received.popleft())
+
+    async def hello(self, config=SMALL, secret=None):
+        """The deggs handshake (with the shared secret's proofs when one is given)."""
+        nonce = auth.new_nonce()
+        await self.send(Hello(config.fingerprint(), config.to_json(), nonce))
+        reply = await self.recv()
+        if secret is not None:
+            assert isinstance(reply, Challenge)
+            assert auth.verify(secret, "coordinator", nonce, reply.nonce, reply.proof)
+            await self.send(Auth(auth.proof(secret, "worker", nonce, reply.nonce)))
+            reply = await self.recv()
+        assert isinstance(reply, HelloReply), reply
+        return reply
 
     async def request(self, step, seed=None):
         await self.send(JobRequest(seed_of(step) if seed is None else seed, step))
@@ -108,12 +130,21 @@ class Client:
                                updates, chunk + 1 if sum_loss is None else sum_loss,
                                pack_trits(fitness)))
 
-    async def closed(self) -> bool:
-        """True once the coordinator has closed this connection."""
+    async def closed(self, timeout=5) -> bool:
+        """True once the coordinator has closed this connection (after reading the rest)."""
         try:
-            return await asyncio.wait_for(self.reader.read(), 5) == b""
+            rest = await asyncio.wait_for(self.reader.read(), timeout)
         except ConnectionError:
             return True
+        self.received.extend(self.frames.feed(rest))
+        return True
+
+    async def goodbye(self) -> Goodbye:
+        """The GOODBYE that ends this connection."""
+        message = await self.recv()
+        assert isinstance(message, Goodbye), message
+        assert await self.closed()
+        return message
 
     async def close(self):
         self.writer.close()
@@ -130,12 +161,20 @@ async def settle(coord, step):
     raise AssertionError(f"stuck at step {coord.state.step}, wanted {step}")
 
 
-async def train_step(client, step):
-    """Take every chunk of `step` and return their results."""
+async def train_step(client, step, last=False):
+    """Take every chunk of `step`, return their results, and wait (as a worker does, on
+    WAIT) until the coordinator has made the step durable and sends its update (unless
+    this is the run's last step)."""
     for chunk in range(N_CHUNKS):
         job = await client.request(step)
         assert (job.last_step, job.data_position, job.seed) == (step, chunk * CHUNK, seed_of(step))
         await client.result(job)
+    if last:
+        return
+    while not (update := await client.request(step)).data:
+        assert update.data_position == WAIT
+        await asyncio.sleep(0.005)
+    assert update.last_step == step + 1 and update.data == pack_trits(step_fitness(step))
 
 
 @pytest.fixture(autouse=True)
@@ -252,7 +291,7 @@ def test_results_for_another_step_are_ignored():
             stale = JobResponse(seed_of(3), 3, 0)
             await a.result(stale, fitness=np.ones(PAIRS, np.int32))
             await asyncio.sleep(0.05)
-            assert coord.state.done == set() and coord.state.transmissions == 0
+            assert coord.state.n_done == 0 and coord.state.transmissions == 0
             await a.result(job)  # the connection is still served
             for _ in range(3):
                 await a.result(await a.request(0))
@@ -267,7 +306,7 @@ def _header(opcode, length, magic=b"JOBS", version=1):
     return magic + bytes([version, opcode]) + length.to_bytes(4, "big")
 
 
-def _result_bytes(data_position=0, data=b"\x00", size=None, step=0):
+def _result_bytes(data_position=CHUNK, data=b"\x00", size=None, step=0):
     head = struct.pack(">QQQQqI", seed_of(step), step, data_position, 0, 0,
                        len(data) if size is None else size)
     return _header(1, len(head) + len(data)) + head + data
@@ -287,6 +326,8 @@ BAD_INPUTS = {
     "RESULT off a chunk boundary": (_result_bytes(data_position=5), "data_position 5"),
     "RESULT past the population": (_result_bytes(data_position=40), "data_position 40"),
     "RESULT with invalid trits": (_result_bytes(data=b"\xf3"), "243"),
+    "RESULT for a chunk it was not handed": (_result_bytes(data_position=2 * CHUNK),
+                                             "chunk 2 of step 0, which was not handed"),
     "RESULT with a foreign seed": (_result_bytes()[:10] + bytes(8) + _result_bytes()[18:],
                                    "carries seed 0"),
     "disconnect mid-frame": (_header(0, 24) + bytes(10), "disconnected mid-frame"),
@@ -308,7 +349,7 @@ def test_bad_input_drops_only_that_connection(info_logs, name):
             bad.writer.write_eof()
             assert await bad.closed()
             await good.result(first)
-            clock.now += SMALL.coordinator.straggler_timeout_s  # chunk 1 goes to `good`
+            # chunk 1 is back in the queue at once: no straggler timeout to wait for
             for _ in range(3):
                 job = await good.request(0)
                 assert job.last_step == 0
@@ -329,21 +370,35 @@ def test_worker_ahead_of_coordinator_is_told_and_closed():
     async def go():
         async with coordinator() as coord:
             a = await Client.connect(coord)
-            msg = await a.request(5)
-            assert isinstance(msg, LogMessage) and "--load-dir" in msg.text
-            assert await a.closed()
+            await a.hello()
+            await a.send(JobRequest(seed_of(5), 5))
+            bye = await a.goodbye()
+            assert bye.reason == Reason.COORDINATOR_BEHIND and bye.reason.permanent
+            assert "--load-dir" in bye.text
             b = await Client.connect(coord)
             assert (await b.request(0)).data_position == 0
     run(go())
+
+
+def test_reference_worker_is_refused_with_a_close_alone(info_logs):
+    """A reference worker cannot read GOODBYE: it gets the close, the log says why."""
+    async def go():
+        async with coordinator() as coord:
+            a = await Client.connect(coord)
+            await a.send(JobRequest(7, 0))
+            assert await a.closed() and not a.received
+    run(go())
+    assert any("seed 7" in r.getMessage() for r in info_logs.records)
 
 
 def test_worker_with_another_seed_is_told_and_closed():
     async def go():
         async with coordinator() as coord:
             a = await Client.connect(coord)
-            msg = await a.request(0, seed=7)
-            assert isinstance(msg, LogMessage) and "seed 7" in msg.text
-            assert await a.closed()
+            await a.hello()
+            await a.send(JobRequest(7, 0))
+            bye = await a.goodbye()
+            assert bye.reason == Reason.SEED_MISMATCH and "seed 7" in bye.text
     run(go())
 
 
@@ -358,9 +413,10 @@ def test_catch_up_beyond_kept_history_is_refused():
             await settle(coord, 2)
             assert list(coord.history) == [1]
             late = await Client.connect(coord)
-            msg = await late.request(0)
-            assert isinstance(msg, LogMessage) and "step 0 is no longer kept" in msg.text
-            assert await late.closed()
+            await late.hello(config)
+            await late.send(JobRequest(SEED0, 0))
+            bye = await late.goodbye()
+            assert bye.reason == Reason.HISTORY_GONE and "step 0 is no longer kept" in bye.text
             assert (await (await Client.connect(coord)).request(1)).last_step == 2
     run(go())
 
@@ -371,12 +427,11 @@ def test_hello_with_matching_config_then_job():
     async def go():
         async with coordinator() as coord:
             a = await Client.connect(coord)
-            # Sent back to back, as our worker does.
+            # Sent back to back, as our worker does without a secret.
             await a.send(Hello(SMALL.fingerprint(), SMALL.to_json()).encode()
                          + JobRequest(SEED0, 0).encode())
             reply = await a.recv()
-            assert isinstance(reply, HelloReply) and reply.accepted
-            assert reply.fingerprint == SMALL.fingerprint()
+            assert isinstance(reply, HelloReply) and reply.fingerprint == SMALL.fingerprint()
             job = await a.recv()
             assert isinstance(job, JobResponse) and job.data_position == 0
     run(go())
@@ -388,7 +443,7 @@ def test_hello_without_config_gets_the_config():
             a = await Client.connect(coord)
             await a.send(Hello(NO_FINGERPRINT))
             reply = await a.recv()
-            assert reply.accepted and Config.from_json(reply.config_json) == coord.config
+            assert Config.from_json(reply.config_json) == coord.config
             assert (await a.request(0)).data_position == 0
     run(go())
 
@@ -401,21 +456,130 @@ def test_hello_with_another_config_is_refused(info_logs):
             a = await Client.connect(coord)
             await a.send(Hello(theirs.fingerprint(), theirs.to_json()).encode()
                          + JobRequest(SEED0, 0).encode())
-            reply = await a.recv()
-            assert isinstance(reply, HelloReply) and not reply.accepted
-            assert "model.seq_len: 32 != 64" in reply.message
-            assert Config.from_json(reply.config_json) == coord.config
-            assert await a.closed()
+            bye = await a.goodbye()
+            assert bye.reason == Reason.CONFIG_MISMATCH and "model.seq_len: 32 != 64" in bye.text
             assert coord.state.pending == deque(range(N_CHUNKS))  # nothing was handed out
 
             b = await Client.connect(coord)
             await b.send(Hello(b"\x01" * 8))
-            reply = await b.recv()
-            assert not reply.accepted and "fingerprints differ" in reply.message
-            assert await b.closed()
+            assert "fingerprints differ" in (await b.goodbye()).text
+
+            c = await Client.connect(coord)  # a config that nests deeply or holds a huge number
+            await c.send(Hello(b"\x01" * 8, "[" * 5000 + "]" * 5000))
+            assert "nests 5000 levels deep" in (await c.goodbye()).text
+            d = await Client.connect(coord)
+            await d.send(Hello(b"\x01" * 8, '{"model": {"seq_len": ' + "9" * 5000 + "}}"))
+            assert "a number of 5000 characters" in (await d.goodbye()).text
     run(go())
-    assert any("hello refused" in r.getMessage() and "model.seq_len" in r.getMessage()
+    assert any("closing" in r.getMessage() and "model.seq_len" in r.getMessage()
                for r in info_logs.records)
+
+
+def test_hello_of_another_protocol_version_is_refused():
+    async def go():
+        async with coordinator() as coord:
+            a = await Client.connect(coord)
+            await a.send(Hello(SMALL.fingerprint(), deggs_protocol=1))
+            bye = await a.goodbye()
+            assert bye.reason == Reason.PROTOCOL_MISMATCH and "protocol 1" in bye.text
+    run(go())
+
+
+def test_log_messages_cannot_forge_lines(info_logs):
+    async def go():
+        async with coordinator() as coord:
+            a = await Client.connect(coord)
+            await a.send(LogMessage("hi\nStep 99 | Loss: 0.0001\x1b[2J\r"))
+            await a.send(JobRequest(SEED0, 0))
+            await a.recv()
+    run(go())
+    lines = [r.getMessage() for r in info_logs.records]
+    assert not any(line.startswith("Step 99") for line in lines)
+    assert any(line.endswith("] Step 99 | Loss: 0.0001\\x1b[2J\\r") for line in lines), lines
+
+
+# --- the shared secret -----------------------------------------------------------------
+
+def test_secret_handshake_then_training():
+    async def go():
+        async with coordinator(secret=SECRET) as coord:
+            a = await Client.connect(coord)
+            reply = await a.hello(secret=SECRET)
+            assert Config.from_json(reply.config_json) == coord.config
+            await train_step(a, 0)
+            await settle(coord, 1)
+    run(go())
+
+
+FORGERIES = {
+    "a reference worker": JobRequest(SEED0, 0).encode(),
+    "a RESULT out of the blue": _result_bytes(data_position=0),
+    "a log line": LogMessage("Step 99 | Loss: 0.0001").encode(),
+    "HELLO then a JOB_REQUEST": Hello(SMALL.fingerprint(), SMALL.to_json()).encode()
+    + JobRequest(SEED0, 0).encode(),
+    "HELLO then a made-up AUTH": Hello(SMALL.fingerprint()).encode() + Auth(bytes(32)).encode(),
+    "AUTH first": Auth(bytes(32)).encode(),
+}
+
+
+@pytest.mark.parametrize("name", FORGERIES)
+def test_unauthenticated_peers_learn_nothing_and_count_for_nothing(name, info_logs):
+    async def go():
+        async with coordinator(secret=SECRET) as coord:
+            honest = await Client.connect(coord)
+            await honest.hello(secret=SECRET)
+            job = await honest.request(0)
+            bad = await Client.connect(coord)
+            await bad.send(FORGERIES[name])
+            assert await bad.closed()
+            told = [m for m in map(lambda f: decode_message(*f), bad.received)
+                    if not isinstance(m, Challenge)]
+            assert told == []  # no step, seed, config, not even a refusal
+            assert coord.state.n_done == 0 and coord.state.transmissions == 0
+            await honest.result(job)
+            await settle_chunks(coord, 1)
+    run(go())
+    assert any("closing" in r.getMessage() or "dropping" in r.getMessage()
+               for r in info_logs.records if r.levelno >= logging.WARNING)
+
+
+def test_a_recorded_handshake_cannot_be_replayed():
+    async def go():
+        async with coordinator(secret=SECRET) as coord:
+            honest = await Client.connect(coord)
+            nonce = auth.new_nonce()
+            await honest.send(Hello(SMALL.fingerprint(), "", nonce))
+            challenge = await honest.recv()
+            recorded = Auth(auth.proof(SECRET, "worker", nonce, challenge.nonce))
+            await honest.send(recorded)
+            assert isinstance(await honest.recv(), HelloReply)
+            replay = await Client.connect(coord)  # same HELLO, same AUTH: a new challenge
+            await replay.send(Hello(SMALL.fingerprint(), "", nonce))
+            second = await replay.recv()
+            assert second.nonce != challenge.nonce
+            await replay.send(recorded)
+            assert await replay.closed() and not replay.received
+    run(go())
+
+
+def test_a_coordinators_proof_does_not_pass_as_a_workers():
+    async def go():
+        async with coordinator(secret=SECRET) as coord:
+            a = await Client.connect(coord)
+            nonce = auth.new_nonce()
+            await a.send(Hello(SMALL.fingerprint(), "", nonce))
+            challenge = await a.recv()
+            await a.send(Auth(challenge.proof))  # reflect the coordinator's own proof
+            assert await a.closed() and not a.received
+    run(go())
+
+
+async def settle_chunks(coord, n):
+    for _ in range(500):
+        if coord.state.n_done >= n:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"{coord.state.n_done} chunks done, wanted {n}")
 
 
 # --- checkpoints and restart -----------------------------------------------------------
@@ -425,9 +589,10 @@ def test_checkpoint_files_have_the_reference_layout(tmp_path):
         async with coordinator(save_dir=tmp_path, max_steps=2) as coord:
             a = await Client.connect(coord)
             await train_step(a, 0)
-            await train_step(a, 1)
+            await train_step(a, 1, last=True)
             await asyncio.wait_for(coord.finished.wait(), 5)
-            assert (await a.request(2)).data_position == WAIT  # --max-steps reached
+            await a.send(JobRequest(seed_of(2), 2))  # --max-steps reached: nothing more to do
+            assert await a.closed() and not a.received
     run(go())
     for step in (1, 2):
         raw = (tmp_path / f"checkpoint_{step:08d}.bin").read_bytes()
@@ -512,8 +677,9 @@ def test_corrupt_older_checkpoint_fails_only_that_catch_up(tmp_path, info_logs):
     async def go():
         async with coordinator(load_dir=tmp_path) as coord:
             a = await Client.connect(coord)
-            msg = await a.request(0)
-            assert isinstance(msg, LogMessage) and "no longer kept" in msg.text
+            await a.hello()
+            await a.send(JobRequest(SEED0, 0))
+            assert "no longer kept" in (await a.goodbye()).text
             assert (await (await Client.connect(coord)).request(1)).data == b"\x01" * 4
     run(go())
     assert any("checkpoint_00000001.bin: bad magic" in r.getMessage() for r in info_logs.records)
@@ -530,7 +696,10 @@ def test_decode_checkpoint_errors():
         with pytest.raises(ckpt.CheckpointError, match=f"f: .*{message}"):
             ckpt.decode_checkpoint(data, "f")
     with pytest.raises(ckpt.CheckpointError, match="packs into 5"):
-        ckpt.decode_checkpoint(good, "f", fitness_size=5)
+        ckpt.decode_checkpoint(good, "f", n_pairs=25)
+    bad_trits = ckpt.encode_checkpoint(ckpt.Checkpoint(1, 2, b"\x00\xf3"))
+    with pytest.raises(ckpt.CheckpointError, match="f: corrupt fitness: .*243"):
+        ckpt.decode_checkpoint(bad_trits, "f", n_pairs=10)
 
 
 def test_checkpoint_name_must_match_its_step(tmp_path):
@@ -604,12 +773,12 @@ def blocking_step(port: int, step: int):
     with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
         for chunk in range(N_CHUNKS):
             send_frame(sock, JobRequest(seed_of(step), step).encode())
-            job = JobResponse.decode(recv_frame(sock, 1 << 20)[1])
+            job = JobResponse.decode(recv_frame(sock, ANY_FRAME)[1])
             assert job.data_position == chunk * CHUNK
             send_frame(sock, Result(job.seed, step, job.data_position, 1, 16,
                                     pack_trits(chunk_fitness(step, chunk))).encode())
         send_frame(sock, JobRequest(seed_of(step), step).encode())
-        recv_frame(sock, 1 << 20)  # WAIT or the next step: either way, all results were read
+        recv_frame(sock, ANY_FRAME)  # WAIT, the next step or the end: all results were read
 
 
 def test_cli_runs_max_steps_and_exits(tmp_path):
@@ -653,3 +822,188 @@ def test_cli_bad_input_is_one_line_and_exit_code_2(tmp_path, args, message):
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert message in proc.stderr and "Traceback" not in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
+
+
+# --- deadlines and bounds ----------------------------------------------------------------
+
+QUICK = SMALL.replace(coordinator={"handshake_timeout_s": 0.5, "frame_timeout_s": 0.5})
+
+
+def test_stalled_and_silent_connections_are_closed_within_their_deadlines(info_logs):
+    async def go():
+        async with coordinator(QUICK) as coord:
+            started = time.monotonic()
+            silent = await Client.connect(coord)  # connects and says nothing
+            half_header = await Client.connect(coord)
+            await half_header.send(b"JOB")
+            trickle = await Client.connect(coord)  # a frame that never completes
+            await trickle.hello()
+            await trickle.send(JobRequest(SEED0, 0).encode()[:-1])
+            for client in (silent, half_header, trickle):
+                assert await client.closed(timeout=3)
+            assert time.monotonic() - started < 3
+            busy = await Client.connect(coord)  # a worker silent after its handshake stays
+            await busy.hello()
+            job = await busy.request(0)
+            await asyncio.sleep(1.2)  # longer than both deadlines
+            await busy.result(job)
+            assert (await busy.request(0)).data_position == CHUNK
+    run(go())
+    messages = " ".join(r.getMessage() for r in info_logs.records)
+    assert "no handshake within 0.5 s" in messages
+    assert "a frame still unfinished after 0.5 s" in messages
+
+
+def test_a_peer_dripping_bytes_cannot_stretch_a_frame():
+    async def go():
+        async with coordinator(QUICK) as coord:
+            dripper = await Client.connect(coord)
+            await dripper.hello()
+            started = time.monotonic()
+            with contextlib.suppress(ConnectionError):
+                for byte in JobRequest(SEED0, 0).encode():
+                    await dripper.send(bytes([byte]))
+                    await asyncio.sleep(0.1)
+            assert await dripper.closed(timeout=3)
+            assert time.monotonic() - started < 2
+    run(go())
+
+
+def test_connections_over_the_limit_are_closed_at_once_and_logged_once(info_logs):
+    config = SMALL.replace(coordinator={"max_connections": 3})
+
+    async def go():
+        async with coordinator(config) as coord:
+            kept = [await Client.connect(coord) for _ in range(3)]
+            await asyncio.gather(*(c.hello() for c in kept))
+            extra = [await Client.connect(coord) for _ in range(20)]
+            for client in extra:
+                assert await client.closed(timeout=3)
+            assert (await kept[0].request(0)).data_position == 0
+    run(go())
+    refusals = [r for r in info_logs.records if "over the limit of 3" in r.getMessage()]
+    assert len(refusals) == 1
+
+
+def test_chunk_of_a_departed_worker_is_handed_out_at_once(info_logs):
+    async def go():
+        async with coordinator() as coord:
+            leaver, stayer = await Client.connect(coord), await Client.connect(coord)
+            assert (await leaver.request(0)).data_position == 0
+            await leaver.close()
+            for _ in range(100):  # the coordinator sees the close at its next read
+                if coord.state.pending[0] == 0:
+                    break
+                await asyncio.sleep(0.01)
+            assert (await stayer.request(0)).data_position == 0
+    run(go())
+    assert any("chunk 0 of step 0 back in the queue" in r.getMessage() for r in info_logs.records)
+
+
+def test_a_peer_that_does_not_read_its_replies_is_bounded_and_closed():
+    config = QUICK.replace(coordinator={"max_send_buffer": 1 << 16},
+                           training={"population_size": 400_000, "chunk_size": 10})
+
+    async def go():
+        async with coordinator(config) as coord:
+            coord.history.update({s: bytes(40_000) for s in range(1)})
+            coord.state.step = 1  # a step behind: every request earns 40 KB of catch-up
+            hog = await Client.connect(coord)
+            request = JobRequest(SEED0, 0).encode()
+            with contextlib.suppress(ConnectionError):
+                for _ in range(2000):  # 80 MB of replies if they were all queued
+                    hog.writer.write(request)
+                await asyncio.wait_for(hog.writer.drain(), 5)
+            for _ in range(300):  # it stops reading the hog, and closes it after the deadline
+                queued = [p.transport.get_write_buffer_size() for p in coord.peers]
+                assert all(size <= 2 * (1 << 16) + 40_100 for size in queued), queued
+                if not queued:
+                    break
+                await asyncio.sleep(0.01)
+            assert not coord.peers
+    run(go())
+
+
+# --- durability ----------------------------------------------------------------------------
+
+def test_no_catch_up_and_no_next_step_before_the_checkpoint_is_durable(tmp_path, monkeypatch):
+    release = threading.Event()
+    real_commit = ckpt.commit_step
+
+    def slow_commit(*args):
+        assert release.wait(10)
+        real_commit(*args)
+    monkeypatch.setattr(ckpt, "commit_step", slow_commit)
+
+    async def go():
+        async with coordinator(save_dir=tmp_path) as coord:
+            a, late = await Client.connect(coord), await Client.connect(coord)
+            await train_step(a, 0, last=True)
+            for _ in range(5):  # while the fsync is pending: WAIT, no update
+                reply = await a.request(0)
+                assert reply.data_position == WAIT and reply.data == b""
+                await asyncio.sleep(0.02)
+            assert not ckpt.list_checkpoints(tmp_path) and coord.state.step == 0
+            release.set()
+            await settle(coord, 1)
+            assert ckpt.load_latest(tmp_path).step == 1
+            assert (await late.request(0)).data == pack_trits(step_fitness(0))
+    run(go())
+
+
+def test_a_failing_disk_stops_the_run_with_no_hole_in_the_history(tmp_path, monkeypatch,
+                                                                  info_logs):
+    config = SMALL.replace(coordinator={"disk_retry_s": 0.3})
+    real_commit = ckpt.commit_step
+    calls = []
+
+    def commit_until_full(directory, checkpoint, record):
+        calls.append(checkpoint.step)
+        if checkpoint.step >= 3:  # steps 0 and 1 fit; then the disk is full
+            with open(Path(directory) / ckpt.METRICS_FILE, "ab") as f:
+                f.write(b'{"step": 2, "tor')  # a torn line, as a full disk leaves
+            raise OSError(28, "No space left on device")
+        real_commit(directory, checkpoint, record)
+    monkeypatch.setattr(ckpt, "commit_step", commit_until_full)
+
+    async def go():
+        async with coordinator(config, save_dir=tmp_path) as coord:
+            a = await Client.connect(coord)
+            await a.hello()
+            await train_step(a, 0)
+            await train_step(a, 1)
+            await train_step(a, 2, last=True)
+            await asyncio.wait_for(coord.ended.wait(), 5)
+            assert coord.failure and "No space left on device" in coord.failure
+            assert coord.state.step == 2  # never moved past what is on disk
+            return calls
+    assert len(run_value(go())) > 1  # retried before giving up
+    assert sorted(ckpt.list_checkpoints(tmp_path)) == [1, 2]
+    assert [r["step"] for r in ckpt.read_metrics(tmp_path)] == [0, 1]  # 2 torn: skipped
+    monkeypatch.setattr(ckpt, "commit_step", real_commit)
+
+    async def resume():
+        async with coordinator(config, save_dir=tmp_path, load_dir=tmp_path) as coord:
+            assert coord.state.step == 2
+            a = await Client.connect(coord)
+            for step in (0, 1):  # a fresh worker replays from disk...
+                assert (await a.request(step)).data == pack_trits(step_fitness(step))
+            await train_step(a, 2)  # ...and trains the step that failed
+    run(resume())
+    assert [r["step"] for r in ckpt.read_metrics(tmp_path)] == [0, 1, 2]
+    assert sorted(ckpt.list_checkpoints(tmp_path)) == [1, 2, 3]
+    assert any("retrying" in r.getMessage() for r in info_logs.records)
+
+
+def run_value(coro, timeout=20):
+    return asyncio.run(asyncio.wait_for(coro, timeout))
+
+
+def test_metrics_survive_a_torn_last_line(tmp_path):
+    path = tmp_path / ckpt.METRICS_FILE
+    path.write_bytes(b'{"step": 0, "loss": 1.0}\n{"step": 1, "lo')
+    ckpt.append_metrics(tmp_path, {"step": 1, "loss": 0.5})
+    ckpt.append_metrics(tmp_path, {"step": 1, "loss": 0.25})  # step 1 run again after a crash
+    assert [(r["step"], r["loss"]) for r in ckpt.read_metrics(tmp_path)] == [(0, 1.0), (1, 0.25)]
+    ckpt.tidy_metrics(tmp_path, 1)
+    assert path.read_text().splitlines() == ['{"step": 0, "loss": 1.0}']

@@ -1,12 +1,16 @@
-import asyncio
 import socket
+import threading
+import time
 
 import pytest
 
-from deggs.protocol import (HELLO, JOB_REQUEST, NO_FINGERPRINT, RESULT, WAIT, Hello,
-                            HelloReply, JobRequest, JobResponse, LogMessage, ProtocolError,
-                            Result, decode_message, parse_header, read_frame, recv_frame,
-                            send_frame)
+from deggs.protocol import (HELLO, JOB_REQUEST, LOG_MESSAGE, NO_FINGERPRINT, RESULT, WAIT,
+                            Auth, Challenge, FrameReader, Goodbye, Hello, HelloReply,
+                            JobRequest, JobResponse, LogMessage, NotOurProtocol, ProtocolError,
+                            Reason, Result, decode_message, parse_header, printable,
+                            recv_frame, send_frame)
+
+LIMITS = {JOB_REQUEST: 24, RESULT: 100, LOG_MESSAGE: 100}
 
 
 def header(opcode: int, length: int) -> bytes:
@@ -34,6 +38,11 @@ def test_header_bytes():
 def test_parse_header_rejects(raw, message):
     with pytest.raises(ProtocolError, match=message):
         parse_header(raw)
+
+
+def test_another_service_is_told_apart():
+    with pytest.raises(NotOurProtocol, match="bad magic b'SSH-'"):
+        parse_header(b"SSH-2.0-Op")
 
 
 def test_job_request():
@@ -84,31 +93,50 @@ def test_log_message_replaces_bad_utf8():
 
 
 def test_hello():
-    fp = bytes(range(1, 9))
-    raw = header(4, 2 + 8 + 4 + 2) + b"\x00\x01" + fp + u32(2) + b"{}"
-    assert Hello(fp, "{}").encode() == raw
-    assert Hello.decode(raw[10:]) == Hello(fp, "{}", 1)
-    empty = header(4, 14) + b"\x00\x01" + bytes(8) + u32(0)
-    assert Hello(NO_FINGERPRINT).encode() == empty
-    with pytest.raises(ProtocolError, match="HELLO payload ends inside config"):
+    fp, nonce = bytes(range(1, 9)), bytes(range(16))
+    raw = header(4, 2 + 8 + 4 + 2 + 16) + b"\x00\x02" + fp + u32(2) + b"{}" + nonce
+    assert Hello(fp, "{}", nonce).encode() == raw
+    assert Hello.decode(raw[10:]) == Hello(fp, "{}", nonce, 2)
+    with pytest.raises(ProtocolError, match="HELLO payload ends inside nonce"):
         Hello.decode(raw[10:-1])
     with pytest.raises(ProtocolError, match="inside fingerprint"):
-        Hello.decode(b"\x00\x01\x00")
+        Hello.decode(b"\x00\x02\x00")
+    with pytest.raises(ProtocolError, match="config of 70000 bytes exceeds 65536"):
+        Hello.decode(b"\x00\x02" + fp + u32(70000))
     with pytest.raises(ValueError, match="8 bytes"):
         Hello(b"short").encode()
+    # another version's HELLO is read only as far as its version
+    assert Hello.decode(b"\x00\x01" + fp).deggs_protocol == 1
 
 
 def test_hello_reply():
     fp = b"\xaa" * 8
-    raw = (header(5, 1 + 8 + 4 + 2 + 4 + 2) + b"\x00" + fp + u32(2) + b"{}" + u32(2) + b"no")
-    msg = HelloReply(False, fp, "{}", "no")
-    assert msg.encode() == raw
-    assert HelloReply.decode(raw[10:]) == msg
-    assert HelloReply.decode(HelloReply(True, fp, "", "").encode()[10:]).accepted
-    with pytest.raises(ProtocolError, match="HELLO_REPLY payload ends inside message"):
+    raw = header(5, 8 + 4 + 2) + fp + u32(2) + b"{}"
+    assert HelloReply(fp, "{}").encode() == raw
+    assert HelloReply.decode(raw[10:]) == HelloReply(fp, "{}")
+    with pytest.raises(ProtocolError, match="HELLO_REPLY payload ends inside config"):
         HelloReply.decode(raw[10:-1])
-    with pytest.raises(ProtocolError, match="ends inside accepted"):
-        HelloReply.decode(b"")
+
+
+def test_challenge_auth_goodbye():
+    nonce, proof = b"n" * 16, b"p" * 32
+    assert Challenge(nonce, proof).encode() == header(6, 48) + nonce + proof
+    assert Challenge.decode(nonce + proof) == Challenge(nonce, proof)
+    assert Auth(proof).encode() == header(7, 32) + proof
+    assert Auth.decode(proof) == Auth(proof)
+    with pytest.raises(ProtocolError, match="AUTH payload ends inside proof"):
+        Auth.decode(proof[:31])
+    bye = Goodbye(Reason.HISTORY_GONE, "gone")
+    assert bye.encode() == header(8, 5) + b"\x12gone"
+    assert Goodbye.decode(b"\x12gone") == bye and bye.reason.permanent
+    assert not Reason.FINISHED.permanent and not Reason.DISK_FAILURE.permanent
+    with pytest.raises(ProtocolError, match="unknown reason 99"):
+        Goodbye.decode(b"\x63")
+
+
+def test_printable_escapes_control_characters():
+    assert printable("Step 1\n\x1b[31mred\r\t") == "Step 1\\n\\x1b[31mred\\r\\t"
+    assert printable("héllo ✓") == "héllo ✓"
 
 
 def test_decode_message_dispatches_and_rejects_unknown_opcodes():
@@ -120,30 +148,26 @@ def test_decode_message_dispatches_and_rejects_unknown_opcodes():
 
 # --- framing over streams and sockets ----------------------------------------------------
 
-def stream_of(data: bytes) -> asyncio.StreamReader:
-    reader = asyncio.StreamReader()
-    reader.feed_data(data)
-    reader.feed_eof()
-    return reader
+def test_frame_reader_cuts_frames_wherever_the_bytes_split():
+    two = JobRequest(1, 2, 3).encode() + LogMessage("x").encode()
+    for cut in range(len(two) + 1):
+        reader = FrameReader(LIMITS)
+        frames = reader.feed(two[:cut])
+        assert reader.partial == (0 < cut < len(two) and cut != 34)  # 34: between the frames
+        frames += reader.feed(two[cut:])
+        assert frames == [(JOB_REQUEST, u64(1) + u64(2) + u64(3)), (LOG_MESSAGE, b"x")]
+        assert not reader.partial
 
 
-def test_read_frame():
-    async def go():
-        two = JobRequest(1, 2, 3).encode() + LogMessage("x").encode()
-        reader = stream_of(two)
-        assert await read_frame(reader, 100) == (JOB_REQUEST, u64(1) + u64(2) + u64(3))
-        assert await read_frame(reader, 100) == (3, b"x")
-        assert await read_frame(reader, 100) is None  # clean end between frames
-
-        with pytest.raises(ProtocolError, match="RESULT payload of 1000 bytes exceeds the limit of 100"):
-            await read_frame(stream_of(header(RESULT, 1000)), 100)
-        with pytest.raises(ProtocolError, match="disconnected mid-frame.*3 of 24 payload"):
-            await read_frame(stream_of(header(0, 24) + b"abc"), 100)
-        with pytest.raises(ProtocolError, match="disconnected mid-frame.*4 of 10 header"):
-            await read_frame(stream_of(b"JOBS"), 100)
-        with pytest.raises(ProtocolError, match="bad magic"):
-            await read_frame(stream_of(b"GET / HTTP/1.1\r\n"), 100)
-    asyncio.run(go())
+@pytest.mark.parametrize("data, message", [
+    (header(RESULT, 1000), "RESULT payload of 1000 bytes exceeds the limit of 100"),
+    (header(2, 0), "unexpected JOB_RESPONSE"),
+    (header(9, 0), "unknown opcode 9"),
+    (b"GET / HTTP/1.1\r\n", "bad magic"),
+])
+def test_frame_reader_refuses_from_the_header_alone(data, message):
+    with pytest.raises(ProtocolError, match=message):
+        FrameReader(LIMITS).feed(data)
 
 
 def test_blocking_socket_helpers():
@@ -151,15 +175,36 @@ def test_blocking_socket_helpers():
     with a, b:
         send_frame(a, Result(1, 2, 3, 4, -1, b"\x00").encode())
         send_frame(a, header(0, 24) + b"ab")
-        opcode, payload = recv_frame(b, 1000)
+        opcode, payload = recv_frame(b, LIMITS)
         assert opcode == RESULT and Result.decode(payload).sum_loss == -1
         a.shutdown(socket.SHUT_WR)
         with pytest.raises(ProtocolError, match="disconnected mid-frame.*2 of 24 payload"):
-            recv_frame(b, 1000)
+            recv_frame(b, LIMITS)
     c, d = socket.socketpair()
     with c, d:
         send_frame(c, header(1, 5000))
         with pytest.raises(ProtocolError, match="exceeds the limit"):
-            recv_frame(d, 1000)
+            recv_frame(d, LIMITS)
         c.close()
-        assert recv_frame(d, 1000) is None
+        assert recv_frame(d, LIMITS) is None
+
+
+def test_recv_frame_deadlines_are_per_frame_not_per_read():
+    a, b = socket.socketpair()
+    with a, b:
+        with pytest.raises(TimeoutError):  # nothing comes
+            recv_frame(b, LIMITS, wait_s=0.1)
+        frame = JobRequest(1, 2, 3).encode()
+
+        def drip():  # each byte within any per-read timeout, the whole far too slow
+            for byte in frame:
+                try:
+                    a.send(bytes([byte]))
+                except OSError:
+                    return
+                time.sleep(0.05)
+        threading.Thread(target=drip, daemon=True).start()
+        started = time.monotonic()
+        with pytest.raises(TimeoutError, match="took too long"):
+            recv_frame(b, LIMITS, wait_s=1, frame_s=0.3)
+        assert time.monotonic() - started < 0.6

@@ -1,0 +1,525 @@
+"""The worker against scripted fake coordinators on loopback.
+
+A FakeCoordinator accepts one connection per script, in order, and runs that script on
+it in a thread; the worker runs in another thread, bounded by TIMEOUT_S. Nothing here
+sleeps to synchronise: scripts block on the worker's frames, tests on queues, and the
+worker's pauses between reconnects are recorded instead of slept where they matter.
+"""
+
+import os
+import queue
+import select
+import socket
+import subprocess
+import sys
+import threading
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from deggs import auth
+from deggs import worker as worker_module
+from deggs.config import Config
+from deggs.protocol import (OPCODE_NAMES, Auth, Challenge, Goodbye, Hello, HelloReply,
+                            JobRequest, JobResponse, LogMessage, Reason, Result,
+                            decode_message, recv_frame)
+from deggs.ternary import pack_trits, packed_size
+from deggs.worker import Worker, WorkerError
+
+CFG = Config().replace(
+    model={"hidden_dim": 32, "head_dim": 32, "n_layers": 1, "seq_len": 8, "vocab_size": 256},
+    training={"population_size": 64, "chunk_size": 16},
+    worker={"retry_max_s": 0.2, "reply_timeout_s": 2, "frame_timeout_s": 1})
+TOML = """
+[model]
+hidden_dim = 32
+head_dim = 32
+n_layers = 1
+seq_len = 8
+vocab_size = 256
+
+[training]
+population_size = 64
+chunk_size = 16
+
+[worker]
+retry_max_s = 0.2
+reply_timeout_s = 2
+frame_timeout_s = 1
+"""
+SEED = CFG.training.seed
+N_PAIRS = CFG.training.n_pairs
+SECRET = b"correct horse battery staple"
+ANY_FRAME = dict.fromkeys(OPCODE_NAMES, 1 << 24)  # what a fake coordinator accepts
+TIMEOUT_S = 30
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("data")
+    (path / "input.bin").write_bytes(np.random.default_rng(0).integers(0, 256, 4096, np.uint8)
+                                     .tobytes())
+    return path
+
+
+# --- the fake coordinator ----------------------------------------------------------------
+
+class Peer:
+    """The coordinator's end of one connection, speaking deggs.protocol frames."""
+
+    def __init__(self, sock: socket.socket):
+        self.sock = sock
+
+    def send(self, *messages):
+        self.sock.sendall(b"".join(m if isinstance(m, bytes) else m.encode() for m in messages))
+
+    def recv(self):
+        """The worker's next message, or None once it closed the connection."""
+        try:
+            item = recv_frame(self.sock, ANY_FRAME, TIMEOUT_S, TIMEOUT_S)
+        except ConnectionResetError:
+            return None
+        return None if item is None else decode_message(*item)
+
+    def expect(self, kind):
+        message = self.recv()
+        assert isinstance(message, kind), f"expected a {kind.__name__}, got {message!r}"
+        return message
+
+    def welcome(self, config=CFG, pipelined=True) -> Hello:
+        """A deggs coordinator without a secret: HELLO (and the pipelined JOB_REQUEST)
+        answered with HELLO_REPLY."""
+        hello = self.expect(Hello)
+        if pipelined:
+            assert self.expect(JobRequest) == JobRequest(SEED, 0)
+        self.send(HelloReply(config.fingerprint(), config.to_json()))
+        return hello
+
+    def drain(self) -> list:
+        """Read until the worker closes the connection; returns what it sent meanwhile.
+        (Closing our end with its bytes unread would reset the connection instead.)"""
+        messages = []
+        while (message := self.recv()) is not None:
+            messages.append(message)
+        return messages
+
+
+class FakeCoordinator:
+    """Listens on loopback; runs scripts[i](Peer) on the i-th connection, then stops
+    listening. `connections` gets the index of every connection as it is accepted."""
+
+    def __init__(self, *scripts, port=0):
+        self.listener = socket.create_server(("127.0.0.1", port))
+        self.port = self.listener.getsockname()[1]
+        self.scripts = scripts
+        self.connections: queue.Queue = queue.Queue()
+        self.errors: list[BaseException] = []
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self):
+        self.listener.settimeout(TIMEOUT_S)
+        try:
+            for index, script in enumerate(self.scripts):
+                conn, _ = self.listener.accept()
+                self.connections.put(index)
+                with conn:
+                    conn.settimeout(TIMEOUT_S)
+                    try:
+                        script(Peer(conn))
+                    except BaseException as e:  # reported by check()
+                        self.errors.append(e)
+                        return
+        finally:
+            self.listener.close()
+
+    def check(self):
+        """Every script ran to its end without a failed assertion."""
+        self.thread.join(TIMEOUT_S)
+        assert not self.thread.is_alive(), "the fake coordinator is still running"
+        if self.errors:
+            raise self.errors[0]
+
+
+def make_worker(port, data_dir, cfg=CFG, secret=None, host="127.0.0.1"):
+    lines: list[str] = []
+    worker = Worker(host, port, cfg, data_dir, backend="cpu", threads=1, log=lines.append,
+                    secret=secret)
+    worker.lines = lines
+    return worker
+
+
+def run_worker(worker, max_steps=None):
+    """worker.run() in a thread, bounded in time; re-raises what it raised."""
+    outcome: queue.Queue = queue.Queue()
+
+    def target():
+        try:
+            worker.run(max_steps)
+            outcome.put(None)
+        except BaseException as e:
+            outcome.put(e)
+
+    threading.Thread(target=target, daemon=True).start()
+    try:
+        error = outcome.get(timeout=TIMEOUT_S)
+    except queue.Empty:
+        pytest.fail("the worker did not stop:\n" + "\n".join(worker.lines))
+    if error is not None:
+        raise error
+
+
+@pytest.fixture
+def pauses(monkeypatch):
+    """The worker's sleeps, recorded rather than slept."""
+    recorded: list[float] = []
+    fake_time = SimpleNamespace(sleep=recorded.append, perf_counter=time.perf_counter,
+                                monotonic=time.monotonic)
+    monkeypatch.setattr(worker_module, "time", fake_time)
+    return recorded
+
+
+def finish(peer: Peer):
+    peer.send(Goodbye(Reason.FINISHED, "the run reached step 0"))
+    peer.drain()
+
+
+# --- farewells ----------------------------------------------------------------------------
+
+def test_goodbye_finished_ends_the_run(data_dir):
+    def script(peer):
+        peer.welcome()  # the JOB_REQUEST came right after HELLO, unanswered
+        finish(peer)
+
+    fake = FakeCoordinator(script)
+    worker = make_worker(fake.port, data_dir)
+    run_worker(worker)
+    fake.check()
+    assert "[coordinator] FINISHED: the run reached step 0" in worker.lines
+    assert worker.lines[-1] == "[worker] the run is finished at step 0"
+
+
+def test_permanent_goodbye_is_a_worker_error_on_one_line(data_dir):
+    def script(peer):
+        peer.expect(Hello)
+        peer.send(Goodbye(Reason.CONFIG_MISMATCH, "configs differ\n\x1b[31mforged line"))
+        peer.drain()
+
+    fake = FakeCoordinator(script)
+    with pytest.raises(WorkerError, match="CONFIG_MISMATCH") as error:
+        run_worker(make_worker(fake.port, data_dir))
+    fake.check()
+    assert str(error.value).endswith(r"configs differ\n\x1b[31mforged line")
+
+
+def test_shutting_down_reconnects_and_coordinator_text_is_escaped(data_dir):
+    def going_away(peer):
+        peer.welcome()
+        peer.send(LogMessage("first line\nsecond \x1b[2J line\n"),
+                  Goodbye(Reason.SHUTTING_DOWN, "the coordinator is shutting down"))
+        peer.drain()
+
+    def back(peer):
+        peer.welcome()
+        finish(peer)
+
+    fake = FakeCoordinator(going_away, back)
+    worker = make_worker(fake.port, data_dir)
+    run_worker(worker)
+    fake.check()
+    assert "[coordinator] first line" in worker.lines
+    assert r"[coordinator] second \x1b[2J line" in worker.lines
+    assert "[coordinator] SHUTTING_DOWN: the coordinator is shutting down" in worker.lines
+    assert not any("\x1b" in line for line in worker.lines)
+    assert worker.lines[-1] == "[worker] the run is finished at step 0"
+
+
+# --- the handshake --------------------------------------------------------------------------
+
+def challenge(peer, secret=SECRET):
+    """A deggs coordinator with a secret: HELLO answered with CHALLENGE; returns the
+    (worker's, coordinator's) nonces."""
+    hello = peer.expect(Hello)
+    ours = auth.new_nonce()
+    peer.send(Challenge(ours, auth.proof(secret, "coordinator", hello.nonce, ours)))
+    return hello.nonce, ours
+
+
+def test_secret_handshake(data_dir):
+    def script(peer):
+        theirs, ours = challenge(peer)
+        # Nothing pipelined: the worker's next frame is its proof.
+        assert peer.expect(Auth).proof == auth.proof(SECRET, "worker", theirs, ours)
+        peer.send(HelloReply(CFG.fingerprint(), CFG.to_json()))
+        assert peer.expect(JobRequest) == JobRequest(SEED, 0)
+        finish(peer)
+
+    fake = FakeCoordinator(script)
+    worker = make_worker(fake.port, data_dir, secret=SECRET)
+    run_worker(worker)
+    fake.check()
+    assert any("shared secret proven" in line for line in worker.lines)
+
+
+def test_a_coordinator_with_another_secret_is_refused(data_dir):
+    def script(peer):
+        challenge(peer, secret=b"another secret")
+        assert peer.drain() == []  # no AUTH: our proof is not given to an impostor
+
+    fake = FakeCoordinator(script)
+    with pytest.raises(WorkerError, match="proved a different shared secret"):
+        run_worker(make_worker(fake.port, data_dir, secret=SECRET))
+    fake.check()
+
+
+def test_a_worker_without_secret_is_told_to_set_one(data_dir):
+    def script(peer):
+        challenge(peer)
+        peer.drain()
+
+    fake = FakeCoordinator(script)
+    with pytest.raises(WorkerError, match="requires a shared secret: set DEGGS_SECRET or "
+                                          "DEGGS_SECRET_FILE"):
+        run_worker(make_worker(fake.port, data_dir))
+    fake.check()
+
+
+@pytest.mark.parametrize("answer", [HelloReply(CFG.fingerprint(), CFG.to_json()),
+                                    JobResponse(SEED, 0, 0)], ids=["HELLO_REPLY", "JOB_RESPONSE"])
+def test_a_coordinator_that_skips_the_challenge_is_refused(data_dir, answer):
+    def script(peer):
+        peer.expect(Hello)
+        peer.send(answer)
+        peer.drain()
+
+    fake = FakeCoordinator(script)
+    with pytest.raises(WorkerError, match="did not prove the shared secret; is DEGGS_SECRET "
+                                          "set there"):
+        run_worker(make_worker(fake.port, data_dir, secret=SECRET))
+    fake.check()
+
+
+def test_a_worker_without_config_adopts_the_coordinators(data_dir):
+    def script(peer):
+        peer.welcome(pipelined=False)  # no config, no seed: nothing to ask for yet
+        assert peer.expect(JobRequest) == JobRequest(SEED, 0)
+        finish(peer)
+
+    fake = FakeCoordinator(script)
+    worker = make_worker(fake.port, data_dir, cfg=None)
+    run_worker(worker)
+    fake.check()
+    assert "[worker] using the coordinator's config" in worker.lines
+    assert worker.cfg.fingerprint() == CFG.fingerprint()
+
+
+def test_something_that_is_not_a_coordinator_is_named(data_dir):
+    def ssh_server(peer):
+        peer.send(b"SSH-2.0-OpenSSH_9.6\r\n")
+        peer.drain()
+
+    fake = FakeCoordinator(ssh_server)
+    with pytest.raises(WorkerError, match=r"not a d-eggs coordinator: bad magic b'SSH-'"):
+        run_worker(make_worker(fake.port, data_dir))
+    fake.check()
+
+
+# --- work, and the reference coordinator's dead ends ----------------------------------------
+
+def test_a_chunk_is_scored_and_the_generation_is_plain_text(data_dir):
+    def script(peer):
+        peer.welcome()
+        peer.send(JobResponse(SEED, 0, 0))  # chunk 0 of step 0: it brings a generation
+        text = peer.expect(LogMessage).text
+        assert "GENERATION" in text and "\x1b" not in text
+        result = peer.expect(Result)
+        assert (result.last_step, result.data_position) == (0, 0)
+        assert len(result.data) == packed_size(CFG.training.chunk_size // 2)
+        assert peer.expect(JobRequest) == JobRequest(SEED, 0)
+        finish(peer)
+
+    fake = FakeCoordinator(script)
+    worker = make_worker(fake.port, data_dir)
+    run_worker(worker)
+    fake.check()
+    assert worker.chunks_done == 1
+
+
+def reference_at_step_1(then):
+    """A reference coordinator (it ignores HELLO) that moves the worker to step 1 with a
+    catch-up, then answers its next request with `then`."""
+    def script(peer):
+        peer.expect(Hello)
+        assert peer.expect(JobRequest) == JobRequest(SEED, 0)
+        peer.send(JobResponse(SEED, 1, 0, pack_trits(np.zeros(N_PAIRS))))
+        assert peer.expect(JobRequest).last_step == 1
+        peer.send(then)
+        peer.drain()
+    return script
+
+
+@pytest.mark.parametrize("then, message", [
+    (JobResponse(0, 0, 0), "no longer has the history this worker needs to catch up from "
+                           "step 1"),
+    (JobResponse(SEED, 0, 16), "behind this worker: it hands out step 0, the worker is at "
+                               "step 1"),
+], ids=["all-zero response", "stale chunk"])
+def test_reference_coordinator_dead_ends_are_worker_errors(data_dir, then, message):
+    fake = FakeCoordinator(reference_at_step_1(then))
+    worker = make_worker(fake.port, data_dir)
+    with pytest.raises(WorkerError, match=message):
+        run_worker(worker)
+    fake.check()
+    assert worker.step == 1
+    assert any("a reference coordinator" in line for line in worker.lines)
+
+
+def test_a_chunk_from_the_future_is_retried(data_dir, pauses):
+    def ahead(peer):
+        peer.welcome()
+        peer.send(JobResponse(SEED, 5, 0))
+        peer.drain()
+
+    def fine(peer):
+        peer.welcome()
+        finish(peer)
+
+    fake = FakeCoordinator(ahead, fine)
+    worker = make_worker(fake.port, data_dir)
+    run_worker(worker)
+    fake.check()
+    assert any("bad job: step 5" in line for line in worker.lines)
+
+
+# --- connecting, deadlines and backoff ------------------------------------------------------
+
+def test_an_unresolvable_host_is_an_error_after_resolve_tries(data_dir, pauses):
+    worker = make_worker(1, data_dir, host="no-such-host.invalid")
+    with pytest.raises(WorkerError, match="cannot resolve host 'no-such-host.invalid'"):
+        run_worker(worker)
+    assert len(pauses) == CFG.worker.resolve_tries - 1
+
+
+def test_a_dripping_coordinator_is_dropped_by_the_frame_deadline(data_dir):
+    dropped_after: queue.Queue = queue.Queue()
+
+    def drip(peer):
+        peer.expect(Hello)
+        peer.expect(JobRequest)
+        reply = HelloReply(CFG.fingerprint(), CFG.to_json()).encode()
+        started = time.monotonic()
+        for byte in reply:
+            peer.sock.sendall(bytes([byte]))
+            # One byte every 0.3 s, until the worker hangs up.
+            readable, _, _ = select.select([peer.sock], [], [], 0.3)
+            if readable:
+                assert peer.drain() == []
+                dropped_after.put(time.monotonic() - started)
+                return
+        raise AssertionError("the worker read the whole dripped reply")
+
+    def fine(peer):
+        peer.welcome()
+        finish(peer)
+
+    fake = FakeCoordinator(drip, fine)
+    worker = make_worker(fake.port, data_dir)
+    run_worker(worker)
+    fake.check()
+    # frame_timeout_s (1 s) after the first byte, though every byte came within 0.3 s
+    assert 1.0 <= dropped_after.get_nowait() < 2.0
+    assert any("no complete message from the coordinator in time" in line
+               for line in worker.lines)
+    assert fake.connections.qsize() == 2
+
+
+def accept_and_close(peer):
+    pass  # the connection closes as the script ends
+
+
+def test_backoff_is_reset_by_a_handshake_not_by_a_connect(data_dir, pauses):
+    def joins_then_drops(peer):
+        peer.welcome()
+
+    def fine(peer):
+        peer.welcome()
+        finish(peer)
+
+    fake = FakeCoordinator(accept_and_close, accept_and_close, accept_and_close,
+                           joins_then_drops, accept_and_close, accept_and_close, fine)
+    cfg = CFG.replace(worker={"retry_max_s": 1.5})
+    run_worker(make_worker(fake.port, data_dir, cfg=cfg))
+    fake.check()
+    assert pauses == [0.5, 1.0, 1.5, 0.5, 1.0, 1.5]
+
+
+def test_a_refused_connection_is_retried_until_the_coordinator_is_up(data_dir, monkeypatch):
+    probe = socket.create_server(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+    probe.close()  # nothing listens there now
+    started: list[FakeCoordinator] = []
+
+    def sleep(seconds):
+        pauses.append(seconds)
+        if len(pauses) == 6:  # the coordinator comes up at last
+            started.append(FakeCoordinator(lambda peer: (peer.welcome(), finish(peer)),
+                                           port=port))
+
+    pauses: list[float] = []
+    monkeypatch.setattr(worker_module, "time", SimpleNamespace(
+        sleep=sleep, perf_counter=time.perf_counter, monotonic=time.monotonic))
+    worker = make_worker(port, data_dir)
+    run_worker(worker)
+    started[0].check()
+    assert pauses == [0.2] * 6  # retry_max_s caps even the first pause
+    assert sum("Connection refused" in line for line in worker.lines) == 6
+
+
+# --- the command line -------------------------------------------------------------------------
+
+def run_cli(tmp_path, data_dir, port, **env):
+    (tmp_path / "tiny.toml").write_text(TOML)
+    return subprocess.run(
+        [sys.executable, "-m", "deggs", "worker", "127.0.0.1", "--port", str(port),
+         "--config", str(tmp_path / "tiny.toml"), "--data-dir", str(data_dir),
+         "--backend", "cpu", "--threads", "1"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+        env={**{k: v for k, v in os.environ.items() if not k.startswith("DEGGS_SECRET")},
+             **env})
+
+
+def test_cli_exits_0_when_the_run_is_finished(tmp_path, data_dir):
+    def script(peer):
+        challenge(peer)
+        peer.expect(Auth)
+        peer.send(HelloReply(CFG.fingerprint(), CFG.to_json()))
+        peer.expect(JobRequest)
+        finish(peer)
+
+    fake = FakeCoordinator(script)
+    result = run_cli(tmp_path, data_dir, fake.port, DEGGS_SECRET=SECRET.decode())
+    fake.check()
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "[worker] the run is finished at step 0" in result.stdout
+
+
+def test_cli_exits_2_on_a_refusal(tmp_path, data_dir):
+    def script(peer):
+        peer.expect(Hello)
+        peer.send(Goodbye(Reason.HISTORY_GONE, "the fitness of step 0 is no longer kept"))
+        peer.drain()
+
+    fake = FakeCoordinator(script)
+    result = run_cli(tmp_path, data_dir, fake.port)
+    fake.check()
+    assert result.returncode == 2
+    assert "deggs-worker: error: the coordinator refused this worker (HISTORY_GONE)" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_cli_exits_2_on_a_bad_secret_setting(tmp_path, data_dir):
+    result = run_cli(tmp_path, data_dir, 1, DEGGS_SECRET="a", DEGGS_SECRET_FILE="/nonexistent")
+    assert result.returncode == 2
+    assert "not both" in result.stderr and "Traceback" not in result.stderr
