@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import re
+import math
 import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -260,19 +260,34 @@ class Config:
 MAX_JSON_CHARS = 64 * 1024
 MAX_JSON_DEPTH = 4  # a config is a table of tables; lr_schedule adds two levels
 MAX_NUMBER_CHARS = 40
-_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
+
+
+def _json_depth(text: str) -> int:
+    """How deep JSON text nests, in one pass (brackets inside strings do not count)."""
+    depth = deepest = 0
+    in_string = escaped = False
+    for c in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif c == "\\":
+                escaped = True
+            elif c == '"':
+                in_string = False
+        elif c == '"':
+            in_string = True
+        elif c in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif c in "]}":
+            depth -= 1
+    return deepest
 
 
 def _parse_json(text: str) -> Any:
     if len(text) > MAX_JSON_CHARS:
         raise ConfigError(f"config JSON is {len(text)} characters, more than {MAX_JSON_CHARS}")
-    depth = deepest = 0
-    for c in _JSON_STRING.sub("", text):  # brackets inside strings do not nest
-        if c in "[{":
-            depth += 1
-            deepest = max(deepest, depth)
-        elif c in "]}":
-            depth -= 1
+    deepest = _json_depth(text)
     if deepest > MAX_JSON_DEPTH:
         raise ConfigError(f"config JSON nests {deepest} levels deep, at most {MAX_JSON_DEPTH}")
 
@@ -280,7 +295,10 @@ def _parse_json(text: str) -> Any:
         def parse(s: str):
             if len(s) > MAX_NUMBER_CHARS:
                 raise ConfigError(f"config JSON holds a number of {len(s)} characters")
-            return kind(s)
+            value = kind(s)
+            if not math.isfinite(value):
+                raise ConfigError(f"config JSON holds {s}, which is not a finite number")
+            return value
         return parse
 
     def no_constant(name: str):
@@ -392,8 +410,8 @@ def _coerce(where: str, value: Any, default: Any):
             raise ConfigError(f"{where} must be an integer, not {value!r}")
         return value
     if isinstance(default, float):
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{where} must be a number, not {value!r}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not _finite(value):
+            raise ConfigError(f"{where} must be a finite number, not {value!r}")
         return float(value)
     if isinstance(default, str):
         if not isinstance(value, str):
@@ -406,11 +424,18 @@ def _coerce(where: str, value: Any, default: Any):
         for p in value:
             if (not isinstance(p, (list, tuple)) or len(p) != 2 or isinstance(p[0], bool)
                     or not isinstance(p[0], int) or isinstance(p[1], bool)
-                    or not isinstance(p[1], (int, float))):
+                    or not isinstance(p[1], (int, float)) or not _finite(p[1])):
                 raise ConfigError(f"{where} entries must be [first_step, lr], not {p!r}")
             pairs.append((p[0], float(p[1])))
         return tuple(pairs)
     raise ConfigError(f"{where}: unsupported value {value!r}")
+
+
+def _finite(value: int | float) -> bool:
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int too large for a float
+        return False
 
 
 def _require(ok: bool, key: str, message: str):

@@ -51,7 +51,7 @@ from .protocol import (AUTH, DEGGS_PROTOCOL, HELLO, JOB_REQUEST, LOG_MESSAGE,
                        RESULT, WAIT, Auth, Challenge, FrameReader, Goodbye, Hello, HelloReply,
                        JobRequest, JobResponse, LogMessage, ProtocolError, Reason, Result,
                        printable, set_keepalive)
-from .ternary import pack_trits, packed_size, unpack_trits
+from .ternary import check_packed, pack_trits, packed_size, unpack_blocks
 
 log = logging.getLogger("deggs.coordinator")
 
@@ -75,7 +75,8 @@ class StepState:
     seed: int
     started: float  # clock time the step began
     n_chunks: int
-    fitness: np.ndarray  # int32 per pair of the population
+    chunk_pairs: int
+    packed: list = field(default_factory=list)  # per chunk: its RESULT's packed fitness
     pending: deque = field(default_factory=deque)  # chunks nobody holds, next first
     in_progress: OrderedDict = field(default_factory=OrderedDict)  # chunk -> time handed out, oldest first
     holders: dict = field(default_factory=dict)  # chunk in progress -> the Peers holding it
@@ -94,12 +95,16 @@ class StepState:
     def fresh(cls, config: Config, step: int, seed: int, now: float) -> "StepState":
         t = config.training
         return cls(step=step, seed=seed, started=now, n_chunks=t.n_chunks,
-                   fitness=np.zeros(t.n_pairs, dtype=np.int32),
-                   pending=deque(range(t.n_chunks)), done=bytearray(t.n_chunks))
+                   chunk_pairs=t.chunk_size // 2, packed=[bytes(packed_size(t.chunk_size // 2))]
+                   * t.n_chunks, pending=deque(range(t.n_chunks)), done=bytearray(t.n_chunks))
 
     @property
     def complete(self) -> bool:
         return self.n_done == self.n_chunks
+
+    def fitness(self) -> np.ndarray:
+        """The population's fitness (zeros for chunks not in yet), unpacked in one go."""
+        return unpack_blocks(b"".join(self.packed), self.n_chunks, self.chunk_pairs)
 
 
 class Coordinator:
@@ -434,8 +439,8 @@ class Coordinator:
         if peer.step != s.step or chunk not in peer.chunks:
             raise ProtocolError(f"RESULT for chunk {chunk} of step {s.step}, which was not "
                                 "handed to this connection")
-        try:
-            fitness = unpack_trits(res.data, self.chunk_pairs)
+        try:  # unpacked with the whole population when the step is sealed
+            check_packed(res.data, self.chunk_pairs)
         except ValueError as e:
             raise ProtocolError(f"RESULT fitness is malformed: {e}") from None
         s.transmissions += 1  # duplicates count, as in the reference's statistics
@@ -451,8 +456,7 @@ class Coordinator:
         s.in_progress.pop(chunk, None)
         s.holders.pop(chunk, None)
         s.sum_loss += res.sum_loss
-        first = chunk * self.chunk_pairs
-        s.fitness[first:first + self.chunk_pairs] = fitness
+        s.packed[chunk] = res.data
         if s.complete:
             s.sealing = True
             self._spawn(self._seal(s))
@@ -461,7 +465,7 @@ class Coordinator:
 
     async def _seal(self, s: StepState):
         """Make a finished step durable, then move every worker on to the next one."""
-        packed = pack_trits(s.fitness)
+        packed = pack_trits(s.fitness())
         record = self._metrics(s)
         step, seed = s.step + 1, next_step_seed(s.seed, s.step + 1)
         if self.save_dir is not None:
@@ -704,8 +708,12 @@ class Peer(asyncio.Protocol):
         transport = self.transport
         if goodbye and not transport.is_closing():
             self._write([goodbye])
-            if transport.can_write_eof():
-                transport.write_eof()
+            try:
+                if transport.can_write_eof():
+                    transport.write_eof()
+            except OSError:  # the peer is already gone (reset): nothing left to tell it
+                transport.abort()
+                return
             transport.resume_reading()
         else:
             transport.close()

@@ -355,6 +355,8 @@ def decode_message(opcode: int, payload: bytes):
 
 def _check_length(opcode: int, length: int, limits: dict[int, int]):
     limit = limits.get(opcode)
+    if limit is not None and length <= limit:
+        return
     name = OPCODE_NAMES.get(opcode, f"opcode {opcode}")
     if limit is None:
         raise ProtocolError(f"unexpected {name}" if opcode in OPCODE_NAMES
@@ -384,7 +386,9 @@ class FrameReader:
         buf += data
         frames, pos = [], 0
         while len(buf) - pos >= HEADER_SIZE:
-            opcode, length = parse_header(bytes(buf[pos:pos + HEADER_SIZE]))
+            magic, version, opcode, length = _HEADER.unpack_from(buf, pos)
+            if magic != MAGIC or version != VERSION:
+                parse_header(bytes(buf[pos:pos + HEADER_SIZE]))  # raises, saying which
             _check_length(opcode, length, self.limits)
             end = pos + HEADER_SIZE + length
             if len(buf) < end:

@@ -34,21 +34,31 @@ def pack_trits(values) -> bytes:
     return (trits.reshape(-1, TRITS_PER_BYTE) @ _PLACE).astype(np.uint8).tobytes()
 
 
-def unpack_trits(data, count: int) -> np.ndarray:
-    """Unpack `count` values from `data` (bytes-like) into an int32 array of -1/0/1.
-
-    ValueError for data of the wrong size, a byte above 242 or a partial last byte that
-    carries values beyond `count`: bytes a correct packer never writes.
-    """
-    raw = np.frombuffer(data, dtype=np.uint8)
-    if raw.size != packed_size(count):
-        raise ValueError(f"unpack_trits: {count} values need {packed_size(count)} bytes, "
-                         f"got {raw.size}")
-    if raw.size and raw.max() > MAX_PACKED_BYTE:
-        where = int(np.argmax(raw > MAX_PACKED_BYTE))
-        raise ValueError(f"unpack_trits: byte {where} is {raw[where]}, above {MAX_PACKED_BYTE} "
+def check_packed(data: bytes, count: int) -> None:
+    """ValueError unless `data` is `count` packed values as pack_trits writes them: the
+    right size, no byte above 242, no trits past `count` in a partial last byte."""
+    if len(data) != packed_size(count):
+        raise ValueError(f"{count} values need {packed_size(count)} bytes, got {len(data)}")
+    if data and max(data) > MAX_PACKED_BYTE:
+        where = next(i for i, b in enumerate(data) if b > MAX_PACKED_BYTE)
+        raise ValueError(f"byte {where} is {data[where]}, above {MAX_PACKED_BYTE} "
                          "(not five trits)")
-    values = _UNPACK[raw].reshape(-1)
-    if values[count:].any():
-        raise ValueError(f"unpack_trits: the last byte holds trits beyond the {count} values")
-    return values[:count].astype(np.int32)
+    rest = count % TRITS_PER_BYTE
+    if rest and data[-1] >= 3 ** rest:
+        raise ValueError(f"the last byte holds trits beyond the {count} values")
+
+
+def unpack_trits(data, count: int) -> np.ndarray:
+    """Unpack `count` values from `data` (bytes-like) into an int32 array of -1/0/1;
+    ValueError for bytes that check_packed refuses."""
+    data = bytes(data)
+    check_packed(data, count)
+    return unpack_blocks(data, 1, count)
+
+
+def unpack_blocks(data: bytes, blocks: int, count: int) -> np.ndarray:
+    """Unpack `blocks` packed runs of `count` values each, laid end to end (the chunks of
+    a population, each packed on its own), through the byte -> five values table. The
+    data must already have passed check_packed, run by run."""
+    raw = np.frombuffer(data, dtype=np.uint8).reshape(blocks, packed_size(count))
+    return _UNPACK[raw].reshape(blocks, -1)[:, :count].reshape(-1).astype(np.int32)

@@ -274,7 +274,7 @@ def test_duplicate_results_are_ignored_but_counted(info_logs):
             s = coord.state
             assert s.sum_loss == 5 and s.transmissions == 2
             assert (s.updates_total, s.updates_min, s.updates_max) == (14, 3, 11)
-            np.testing.assert_array_equal(s.fitness[:PAIRS], chunk_fitness(0, 0))
+            np.testing.assert_array_equal(s.fitness()[:PAIRS], chunk_fitness(0, 0))
             for _ in range(3):
                 await a.result(await a.request(0))
             await settle(coord, 1)
