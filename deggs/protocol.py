@@ -438,12 +438,16 @@ def _recv_exact(sock: socket.socket, size: int, what: str, deadline: float | Non
                 start: bytes = b"") -> bytes:
     buf = bytearray(start)
     while len(buf) < size:
-        if deadline is not None:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(f"a frame took too long ({len(buf)} of {size} {what} bytes)")
-            sock.settimeout(left)
-        part = sock.recv(min(size - len(buf), 1 << 20))
+        try:
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError
+                sock.settimeout(left)
+            part = sock.recv(min(size - len(buf), 1 << 20))
+        except TimeoutError:
+            raise TimeoutError(f"a frame took too long ({len(buf)} of {size} {what} "
+                               "bytes)") from None
         if not part:
             raise ProtocolError(f"disconnected mid-frame ({len(buf)} of {size} {what} bytes)")
         buf += part
