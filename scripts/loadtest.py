@@ -25,7 +25,8 @@ After --warmup seconds it measures over a window of --seconds:
                          catchups_per_s catch-up responses (one per connection per step)
     coordinator_cpu_pct  the coordinator process's CPU (utime + stime of /proc/PID/stat,
                          all its threads) as % of one core; coordinator_sys_pct the stime
-                         (the kernel's share: socket calls, loopback delivery)
+                         (the kernel's share: socket calls, loopback delivery), and
+                         coordinator_us_per_result its CPU time per RESULT
     coordinator_rss_mb   its VmRSS at the end, coordinator_peak_rss_mb its VmHWM
     loadgen_cpu_pct      the load processes' own CPU, % of one core (summed)
     machine_busy_pct     every core's non-idle time (/proc/stat), % of one core (2 cores:
@@ -90,6 +91,10 @@ class LoadError(Exception):
     """Ends the load test with a one-line error."""
 
 
+class CoordinatorDied(LoadError):
+    """The coordinator process exited; the message has its last lines."""
+
+
 def log(text: str):
     print(f"[loadtest] {text}", file=sys.stderr, flush=True)
 
@@ -150,22 +155,23 @@ class CoordinatorProcess:
             if found:
                 return int(found.group(1))
             if self.proc.poll() is not None:
-                raise LoadError(f"the coordinator exited with code {self.proc.returncode} "
-                                f"before listening: {self.tail()}")
+                raise CoordinatorDied(f"the coordinator exited with code "
+                                      f"{self.proc.returncode} before listening: {self.tail()}")
             time.sleep(0.05)
         raise LoadError(f"the coordinator did not listen within {timeout:g} s: {self.tail()}")
 
     def tail(self, lines: int = 3) -> str:
         try:
-            text = self.log_path.read_text(errors="replace").strip().splitlines()
+            text = [line for line in self.log_path.read_text(errors="replace").splitlines()
+                    if line.strip()]
         except OSError:
             return "(no log)"
         return " | ".join(text[-lines:]) or "(no output)"
 
     def check_alive(self):
         if self.proc.poll() is not None:
-            raise LoadError(f"the coordinator died (exit code {self.proc.returncode}): "
-                            f"{self.tail()}")
+            raise CoordinatorDied(f"the coordinator died (exit code {self.proc.returncode}): "
+                                  f"{self.tail()}")
 
     def sample(self) -> dict:
         """CPU seconds (all threads), current and peak RSS in MB."""
@@ -261,14 +267,18 @@ class Load:
         self.request_at = len(result) + 10
         self.request = bytearray(request)
         deadline = time.monotonic() + 30
-        for _ in range(n):
-            sock = socket.create_connection((HOST, port),
-                                            timeout=max(0.1, deadline - time.monotonic()))
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            sock.setblocking(False)
-            conn = Conn(sock, opts["seed"])
-            self.conns[conn.fd] = conn
-            self.ep.register(conn.fd, select.EPOLLIN)
+        try:
+            for _ in range(n):
+                sock = socket.create_connection((HOST, port),
+                                                timeout=max(0.1, deadline - time.monotonic()))
+                conn = Conn(sock, opts["seed"])
+                self.conns[conn.fd] = conn
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                sock.setblocking(False)
+                self.ep.register(conn.fd, select.EPOLLIN)
+        except BaseException:
+            self.close()
+            raise
 
     def close(self):
         for conn in self.conns.values():
@@ -571,6 +581,7 @@ def measure(args, coord: CoordinatorProcess, port: int, save_dir: Path, opts: di
         "catchups_per_s": rate(CATCHUPS),
         "rx_mb_per_s": round(delta[RX_BYTES] / window / 2**20, 2),
         "connections": args.connections,
+        "ready_connections": sum(s[1]["ready"] for s in snaps),  # past the handshake
         "processes": args.processes,
         "population": args.population,
         "chunk": args.chunk,
@@ -582,6 +593,8 @@ def measure(args, coord: CoordinatorProcess, port: int, save_dir: Path, opts: di
                                if step_times else None),
         "coordinator_cpu_pct": round(coordinator_cpu, 1),
         "coordinator_sys_pct": round(100 * (c1["sys_s"] - c0["sys_s"]) / window, 1),
+        "coordinator_us_per_result": (round(coordinator_cpu * 1e4 * window / delta[RESULTS], 1)
+                                      if delta[RESULTS] else None),
         "coordinator_rss_mb": round(c1["rss_mb"], 1),
         "coordinator_peak_rss_mb": round(c1["peak_rss_mb"], 1),
         "loadgen_cpu_pct": round(100 * loadgen_cpu / window, 1),
@@ -598,12 +611,13 @@ def measure(args, coord: CoordinatorProcess, port: int, save_dir: Path, opts: di
 
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--population", type=int, default=1 << 20)
-    p.add_argument("--chunk", type=int, default=64)
-    p.add_argument("--connections", type=int, default=200)
+    p.add_argument("--population", type=int, default=1 << 20, help="training.population_size")
+    p.add_argument("--chunk", type=int, default=64, help="training.chunk_size")
+    p.add_argument("--connections", type=int, default=200, help="fake workers")
     p.add_argument("--seconds", type=float, default=20.0, help="the measured window")
-    p.add_argument("--warmup", type=float, default=2.0)
-    p.add_argument("--processes", type=int, default=1, help="load processes")
+    p.add_argument("--warmup", type=float, default=2.0, help="seconds before the window")
+    p.add_argument("--processes", type=int, default=1,
+                   help="load processes, the connections split among them")
     p.add_argument("--wait-ms", type=float, default=5.0, help="pause after a WAIT")
     p.add_argument("--secret", action="store_true",
                    help="give the coordinator a random DEGGS_SECRET; workers prove it")
@@ -612,7 +626,8 @@ def parse_args(argv):
                    "removed afterwards)")
     p.add_argument("--coordinator-profile", metavar="FILE",
                    help="run the coordinator under cProfile, writing FILE when it stops")
-    p.add_argument("--start-timeout", type=float, default=60.0)
+    p.add_argument("--start-timeout", type=float, default=60.0,
+                   help="seconds the coordinator may take to listen")
     args = p.parse_args(argv)
     for name in ("population", "chunk", "connections", "processes"):
         if getattr(args, name) < 1:
@@ -656,10 +671,13 @@ def main(argv=None) -> int:
             f"{args.population} in {args.population // args.chunk} chunks of {args.chunk}")
         result = measure(args, coord, port, save_dir, opts)
         coord.check_alive()
-    except LoadError as e:
-        if coord is not None and coord.proc.poll() is not None and "died" not in str(e):
-            time.sleep(0.2)  # let its last words reach the log
-            e = f"the coordinator died (exit code {coord.proc.returncode}): {coord.tail()}"
+    except (LoadError, ProtocolError, OSError) as e:
+        if not isinstance(e, CoordinatorDied) and coord is not None:
+            try:  # a lost connection: did the coordinator die? (it may still be exiting)
+                coord.proc.wait(0.5)
+                e = f"the coordinator died (exit code {coord.proc.returncode}): {coord.tail()}"
+            except subprocess.TimeoutExpired:
+                pass
         print(f"loadtest: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
