@@ -20,8 +20,8 @@ run first rewrites the file without them (tidy_metrics).
 
 A file that fails validation (bad magic or version, a size that disagrees with the
 header or the config, bytes that are not packed trits, a step that disagrees with its
-name) raises CheckpointError naming the file. The newest checkpoint is loaded when a run resumes, and a bad one stops the
-start: quietly falling back to an older step would put the coordinator behind workers
+name) raises CheckpointError naming the file. The newest checkpoint is loaded when a run
+resumes, and a bad one stops the start: quietly falling back to an older step would put the coordinator behind workers
 that already applied the newer one. Older files are read only when a worker needs them
 to catch up; a bad one there fails that worker's catch-up, not the run.
 """
@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .config import Config, ConfigError
-from .ternary import packed_size, unpack_trits
+from .ternary import check_packed, packed_size
 
 CHECKPOINT_MAGIC = 0x45474743
 CHECKPOINT_VERSION = 1
@@ -91,7 +91,7 @@ def decode_checkpoint(data: bytes, name: str, n_pairs: int | None = None) -> Che
             raise CheckpointError(f"{name}: {size} bytes of fitness, this config's population "
                                   f"packs into {packed_size(n_pairs)}")
         try:
-            unpack_trits(fitness, n_pairs)
+            check_packed(fitness, n_pairs)
         except ValueError as e:
             raise CheckpointError(f"{name}: corrupt fitness: {e}") from None
     return Checkpoint(step, seed, fitness)

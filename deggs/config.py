@@ -506,11 +506,13 @@ def _validate(c: Config):
     _require(k.max_history >= 1, "coordinator.max_history", "must be at least 1")
     _require(bool(k.host), "coordinator.host", "must not be empty")
     for key in ("handshake_timeout_s", "frame_timeout_s", "disk_retry_s"):
-        _require(0 < getattr(k, key) < 1e6, f"coordinator.{key}", "must be positive")
+        _require(0 < getattr(k, key) < 1e6, f"coordinator.{key}",
+                 "must be positive and below 1e6 seconds")
     _require(k.max_connections >= 1, "coordinator.max_connections", "must be at least 1")
     _require(k.max_send_buffer >= 1 << 16, "coordinator.max_send_buffer",
              "must be at least 65536 (a catch-up reply must fit)")
     w = c.worker
     for key in ("reply_timeout_s", "frame_timeout_s", "retry_max_s"):
-        _require(0 < getattr(w, key) < 1e6, f"worker.{key}", "must be positive")
+        _require(0 < getattr(w, key) < 1e6, f"worker.{key}",
+                 "must be positive and below 1e6 seconds")
     _require(w.resolve_tries >= 1, "worker.resolve_tries", "must be at least 1")

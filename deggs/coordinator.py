@@ -46,11 +46,10 @@ from . import auth
 from . import checkpoint as ckpt
 from .config import Config, ConfigError
 from .noise import next_step_seed
-from .protocol import (AUTH, DEGGS_PROTOCOL, HELLO, JOB_REQUEST, LOG_MESSAGE,
-                       MAX_CONFIG_JSON, MAX_LOG_TEXT, NO_FINGERPRINT, NONCE_SIZE, PROOF_SIZE,
-                       RESULT, WAIT, Auth, Challenge, FrameReader, Goodbye, Hello, HelloReply,
+from .protocol import (AUTH, DEGGS_PROTOCOL, HELLO, JOB_REQUEST, NO_FINGERPRINT, RESULT,
+                       WAIT, Auth, Challenge, FrameReader, Goodbye, Hello, HelloReply,
                        JobRequest, JobResponse, LogMessage, ProtocolError, Reason, Result,
-                       printable, set_keepalive)
+                       limits_from_worker, printable, set_keepalive)
 from .ternary import check_packed, pack_trits, packed_size, unpack_blocks
 
 log = logging.getLogger("deggs.coordinator")
@@ -76,11 +75,10 @@ class StepState:
     started: float  # clock time the step began
     n_chunks: int
     chunk_pairs: int
-    packed: list = field(default_factory=list)  # per chunk: its RESULT's packed fitness
+    packed: list = field(default_factory=list)  # per chunk: the packed fitness of the RESULT that counted, or None
     pending: deque = field(default_factory=deque)  # chunks nobody holds, next first
     in_progress: OrderedDict = field(default_factory=OrderedDict)  # chunk -> time handed out, oldest first
     holders: dict = field(default_factory=dict)  # chunk in progress -> the Peers holding it
-    done: bytearray = field(default_factory=bytearray)  # 1 per chunk whose RESULT counted
     n_done: int = 0
     sealing: bool = False  # every chunk is in; the step is being made durable
     sum_loss: int = 0
@@ -95,8 +93,8 @@ class StepState:
     def fresh(cls, config: Config, step: int, seed: int, now: float) -> "StepState":
         t = config.training
         return cls(step=step, seed=seed, started=now, n_chunks=t.n_chunks,
-                   chunk_pairs=t.chunk_size // 2, packed=[bytes(packed_size(t.chunk_size // 2))]
-                   * t.n_chunks, pending=deque(range(t.n_chunks)), done=bytearray(t.n_chunks))
+                   chunk_pairs=t.chunk_size // 2, packed=[None] * t.n_chunks,
+                   pending=deque(range(t.n_chunks)))
 
     @property
     def complete(self) -> bool:
@@ -104,7 +102,9 @@ class StepState:
 
     def fitness(self) -> np.ndarray:
         """The population's fitness (zeros for chunks not in yet), unpacked in one go."""
-        return unpack_blocks(b"".join(self.packed), self.n_chunks, self.chunk_pairs)
+        zeros = bytes(packed_size(self.chunk_pairs))
+        return unpack_blocks(b"".join(zeros if p is None else p for p in self.packed),
+                             self.n_chunks, self.chunk_pairs)
 
 
 class Coordinator:
@@ -137,12 +137,7 @@ class Coordinator:
         self.chunk_size = t.chunk_size
         self.chunk_pairs = t.chunk_size // 2
         self.chunk_bytes = packed_size(self.chunk_pairs)
-        # The largest payload we accept of each opcode a worker sends.
-        self.limits = {JOB_REQUEST: JobRequest._FIELDS.size,
-                       RESULT: Result._FIELDS.size + self.chunk_bytes,
-                       LOG_MESSAGE: MAX_LOG_TEXT,
-                       HELLO: 2 + 8 + 4 + MAX_CONFIG_JSON + NONCE_SIZE,
-                       AUTH: PROOF_SIZE}
+        self.limits = limits_from_worker(self.chunk_bytes)
         self.history_dirs = [d for d in (self.save_dir, self.load_dir) if d is not None]
         self.max_connections = k.max_connections
 
@@ -208,9 +203,10 @@ class Coordinator:
             self._server.close()
         for task in self._tasks:
             task.cancel()
-        text = self.failure or {Reason.FINISHED: f"the run reached step {self.state.step}",
-                                Reason.SHUTTING_DOWN: "the coordinator is shutting down"}.get(
-                                    reason, reason.name.lower())
+        if reason == Reason.FINISHED:
+            text = f"the run reached step {self.state.step}"
+        else:
+            text = self.failure or "the coordinator is shutting down"
         goodbye = Goodbye(reason, text).encode()
         for peer in list(self.peers):
             peer.close_with(goodbye if peer.welcomed else b"")
@@ -399,20 +395,20 @@ class Coordinator:
         return JobResponse(self.state.seed, step + 1, 0, fitness).encode()
 
     def _assign(self, peer: "Peer") -> JobResponse:
-        s = self.state
+        s, now = self.state, self.clock()
         if s.pending:
             chunk = s.pending.popleft()
         elif s.in_progress:
             # The oldest chunk out is the only one that can have timed out first.
             chunk, handed_out = next(iter(s.in_progress.items()))
-            waited = self.clock() - handed_out
+            waited = now - handed_out
             if waited < self.config.coordinator.straggler_timeout_s:
                 return JobResponse(s.seed, s.step, WAIT)
             log.info("re-assigning chunk %d after %.1f s", chunk, waited)
         else:  # every chunk is in: the step is being sealed
             return JobResponse(s.seed, s.step, WAIT)
-        s.in_progress[chunk] = self.clock()
-        s.in_progress.move_to_end(chunk)
+        s.in_progress[chunk] = now
+        s.in_progress.move_to_end(chunk)  # a re-assigned chunk becomes the newest
         s.holders.setdefault(chunk, set()).add(peer)
         if peer.step != s.step:
             peer.step, peer.chunks = s.step, set()
@@ -439,7 +435,7 @@ class Coordinator:
         if peer.step != s.step or chunk not in peer.chunks:
             raise ProtocolError(f"RESULT for chunk {chunk} of step {s.step}, which was not "
                                 "handed to this connection")
-        try:  # unpacked with the whole population when the step is sealed
+        try:
             check_packed(res.data, self.chunk_pairs)
         except ValueError as e:
             raise ProtocolError(f"RESULT fitness is malformed: {e}") from None
@@ -448,15 +444,14 @@ class Coordinator:
         s.updates_min = res.updates_count if s.updates_min is None else min(s.updates_min,
                                                                             res.updates_count)
         s.updates_max = max(s.updates_max, res.updates_count)
-        if s.done[chunk]:
+        if s.packed[chunk] is not None:
             log.info("ignoring a duplicate RESULT for chunk %d from %s", chunk, peer.name)
             return
-        s.done[chunk] = 1
         s.n_done += 1
         s.in_progress.pop(chunk, None)
         s.holders.pop(chunk, None)
         s.sum_loss += res.sum_loss
-        s.packed[chunk] = res.data
+        s.packed[chunk] = res.data  # unpacked with the whole population at the seal
         if s.complete:
             s.sealing = True
             self._spawn(self._seal(s))

@@ -353,6 +353,24 @@ def decode_message(opcode: int, payload: bytes):
 # the largest payload it accepts per opcode and refuses a larger one from the header alone,
 # before anything is allocated. An opcode missing from the table is refused too.
 
+def limits_from_worker(chunk_bytes: int) -> dict[int, int]:
+    """The largest payload a coordinator accepts of each message a worker sends."""
+    return {JOB_REQUEST: JobRequest._FIELDS.size,
+            RESULT: Result._FIELDS.size + chunk_bytes,
+            LOG_MESSAGE: MAX_LOG_TEXT,
+            HELLO: 2 + 8 + 4 + MAX_CONFIG_JSON + NONCE_SIZE,
+            AUTH: PROOF_SIZE}
+
+
+def limits_from_coordinator(population_bytes: int) -> dict[int, int]:
+    """The largest payload a worker accepts of each message a coordinator sends."""
+    return {JOB_RESPONSE: JobResponse._FIELDS.size + population_bytes,
+            LOG_MESSAGE: MAX_LOG_TEXT,
+            HELLO_REPLY: 8 + 4 + MAX_CONFIG_JSON,
+            CHALLENGE: NONCE_SIZE + PROOF_SIZE,
+            GOODBYE: 1 + MAX_LOG_TEXT}
+
+
 def _check_length(opcode: int, length: int, limits: dict[int, int]):
     limit = limits.get(opcode)
     if limit is not None and length <= limit:

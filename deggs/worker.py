@@ -39,10 +39,8 @@ from .config import Config, ConfigError, WorkerConfig
 from .data import detokenize, load_decoding, load_tokens
 from .fitness import chunk_fitness
 from .noise import next_step_seed
-from .protocol import (CHALLENGE, GOODBYE, HELLO_REPLY, JOB_RESPONSE, LOG_MESSAGE,
-                       MAX_CONFIG_JSON, MAX_LOG_TEXT, NONCE_SIZE, PROOF_SIZE, Auth, Challenge,
-                       Goodbye, Hello, HelloReply, JobRequest, JobResponse, LogMessage,
-                       NotOurProtocol, ProtocolError, Reason, Result, printable,
+from .protocol import (Auth, Challenge, Goodbye, Hello, HelloReply, JobRequest, JobResponse,
+                       LogMessage, NotOurProtocol, ProtocolError, Reason, Result, printable,
                        set_keepalive)
 from .sampling import prompt_window
 from .ternary import pack_trits, packed_size, unpack_trits
@@ -50,7 +48,6 @@ from .ternary import pack_trits, packed_size, unpack_trits
 WAIT_S = 0.1             # the reference worker's pause after a WAIT
 FIRST_PAUSE_S = 0.5      # the first pause between reconnects; doubles to worker.retry_max_s
 CONNECT_TIMEOUT_S = 10.0
-JOB_RESPONSE_FIELDS = 28  # seed, last_step, data_position u64 and the data's size u32
 
 
 class WorkerError(Exception):
@@ -141,11 +138,7 @@ class Worker:
     def _limits(self) -> dict[int, int]:
         """The largest payload we accept of each message a coordinator sends."""
         pairs = self.cfg.training.n_pairs if self.cfg is not None else 0
-        return {JOB_RESPONSE: max(1 << 20, JOB_RESPONSE_FIELDS + packed_size(pairs)),
-                LOG_MESSAGE: MAX_LOG_TEXT,
-                HELLO_REPLY: 8 + 4 + MAX_CONFIG_JSON,
-                CHALLENGE: NONCE_SIZE + PROOF_SIZE,
-                GOODBYE: 1 + MAX_LOG_TEXT}
+        return protocol.limits_from_coordinator(max(1 << 20, packed_size(pairs)))
 
     # --- connecting and reconnecting ---------------------------------------------------
 

@@ -898,7 +898,7 @@ def check_untouched(coord, step: int, held: set) -> None:
     """After a barrage: the same step, nothing counted, only the honest worker's chunks out."""
     s = coord.state
     assert (s.step, s.seed) == (step, seed_of(step))
-    assert s.transmissions == 0 and s.n_done == 0 and not any(s.done)
+    assert s.transmissions == 0 and s.n_done == 0 and s.packed == [None] * s.n_chunks
     assert s.sum_loss == 0 and s.updates_total == 0 and not s.sealing
     assert set(s.in_progress) == held and set(s.holders) == held
     assert all(len(h) == 1 for h in s.holders.values())
