@@ -10,11 +10,11 @@ from pathlib import Path
 
 import click
 
-from .auth import SecretError, load_secret
-from .checkpoint import CheckpointError
+from .runtime.auth import SecretError, load_secret
+from .runtime.checkpoint import CheckpointError
 from .config import ConfigError, load_config
-from .coordinator import Coordinator
-from .protocol import Reason
+from .runtime.coordinator import Coordinator
+from .runtime.protocol import Reason
 
 DEFAULT_CONFIG = Path("config.toml")
 # Exit codes of every command.
@@ -107,7 +107,7 @@ class _StopOnSignal:
     """Turns SIGINT/SIGTERM into StopWorker, so a worker unwinds and exits cleanly."""
 
     def __enter__(self):
-        from .worker import StopWorker
+        from .runtime.worker import StopWorker
 
         def handler(signum, frame):
             raise StopWorker(signal.Signals(signum).name)
@@ -142,7 +142,7 @@ def worker_main(host, port, config_path, data_dir, backend, threads):
     cannot fix (another config or secret, a coordinator that lost this worker's history).
     """
     from .data import DataError
-    from .worker import StopWorker, Worker, WorkerError
+    from .runtime.worker import StopWorker, Worker, WorkerError
     try:
         secret = load_secret()
         config = None
@@ -189,12 +189,12 @@ def prepare_main(text, vocab_size, config_path, out):
 @click.option("--seed", type=int, help="sampling seed (default: the last step's seed + 999)")
 def generate_main(load_dir, data_dir, prompt, n_tokens, seed):
     """Rebuild the model trained in LOAD_DIR and sample from it."""
-    from .checkpoint import saved_config
+    from .runtime.checkpoint import saved_config
     from .data import DataError, detokenize, load_decoding, load_tokens
     from .prepare import encode_prompt
-    from .replay import replay
-    from .sampling import prompt_window
-    from .worker import make_backend
+    from .runtime.replay import replay
+    from .numerics.sampling import prompt_window
+    from .runtime.worker import make_backend
     try:
         cfg = saved_config(load_dir)
         if cfg is None:
@@ -235,7 +235,7 @@ def _replay_progress():
 @click.option("--config", "config_path", type=click.Path(dir_okay=False))
 def print_arch_main(config_path):
     """Print the model's parameter table."""
-    from .model import parameter_table
+    from .numerics.model import parameter_table
     try:
         cfg = _load_optional_config(config_path)
     except ConfigError as e:

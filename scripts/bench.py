@@ -26,12 +26,12 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from deggs.backend import CpuBackend  # noqa: E402
+from deggs.numerics.cpu import CpuBackend  # noqa: E402
 from deggs.config import load_config  # noqa: E402
 
 BACKENDS = {"cpu": CpuBackend}
 try:
-    from deggs.gpu import GpuBackend, cp, gpu_available  # noqa: E402
+    from deggs.numerics.gpu import GpuBackend, cp, gpu_available  # noqa: E402
     if gpu_available():
         BACKENDS["gpu"] = GpuBackend
 except ImportError:  # no CuPy

@@ -33,18 +33,18 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from deggs.backend import CpuBackend  # noqa: E402
+from deggs.numerics.cpu import CpuBackend  # noqa: E402
 from deggs.config import Config, apply_switches  # noqa: E402
 from deggs.data import detokenize, load_decoding  # noqa: E402
-from deggs.fitness import chunk_fitness  # noqa: E402
-from deggs.noise import next_step_seed  # noqa: E402
-from deggs.optimizer import update_overlay, update_plan, update_region  # noqa: E402
-from deggs.sampling import prompt_window  # noqa: E402
+from deggs.numerics.fitness import chunk_fitness  # noqa: E402
+from deggs.numerics.noise import next_step_seed  # noqa: E402
+from deggs.numerics.optimizer import update_overlay, update_plan, update_region  # noqa: E402
+from deggs.numerics.sampling import prompt_window  # noqa: E402
 from deggs.ternary import pack_trits  # noqa: E402
 
 BACKENDS = {"cpu": CpuBackend}
 try:  # the GPU backend, where CuPy imports and a CUDA device is present
-    from deggs.gpu import GpuBackend, gpu_available  # noqa: E402
+    from deggs.numerics.gpu import GpuBackend, gpu_available  # noqa: E402
 
     if gpu_available():
         BACKENDS["gpu"] = GpuBackend

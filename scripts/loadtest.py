@@ -69,10 +69,10 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from deggs import auth  # noqa: E402
+from deggs.runtime import auth  # noqa: E402
 from deggs.config import Config  # noqa: E402
-from deggs.noise import next_step_seed  # noqa: E402  (imports numba: done once, up front)
-from deggs.protocol import (CHALLENGE, GOODBYE, HELLO_REPLY, JOB_RESPONSE,  # noqa: E402
+from deggs.numerics.noise import next_step_seed  # noqa: E402  (imports numba: done once, up front)
+from deggs.runtime.protocol import (CHALLENGE, GOODBYE, HELLO_REPLY, JOB_RESPONSE,  # noqa: E402
                             LOG_MESSAGE, WAIT, Auth, Challenge, Goodbye, Hello, HelloReply,
                             JobRequest, ProtocolError, Result)
 from deggs.ternary import pack_trits, packed_size  # noqa: E402

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from deggs import checkpoint as ckpt
+from deggs.runtime import checkpoint as ckpt
 
 TINY = """
 [model]
@@ -308,8 +308,8 @@ def test_a_run_with_a_secret_equals_one_without(cluster, baseline):
 
 GRAB_A_CHUNK = """
 import socket, sys, time
-from deggs import protocol
-from deggs.protocol import JobRequest, JobResponse
+from deggs.runtime import protocol
+from deggs.runtime.protocol import JobRequest, JobResponse
 sock = socket.create_connection(("127.0.0.1", int(sys.argv[1])))
 protocol.send_frame(sock, JobRequest(42, 0).encode())
 opcode, payload = protocol.recv_frame(sock, {protocol.JOB_RESPONSE: 1 << 20})

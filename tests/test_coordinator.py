@@ -20,12 +20,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from deggs import checkpoint as ckpt
+from deggs.runtime import checkpoint as ckpt
 from deggs.config import Config, ConfigError
-from deggs.coordinator import Coordinator
-from deggs.noise import next_step_seed
-from deggs import auth
-from deggs.protocol import (LogMessage, NO_FINGERPRINT, OPCODE_NAMES, WAIT, Auth, Challenge, FrameReader,
+from deggs.runtime.coordinator import Coordinator
+from deggs.numerics.noise import next_step_seed
+from deggs.runtime import auth
+from deggs.runtime.protocol import (LogMessage, NO_FINGERPRINT, OPCODE_NAMES, WAIT, Auth, Challenge, FrameReader,
                             Goodbye, Hello, HelloReply, JobRequest, JobResponse, Reason,
                             Result, decode_message, recv_frame, send_frame)
 from deggs.ternary import pack_trits

@@ -22,10 +22,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from deggs import protocol
-from deggs.checkpoint import Checkpoint, CheckpointError, decode_checkpoint, encode_checkpoint
+from deggs.runtime import protocol
+from deggs.runtime.checkpoint import Checkpoint, CheckpointError, decode_checkpoint, encode_checkpoint
 from deggs.config import Config, ConfigError
-from deggs.protocol import (AUTH, CHALLENGE, GOODBYE, HEADER_SIZE, HELLO, HELLO_REPLY,
+from deggs.runtime.protocol import (AUTH, CHALLENGE, GOODBYE, HEADER_SIZE, HELLO, HELLO_REPLY,
                             JOB_RESPONSE, LOG_MESSAGE, MAGIC, MAX_CONFIG_JSON, MESSAGES,
                             NO_FINGERPRINT, NONCE_SIZE, OPCODE_NAMES, PROOF_SIZE, Auth, Challenge,
                             FrameReader, Goodbye, Hello, HelloReply, JobRequest, JobResponse,
@@ -938,7 +938,7 @@ def test_coordinator_survives_a_barrage_and_still_trains(secret, caplog):
 
     asyncio.run(asyncio.wait_for(go(), 55))
     assert sum(thrown) >= 1500, thrown
-    dropped = [r for r in caplog.records if r.name == "deggs.coordinator"
+    dropped = [r for r in caplog.records if r.name == "deggs.runtime.coordinator"
                and r.levelno == logging.WARNING and ("dropping" in r.getMessage()
                                                      or "closing" in r.getMessage())]
     assert len(dropped) >= 100  # the barrage did reach the coordinator's checks

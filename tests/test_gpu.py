@@ -6,9 +6,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from deggs.backend import CpuBackend
+from deggs.numerics.cpu import CpuBackend
 from deggs.config import Config
-from deggs.gpu import gpu_available
+from deggs.numerics.gpu import gpu_available
 
 pytestmark = pytest.mark.skipif(not gpu_available(), reason="needs CuPy and a CUDA device")
 
@@ -115,7 +115,7 @@ def test_generation_matches_cpu(case):
 
 
 def GpuBackend_(cfg, **kw):
-    from deggs.gpu import GpuBackend
+    from deggs.numerics.gpu import GpuBackend
     return GpuBackend(cfg, **kw)
 
 

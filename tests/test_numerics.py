@@ -6,15 +6,15 @@ import numpy as np
 import pytest
 
 from deggs.config import Config
-from deggs.fitness import chunk_fitness
-from deggs.model import (
+from deggs.numerics.fitness import chunk_fitness
+from deggs.numerics.model import (
     Perturbation, attention_mix, cdiv, init_params, make_tables, max_abs_normalize,
     param_shapes, parameter_table, project, rope, round_half_away, sequence_loss,
     standard_norm, trunc_i32, wrap32,
 )
-from deggs.noise import hash_np, hash_rng, hash_u32, next_step_seed, noise_np, noise_vector, xorshift_noise
-from deggs.optimizer import matrix_votes, quantize, update_overlay, vector_votes
-from deggs.sampling import choose_token, scan_order
+from deggs.numerics.noise import hash_np, hash_rng, hash_u32, next_step_seed, noise_np, noise_vector, xorshift_noise
+from deggs.numerics.optimizer import matrix_votes, quantize, update_overlay, vector_votes
+from deggs.numerics.sampling import choose_token, scan_order
 
 SMALL = Config().replace(
     model=dict(hidden_dim=32, head_dim=32, n_layers=1, seq_len=8, vocab_size=70),
@@ -65,7 +65,7 @@ def test_three_sample_noise_adds_three_signed_fields():
 
 
 def noise_np_word(word, three):
-    from deggs.noise import samples_np
+    from deggs.numerics.noise import samples_np
     return samples_np(np.array([word], np.uint32), 15, three)[0]
 
 
@@ -299,7 +299,7 @@ def test_presence_penalty_counts_occurrences():
 
 
 def test_threshold_sgd_moves_weights_with_the_vote():
-    from deggs.optimizer import optimizer_step
+    from deggs.numerics.optimizer import optimizer_step
     cfg = SMALL.replace(optimizer={"kind": "sgd", "sgd_vote_scale": 0.01, "weight_decay": 0.0})
     w = np.zeros(3, np.int8)
     zeros = np.zeros(3, np.float32)

@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from deggs.protocol import (HELLO, JOB_REQUEST, LOG_MESSAGE, RESULT, WAIT,
+from deggs.runtime.protocol import (HELLO, JOB_REQUEST, LOG_MESSAGE, RESULT, WAIT,
                             Auth, Challenge, FrameReader, Goodbye, Hello, HelloReply,
                             JobRequest, JobResponse, LogMessage, NotOurProtocol, ProtocolError,
                             Reason, Result, decode_message, parse_header, printable,

@@ -19,14 +19,14 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from deggs import auth
-from deggs import worker as worker_module
+from deggs.runtime import auth
+from deggs.runtime import worker as worker_module
 from deggs.config import Config
-from deggs.protocol import (OPCODE_NAMES, Auth, Challenge, Goodbye, Hello, HelloReply,
+from deggs.runtime.protocol import (OPCODE_NAMES, Auth, Challenge, Goodbye, Hello, HelloReply,
                             JobRequest, JobResponse, LogMessage, Reason, Result,
                             decode_message, recv_frame)
 from deggs.ternary import pack_trits, packed_size
-from deggs.worker import Worker, WorkerError
+from deggs.runtime.worker import Worker, WorkerError
 
 CFG = Config().replace(
     model={"hidden_dim": 32, "head_dim": 32, "n_layers": 1, "seq_len": 8, "vocab_size": 256},
@@ -67,7 +67,7 @@ def data_dir(tmp_path_factory):
 # --- the fake coordinator ----------------------------------------------------------------
 
 class Peer:
-    """The coordinator's end of one connection, speaking deggs.protocol frames."""
+    """The coordinator's end of one connection, speaking deggs.runtime.protocol frames."""
 
     def __init__(self, sock: socket.socket):
         self.sock = sock

@@ -44,15 +44,15 @@ import numpy as np
 
 from . import auth
 from . import checkpoint as ckpt
-from .config import Config, ConfigError
-from .noise import next_step_seed
+from ..config import Config, ConfigError
+from ..numerics.noise import next_step_seed
 from .protocol import (AUTH, DEGGS_PROTOCOL, HELLO, JOB_REQUEST, NO_FINGERPRINT, RESULT,
                        WAIT, Auth, Challenge, FrameReader, Goodbye, Hello, HelloReply,
                        JobRequest, JobResponse, LogMessage, ProtocolError, Reason, Result,
                        limits_from_worker, printable, set_keepalive)
-from .ternary import check_packed, pack_trits, packed_size, unpack_blocks
+from ..ternary import check_packed, pack_trits, packed_size, unpack_blocks
 
-log = logging.getLogger("deggs.coordinator")
+log = logging.getLogger("deggs.runtime.coordinator")
 
 LOSS_SCALE = 16  # the worker sums losses in Q.4 fixed point
 FD_RESERVE = 64  # descriptors kept free of connections: checkpoints, metrics, logs

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .config import Config
+from ..config import Config
 from .noise import hash_np, noise_np, noise_table, xorshift_noise
 
 MAX_VAL = 127

@@ -34,16 +34,17 @@ from pathlib import Path
 
 import numpy as np
 
-from . import auth, protocol
-from .config import Config, ConfigError, WorkerConfig
-from .data import detokenize, load_decoding, load_tokens
-from .fitness import chunk_fitness
-from .noise import next_step_seed
+from . import auth
+from . import protocol
+from ..config import Config, ConfigError, WorkerConfig
+from ..data import detokenize, load_decoding, load_tokens
+from ..numerics.fitness import chunk_fitness
+from ..numerics.noise import next_step_seed
 from .protocol import (Auth, Challenge, Goodbye, Hello, HelloReply, JobRequest, JobResponse,
                        LogMessage, NotOurProtocol, ProtocolError, Reason, Result, printable,
                        set_keepalive)
-from .sampling import prompt_window
-from .ternary import pack_trits, packed_size, unpack_trits
+from ..numerics.sampling import prompt_window
+from ..ternary import pack_trits, packed_size, unpack_trits
 
 WAIT_S = 0.1             # the reference worker's pause after a WAIT
 FIRST_PAUSE_S = 0.5      # the first pause between reconnects; doubles to worker.retry_max_s
@@ -68,9 +69,9 @@ class CoordinatorAway(Exception):
 
 def make_backend(cfg: Config, name: str, threads: int | None = None):
     """The compute backend by name: 'auto' is the GPU where CuPy sees one, else the CPU."""
-    from .backend import CpuBackend
+    from ..numerics.cpu import CpuBackend
     if name in ("auto", "gpu"):
-        from .gpu import GpuBackend, gpu_available
+        from ..numerics.gpu import GpuBackend, gpu_available
         if gpu_available():
             try:
                 return GpuBackend(cfg)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .config import Config
+from ..config import Config
 from .model import KVCache, Tables, forward, logits
 from .noise import hash_rng
 

@@ -5,7 +5,7 @@ tables, name). The weights, overlays and optimizer state live on the device; the
 `params`, `overlays` and `state` attributes are NumPy copies fetched on access (in the
 CPU backend's logical layouts), and `load_state` puts new ones on the device.
 
-Structure (kernels/deggs.cu holds the kernels, named after deggs/model.py's functions):
+Structure (numerics/kernels/deggs.cu holds the kernels, named after deggs/model.py's functions):
 - every integer matrix product is one cuBLAS int8 x int8 -> int32 GEMM (exact: int32
   accumulation of int8 products), weights stored transposed Wt[out, in];
 - the per-member rank-1 terms, norms, RoPE, attention, GELU table, residuals and the
@@ -27,12 +27,12 @@ the token buffer on the device, so nothing returns to the host until the end.
 from __future__ import annotations
 
 import math
-from pathlib import Path
+from importlib import resources
 
 import numpy as np
 
-from .backend import rope_positions
-from .config import Config
+from .cpu import rope_positions
+from ..config import Config
 from .model import (INIT_MLP, LAYER_MLP, LAYER_SEED_STRIDE, SEED, init_overlays, init_params,
                     make_tables, member_tokens, param_shapes)
 from .optimizer import OptimizerState, update_plan
@@ -42,7 +42,6 @@ try:  # CuPy is optional: the backend is only usable where it imports and sees a
 except Exception:  # pragma: no cover - depends on the machine
     cp = None
 
-KERNEL_SOURCE = Path(__file__).resolve().parents[1] / "kernels" / "deggs.cu"
 MATRICES = ("embedding", "w_emb_mlp_up", "w_emb_mlp_down",
             "w_q", "w_k", "w_v", "w_o", "w_up", "w_down")
 KERNELS = ("embed", "standard_norm", "qkv_rope", "attention_mix", "residual", "mlp_up",
@@ -58,6 +57,11 @@ CUBLAS_COMPUTE_32I = 72
 OP_N, OP_T = 0, 1
 GEMM_DEFAULT = -1
 NULL = np.uint64(0)
+
+
+def kernel_source() -> str:
+    """The CUDA sources, shipped inside the package (package data)."""
+    return resources.files(__package__).joinpath("kernels", "deggs.cu").read_text()
 
 
 def gpu_available() -> bool:
@@ -215,7 +219,7 @@ class GpuBackend:
             ADAMW=int(c.optimizer.kind == "adamw"),
         )
         options = ("--std=c++17", "--fmad=false") + tuple(f"-D{k}={v}" for k, v in defines.items())
-        return cp.RawModule(code=KERNEL_SOURCE.read_text(), options=options)
+        return cp.RawModule(code=kernel_source(), options=options)
 
     def load_state(self, params: dict, overlays: dict, state: OptimizerState | None = None):
         """Put weights, overlays and (optionally) optimizer state on the device."""
@@ -548,7 +552,7 @@ class GpuBackend:
     # --- generation -------------------------------------------------------------------
 
     def generate(self, prompt, seed: int, n_tokens: int | None = None) -> np.ndarray:
-        """Prompt followed by n_tokens sampled tokens, as deggs.sampling.generate."""
+        """Prompt followed by n_tokens sampled tokens, as deggs.numerics.sampling.generate."""
         cfg = self.cfg
         m, s = cfg.model, cfg.sampling
         n_tokens = s.generate_tokens if n_tokens is None else n_tokens

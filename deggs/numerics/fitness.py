@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .config import Config
+from ..config import Config
 
 
 @dataclass(frozen=True)

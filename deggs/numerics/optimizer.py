@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .config import Config
+from ..config import Config
 from .model import LAYER_SEED_STRIDE, MAX_VAL, SEED, param_shapes
 from .noise import noise_table
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from .checkpoint import CheckpointError, list_checkpoints, read_checkpoint
-from .noise import next_step_seed
-from .ternary import unpack_trits
+from ..numerics.noise import next_step_seed
+from ..ternary import unpack_trits
 
 
 def replay(save_dir: str | Path, engine, until: int | None = None, progress=None) -> tuple[int, int]:

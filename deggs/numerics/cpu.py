@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from .config import Config
+from ..config import Config
 from .model import init_overlays, init_params, make_tables, member_losses
 from .optimizer import OptimizerState, apply_update
 from .sampling import generate

@@ -37,8 +37,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .config import Config, ConfigError
-from .ternary import check_packed, packed_size
+from ..config import Config, ConfigError
+from ..ternary import check_packed, packed_size
 
 CHECKPOINT_MAGIC = 0x45474743
 CHECKPOINT_VERSION = 1
