@@ -13,6 +13,7 @@ import click
 from .runtime.auth import SecretError, load_secret
 from .runtime.checkpoint import CheckpointError
 from .config import ConfigError, load_config
+from .numerics.backend import NAMES as BACKEND_NAMES
 from .runtime.coordinator import Coordinator
 from .runtime.protocol import Reason
 
@@ -129,7 +130,7 @@ class _StopOnSignal:
                    "the coordinator's config")
 @click.option("--data-dir", type=click.Path(file_okay=False), default=".", show_default=True,
               help="directory holding input.bin and decoding.bin")
-@click.option("--backend", type=click.Choice(["auto", "cpu", "gpu"]), default="auto", show_default=True,
+@click.option("--backend", type=click.Choice(BACKEND_NAMES), default="auto", show_default=True,
               help="compute backend (auto: the GPU where CuPy sees one, else the CPU)")
 @click.option("--threads", type=click.IntRange(min=1), help="CPU backend threads (default: all cores)")
 def worker_main(host, port, config_path, data_dir, backend, threads):
@@ -193,14 +194,15 @@ def generate_main(load_dir, data_dir, prompt, n_tokens, seed):
     from .data import DataError, detokenize, load_decoding, load_tokens
     from .prepare import encode_prompt
     from .runtime.replay import replay
+    from .numerics.backend import make_backend
+    from .numerics.es import Trainer
     from .numerics.sampling import prompt_window
-    from .runtime.worker import make_backend
     try:
         cfg = saved_config(load_dir)
         if cfg is None:
             raise ConfigError(f"{load_dir} holds no config.json: is it a coordinator's save dir?")
-        engine = make_backend(cfg, "cpu")
-        step, last_seed = replay(load_dir, engine, progress=_replay_progress())
+        trainer = replay(load_dir, Trainer(make_backend(cfg, "cpu")), progress=_replay_progress())
+        step = trainer.step
         if prompt is None:
             tokens = load_tokens(Path(data_dir) / "input.bin", cfg)
             ids = prompt_window(cfg, tokens, step)
@@ -208,7 +210,7 @@ def generate_main(load_dir, data_dir, prompt, n_tokens, seed):
             ids = encode_prompt(prompt, cfg.model.vocab_size, data_dir)
         if len(ids) == 0:
             raise ValueError("the prompt is empty")
-        out = engine.generate(ids, (last_seed + 999) if seed is None else seed, n_tokens)
+        out = trainer.sample(ids, n_tokens, seed)
         decoding = Path(data_dir) / "decoding.bin"
         pieces = load_decoding(decoding) if not cfg.model.byte_tokens and decoding.exists() else None
     except (ConfigError, CheckpointError, DataError, ValueError, OSError) as e:
@@ -235,7 +237,7 @@ def _replay_progress():
 @click.option("--config", "config_path", type=click.Path(dir_okay=False))
 def print_arch_main(config_path):
     """Print the model's parameter table."""
-    from .numerics.model import parameter_table
+    from .numerics.params import parameter_table
     try:
         cfg = _load_optional_config(config_path)
     except ConfigError as e:
@@ -255,13 +257,30 @@ def print_arch_main(config_path):
     click.echo(f"Total Size:       {total / 2**20:.2f} MB")
 
 
-@click.group()
+# --- every command: -h beside --help, and --version ---------------------------------------
+
+from . import __version__  # noqa: E402  (deggs/__init__.py defines it and imports nothing)
+
+HELP_OPTIONS = {"help_option_names": ["-h", "--help"]}
+
+
+def _standard_options(command: click.Command, prog_name: str) -> click.Command:
+    """Give COMMAND -h beside --help, and --version ("PROG_NAME, version X")."""
+    command.context_settings = {**HELP_OPTIONS, **command.context_settings}
+    return click.version_option(__version__, prog_name=prog_name)(command)
+
+
+@click.group(context_settings=HELP_OPTIONS)
+@click.version_option(__version__, prog_name="deggs")
 def main():
-    """deggs: distributed EGGROLL (also: python -m deggs COMMAND)."""
+    """deggs: distributed EGGROLL, gradient-free training of int8 transformers.
+
+    Each COMMAND is also installed as its own script, deggs-COMMAND (deggs-coordinator,
+    deggs-worker, ...), and runs as python -m deggs COMMAND too. COMMAND -h shows its options.
+    """
 
 
-main.add_command(coordinator_main, "coordinator")
-main.add_command(worker_main, "worker")
-main.add_command(prepare_main, "prepare")
-main.add_command(generate_main, "generate")
-main.add_command(print_arch_main, "print-arch")
+for _name, _command in [("coordinator", coordinator_main), ("worker", worker_main),
+                        ("prepare", prepare_main), ("generate", generate_main),
+                        ("print-arch", print_arch_main)]:
+    main.add_command(_standard_options(_command, f"deggs-{_name}"), _name)

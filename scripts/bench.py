@@ -24,18 +24,12 @@ from pathlib import Path
 import click
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
 
-from deggs.numerics.cpu import CpuBackend  # noqa: E402
 from deggs.config import load_config  # noqa: E402
-
-BACKENDS = {"cpu": CpuBackend}
-try:
-    from deggs.numerics.gpu import GpuBackend, cp, gpu_available  # noqa: E402
-    if gpu_available():
-        BACKENDS["gpu"] = GpuBackend
-except ImportError:  # no CuPy
-    pass
+from deggs.numerics.backend import BACKENDS  # noqa: E402
+from deggs.numerics.cpu import CpuBackend  # noqa: E402
+from deggs.numerics.es import Trainer  # noqa: E402
 
 
 def median_time(fn, runs):
@@ -49,11 +43,12 @@ def median_time(fn, runs):
 
 def device_name(backend):
     if backend == "gpu":
+        import cupy as cp
         return cp.cuda.runtime.getDeviceProperties(0)["name"].decode()
     return f"{platform.machine()} CPU, {os.cpu_count()} cores"
 
 
-@click.command()
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False))
 @click.option("--golden", type=click.Path(exists=True, dir_okay=False),
               help="take the config of a golden .npz instead")
@@ -67,14 +62,18 @@ def device_name(backend):
 @click.option("--profile", is_flag=True, help="GPU: also time each kernel of one forward run")
 def main(config_path, golden, backend, members, repeats, updates, steps, batch, profile):
     if golden:
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
-        from conformance import golden_config
+        from golden import golden_config
         cfg = golden_config(np.load(golden))
     else:
         cfg = load_config(config_path)
     m, t = cfg.model, cfg.training
     start = time.perf_counter()
-    engine = GpuBackend(cfg, batch=batch) if backend == "gpu" else CpuBackend(cfg)
+    if backend == "gpu":
+        from deggs.numerics.gpu import GpuBackend
+        engine = GpuBackend(cfg, batch=batch)
+    else:
+        engine = CpuBackend(cfg)
+    trainer = Trainer(engine)
     init_s = time.perf_counter() - start
     rng = np.random.default_rng(0)
     data = rng.integers(0, m.vocab_size, max(m.seq_len + 1, 1_000_000)).astype(cfg.token_dtype)
@@ -99,11 +98,9 @@ def main(config_path, golden, backend, members, repeats, updates, steps, batch, 
     if updates:
         update_s, update_runs = median_time(lambda i: engine.update(fitness(), 1 + i, seed + i), updates)
         record.update(update_s=round(update_s, 4), update_runs=[round(x, 4) for x in update_runs])
-    population = np.arange(t.population_size)
 
     def whole_step(i):
-        engine.losses(data, 10 + i, seed + i, population)
-        engine.update(fitness(), 10 + i, seed + i)
+        trainer.train_step(data)  # every chunk's losses and fitness, then the update
 
     if steps:
         step_s, step_runs = median_time(whole_step, steps)

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Check a backend against golden vectors recorded from the d-eggs reference.
 
-    python scripts/conformance.py GOLDEN.npz --input INPUT.bin [--decoding DEC.bin]
+    python scripts/conformance.py GOLDEN.npz [--input INPUT.bin] [--decoding DEC.bin]
         [--steps N] [--backend cpu] [--members K] [--update-slice R]
 
 Full mode (the default) starts from our own initialiser (never the golden weights) and
@@ -31,42 +31,19 @@ from pathlib import Path
 import click
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
 
-from deggs.numerics.cpu import CpuBackend  # noqa: E402
-from deggs.config import Config, apply_switches  # noqa: E402
+import golden as goldens  # noqa: E402
 from deggs.data import detokenize, load_decoding  # noqa: E402
-from deggs.numerics.fitness import chunk_fitness  # noqa: E402
-from deggs.numerics.noise import next_step_seed  # noqa: E402
-from deggs.numerics.optimizer import update_overlay, update_plan, update_region  # noqa: E402
+from deggs.numerics.backend import BACKENDS, make_backend  # noqa: E402
+from deggs.numerics.es import Trainer, chunk_result  # noqa: E402
+from deggs.numerics.optimizer import update_overlay, update_region  # noqa: E402
+from deggs.numerics.params import param_slices  # noqa: E402
 from deggs.numerics.sampling import prompt_window  # noqa: E402
-from deggs.ternary import pack_trits  # noqa: E402
+from deggs.seeds import next_step_seed  # noqa: E402
 
-BACKENDS = {"cpu": CpuBackend}
-try:  # the GPU backend, where CuPy imports and a CUDA device is present
-    from deggs.numerics.gpu import GpuBackend, gpu_available  # noqa: E402
-
-    if gpu_available():
-        BACKENDS["gpu"] = GpuBackend
-except ImportError:
-    pass
 LOSS_EXACT_SHARE = 0.999
 LOSS_TOLERANCE = 16
-
-
-def golden_config(golden) -> Config:
-    """The config a golden file was recorded with: its shape row plus its switches."""
-    h, hd, layers, seq, vocab, chunk, population = (int(v) for v in golden["config"])
-    cfg = Config().replace(
-        model=dict(hidden_dim=h, head_dim=hd, n_layers=layers, seq_len=seq, vocab_size=vocab),
-        training=dict(chunk_size=chunk, population_size=population))
-    if "switches" in golden.files:
-        cfg = apply_switches(cfg, golden["switches"])
-    return cfg
-
-
-def golden_steps(golden) -> list[int]:
-    return sorted(int(k[4:].split("/")[0]) for k in golden.files if k.startswith("step") and k.endswith("/losses"))
 
 
 class Report:
@@ -98,8 +75,8 @@ def compare_losses(report, ours, theirs, tolerant):
     report.check("losses", ok, detail)
 
 
-def compare_chunks(report, cfg, golden, step, losses, tolerant=False):
-    """Chunk fitness, sum_loss and packed chunk 0 from the given member losses.
+def compare_chunks(report, cfg, golden, step, chunks, tolerant=False):
+    """Each chunk's fitness, sum_loss and chunk 0's packed bytes (es.ChunkResult list).
 
     sum_loss must differ from the golden one by exactly the chunk's loss differences.
     Where losses may differ (tolerant), so may the fitness of as many pairs as have a
@@ -108,12 +85,8 @@ def compare_chunks(report, cfg, golden, step, losses, tolerant=False):
     c = cfg.training.chunk_size
     g = f"step{step}"
     theirs = golden[f"{g}/losses"].astype(np.int64)
-    fitness, sums = [], []
-    for start in range(0, cfg.training.population_size, c):
-        result = chunk_fitness(cfg, losses[start:start + c])
-        fitness.append(result.fitness)
-        sums.append(result.sum_loss)
-    fitness = np.concatenate(fitness)
+    losses = np.concatenate([r.losses for r in chunks]).astype(np.int64)
+    fitness = np.concatenate([r.fitness for r in chunks])
     wrong = int((fitness != golden[f"{g}/fitness"]).sum())
     if tolerant:
         differing_pairs = int((losses != theirs).reshape(-1, 2).any(1).sum())
@@ -121,12 +94,21 @@ def compare_chunks(report, cfg, golden, step, losses, tolerant=False):
     else:
         report.check("fitness", wrong == 0, f"{wrong} pairs differ" if wrong else "")
     shift = (losses - theirs).reshape(-1, c).sum(1)
-    report.check("sum_loss", np.array_equal(np.array(sums), golden[f"{g}/sum_loss"] + shift))
+    sums = np.array([r.sum_loss for r in chunks])
+    report.check("sum_loss", np.array_equal(sums, golden[f"{g}/sum_loss"] + shift))
     if np.array_equal(fitness[:c // 2], golden[f"{g}/fitness"][:c // 2]):
-        report.check("packed", pack_trits(fitness[:c // 2]) == golden[f"{g}/packed_chunk0"].tobytes())
+        report.check("packed", chunks[0].packed == golden[f"{g}/packed_chunk0"].tobytes())
     else:
         report.note("packed not compared (chunk 0's fitness differs)")
     return fitness
+
+
+def compare_init(report, backend, golden):
+    """Our initial weights against the reference's (before any step)."""
+    if "model_init/embedding" in golden.files:
+        bad = [k for k, v in backend.params.items()
+               if not np.array_equal(v, golden[f"model_init/{k}"])]
+        report.check("init", not bad, ",".join(bad))
 
 
 def compare_after(report, backend, golden, after):
@@ -135,56 +117,63 @@ def compare_after(report, backend, golden, after):
     report.check("weights", not bad, ",".join(bad))
     bad = [k for k, v in backend.overlays.items() if not np.array_equal(v, golden[f"{a}/scales/{k}"])]
     report.check("overlays", not bad, ",".join(bad))
-    if f"{a}/adam_m/embedding" in golden.files:
-        state = backend.state
-        bad = [f"{n}/{k}" for n, d in (("m", state.m), ("v", state.v), ("acc", state.acc))
-               for k, v in d.items() if not np.array_equal(v, golden[f"{a}/adam_{n}/{k}"])]
-        report.check("adam", not bad, ",".join(bad[:4]))
+    state = backend.state
+    moments = [(f"{n}/{k}", v, golden[f"{a}/adam_{n}/{k}"])
+               for n, d in (("m", state.m), ("v", state.v), ("acc", state.acc))
+               for k, v in d.items() if f"{a}/adam_{n}/{k}" in golden.files]
+    if moments:  # the trimmed copies keep some parameters' optimizer state
+        bad = [name for name, ours, theirs in moments if not np.array_equal(ours, theirs)]
+        report.check("adam", not bad, f"{len(moments)} arrays " + ",".join(bad[:4]))
 
 
-def compare_generation(report, cfg, backend, golden, data, step, seed, decoding):
-    key = f"step{step}/generation"
+def compare_generation(report, trainer, golden, data, decoding):
+    key = f"step{trainer.step}/generation"
     if key not in golden.files:
         return
-    tokens = backend.generate(prompt_window(cfg, data, step), seed + 999)
+    tokens = trainer.sample(prompt_window(trainer.cfg, data, trainer.step))
     report.check("generation", np.array_equal(tokens, golden[key]))
     if decoding is not None:
         report.note("text " + repr(decoding(tokens)))
 
 
-def run_full(cfg, golden, data, backend, steps, tolerant, decoding):
-    seed, ok = cfg.training.seed, True
-    population = np.arange(cfg.training.population_size)
+def run_full(trainer, golden, data, steps, tolerant, decoding):
+    """Chain whole steps from our own initial weights, each compared with the reference."""
+    cfg, ok = trainer.cfg, True
     for step in steps:
         report = Report(step)
-        compare_generation(report, cfg, backend, golden, data, step, seed, decoding)
-        losses = backend.losses(data, step, seed, population)
+        if step == 0:
+            compare_init(report, trainer.backend, golden)
+        compare_generation(report, trainer, golden, data, decoding)
+        chunks = trainer.score_population(data)
+        losses = np.concatenate([r.losses for r in chunks])
         compare_losses(report, losses, golden[f"step{step}/losses"], tolerant)
-        fitness = compare_chunks(report, cfg, golden, step, losses.astype(np.int64), tolerant)
-        if f"after{step + 1}/model/embedding" in golden.files:
+        fitness = compare_chunks(report, cfg, golden, step, chunks, tolerant)
+        if f"after{step + 1}/fitness_used" in golden.files:
             if tolerant:  # our fitness may differ where the reference raced: use its own
                 fitness = golden[f"after{step + 1}/fitness_used"]
             else:
                 report.check("fitness_used", np.array_equal(fitness, golden[f"after{step + 1}/fitness_used"]))
-            updates = backend.update(fitness, step, seed)
+            updates = trainer.apply(fitness)
             report.check("updates", updates == int(golden[f"after{step + 1}/updates"][0]), str(updates))
-            compare_after(report, backend, golden, step + 1)
+            if f"after{step + 1}/model/embedding" in golden.files:
+                compare_after(report, trainer.backend, golden, step + 1)
         print(report.line(), flush=True)
         ok &= report.ok
-        seed = next_step_seed(seed, step + 1)
     return ok
 
 
-def run_slice(cfg, golden, data, backend, steps, tolerant, members_per_chunk, size, decoding):
+def run_slice(trainer, golden, data, steps, tolerant, members_per_chunk, size, decoding):
     """Forward on some members at step 0, fitness from golden losses, sliced update."""
-    seed, ok = cfg.training.seed, True
+    cfg, backend, ok = trainer.cfg, trainer.backend, True
+    seed = trainer.seed
     c = cfg.training.chunk_size
     # which overlay entries we still know (an entry the slice cannot decide is lost)
     known = {name: np.ones(v.shape, bool) for name, v in backend.overlays.items()}
     for step in steps:
         report = Report(step)
         if step == 0:
-            compare_generation(report, cfg, backend, golden, data, step, seed, decoding)
+            compare_init(report, backend, golden)
+            compare_generation(report, trainer, golden, data, decoding)
             if members_per_chunk:
                 pick = (np.arange(cfg.training.n_chunks)[:, None] * c
                         + np.arange(min(members_per_chunk, c))[None, :]).ravel()
@@ -192,7 +181,10 @@ def run_slice(cfg, golden, data, backend, steps, tolerant, members_per_chunk, si
                 compare_losses(report, losses, golden[f"step{step}/losses"][pick], tolerant)
         else:
             report.note("forward skipped (needs the whole update)")
-        compare_chunks(report, cfg, golden, step, golden[f"step{step}/losses"].astype(np.int64))
+        theirs = golden[f"step{step}/losses"]
+        compare_chunks(report, cfg, golden, step,
+                       [chunk_result(cfg, i, theirs[i * c:(i + 1) * c])
+                        for i in range(cfg.training.n_chunks)])
         if size and f"after{step + 1}/model/embedding" in golden.files:
             sliced_update(report, cfg, backend, golden, step, seed, size, known)
         print(report.line(), flush=True)
@@ -206,22 +198,24 @@ def sliced_update(report, cfg, backend, golden, step, seed, size, known):
     a = f"after{step + 1}"
     fitness = golden[f"{a}/fitness_used"]
     bad_w, changes, overlay_counts = [], 0, []
-    for u in update_plan(cfg):
-        sel = (slice(None),) if u.layer is None else (u.layer,)
-        w = backend.params[u.name][sel]
+    for s in param_slices(cfg):
+        sel = s.index
+        w = backend.params[s.name][sel]
+        matrix = s.param.is_matrix
         rows = np.arange(min(size, w.shape[0]))
-        cols = np.arange(min(size, w.shape[1])) if u.is_matrix else None
-        region = np.ix_(rows, cols) if u.is_matrix else (rows,)
-        changed = update_region(cfg, backend.params, backend.state, u, fitness, step, seed, rows, cols)
-        new_w = w[region]
+        cols = np.arange(min(size, w.shape[1])) if matrix else None
+        region = np.ix_(rows, cols) if matrix else (rows,)
+        changed = update_region(cfg, backend.params, backend.state, s, fitness, step, seed, rows, cols)
         changes += int(changed.sum())
-        if not np.array_equal(new_w, golden[f"{a}/model/{u.name}"][sel][region]):
-            bad_w.append(u.name if u.layer is None else f"{u.name}[{u.layer}]")
-        if u.is_matrix:  # (overlay, its entries in the slice, their counts, slice spans them)
-            overlay_counts += [(u.overlays[0], sel, rows, changed.sum(1), len(cols) == w.shape[1]),
-                               (u.overlays[1], sel, cols, changed.sum(0), len(rows) == w.shape[0])]
+        # (trimmed golden files keep only the slice's corner of each parameter)
+        if not np.array_equal(w[region], golden[f"{a}/model/{s.name}"][sel][region]):
+            bad_w.append(s.name if s.layer is None else f"{s.name}[{s.layer}]")
+        overlays = s.param.overlays
+        if matrix:  # (overlay, its entries in the slice, their counts, slice spans them)
+            overlay_counts += [(overlays[0], sel, rows, changed.sum(1), len(cols) == w.shape[1]),
+                               (overlays[1], sel, cols, changed.sum(0), len(rows) == w.shape[0])]
         else:
-            overlay_counts.append((u.overlays[0], sel, rows, changed, True))
+            overlay_counts.append((overlays[0], sel, rows, changed, True))
     report.check("slice weights", not bad_w, ",".join(bad_w[:4]))
     if cfg.adaptive_noise.mode == 0:
         return
@@ -239,8 +233,10 @@ def sliced_update(report, cfg, backend, golden, step, seed, size, known):
             decided[:] = True
         mask &= decided
         current[...] = expected
-        checked += int(mask.sum())
-        if not np.array_equal(current[mask], golden[f"{a}/scales/{name}"][sel][mask]):
+        stored = golden[f"{a}/scales/{name}"][sel]  # trimmed copies: the first entries
+        seen = mask[:len(stored)]
+        checked += int(seen.sum())
+        if not np.array_equal(current[:len(stored)][seen], stored[seen]):
             bad_ov.append(name)
     report.check("overlays", not bad_ov, f"{checked} entries" + (" " + ",".join(bad_ov[:4]) if bad_ov else ""))
     report.note(f"slice {size}: {changes} changes")
@@ -256,34 +252,38 @@ def text_of(path, cfg):
     return lambda tokens: detokenize(tokens, cfg, pieces)
 
 
-def run(golden_path, input_path, decoding_path=None, steps=None, backend="cpu",
-        members=None, update_slice=None, tolerant=None) -> bool:
+def run(golden_path, decoding_path=None, steps=None, backend="cpu", members=None,
+        update_slice=None, tolerant=None, input_path=None) -> bool:
+    """Check `backend` against a golden file; prints a line per step, returns success."""
+    golden_path = Path(golden_path)
     golden = np.load(golden_path)
-    cfg = golden_config(golden)
-    data = np.fromfile(input_path, dtype=cfg.token_dtype)
-    available = golden_steps(golden)
+    cfg = goldens.golden_config(golden)
+    data = (goldens.tokens(golden, golden_path, cfg) if input_path is None
+            else np.fromfile(input_path, dtype=cfg.token_dtype))
+    available = goldens.golden_steps(golden)
     chosen = available if steps is None else available[:steps]
     if tolerant is None:
         tolerant = cfg.model.hidden_dim >= 256
-    print(f"{Path(golden_path).name}: hidden {cfg.model.hidden_dim}, layers {cfg.model.n_layers}, "
+    print(f"{golden_path.name}: hidden {cfg.model.hidden_dim}, layers {cfg.model.n_layers}, "
           f"vocab {cfg.model.vocab_size}, population {cfg.training.population_size}, "
           f"steps {chosen[0]}..{chosen[-1]}, backend {backend}, "
           f"losses {'within tolerance' if tolerant else 'exact'}", flush=True)
-    engine = BACKENDS[backend](cfg)
+    trainer = Trainer(make_backend(cfg, backend))
     decoding = text_of(decoding_path, cfg)
     if members is None and update_slice is None:
-        return run_full(cfg, golden, data, engine, chosen, tolerant, decoding)
+        return run_full(trainer, golden, data, chosen, tolerant, decoding)
     if backend != "cpu":
         # the slice edits the backend's weights in place: host arrays only
         raise click.UsageError("slice mode (--members, --update-slice) runs on the cpu backend; "
                                "the gpu backend checks the whole config")
-    return run_slice(cfg, golden, data, engine, chosen, tolerant, members, update_slice, decoding)
+    return run_slice(trainer, golden, data, chosen, tolerant, members, update_slice, decoding)
 
 
-@click.command()
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("golden", type=click.Path(exists=True, dir_okay=False))
-@click.option("--input", "input_path", required=True, type=click.Path(exists=True, dir_okay=False),
-              help="input.bin the golden run trained on")
+@click.option("--input", "input_path", type=click.Path(exists=True, dir_okay=False),
+              help="input.bin the golden run trained on (default: inside GOLDEN, or beside "
+                   "it as NAME.input.bin)")
 @click.option("--decoding", type=click.Path(exists=True, dir_okay=False),
               help="decoding.bin, to print generations as text")
 @click.option("--steps", type=click.IntRange(min=1), help="check only the first N steps")
@@ -293,7 +293,7 @@ def run(golden_path, input_path, decoding_path=None, steps=None, backend="cpu",
 @click.option("--update-slice", type=click.IntRange(min=1),
               help="slice mode: update only the first R rows/columns of each parameter")
 def main(golden, input_path, decoding, steps, backend, members, update_slice):
-    ok = run(golden, input_path, decoding, steps, backend, members, update_slice)
+    ok = run(golden, decoding, steps, backend, members, update_slice, input_path=input_path)
     print("PASS" if ok else "FAIL")
     sys.exit(0 if ok else 1)
 

@@ -71,7 +71,7 @@ sys.path.insert(0, str(ROOT))
 
 from deggs.runtime import auth  # noqa: E402
 from deggs.config import Config  # noqa: E402
-from deggs.numerics.noise import next_step_seed  # noqa: E402  (imports numba: done once, up front)
+from deggs.seeds import next_step_seed  # noqa: E402
 from deggs.runtime.protocol import (CHALLENGE, GOODBYE, HELLO_REPLY, JOB_RESPONSE,  # noqa: E402
                             LOG_MESSAGE, WAIT, Auth, Challenge, Goodbye, Hello, HelloReply,
                             JobRequest, ProtocolError, Result)

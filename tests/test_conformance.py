@@ -20,8 +20,7 @@ needs_golden = pytest.mark.skipif(not (GOLDEN / "tiny_bytes.npz").exists(),
 @pytest.mark.parametrize("name", ["tiny_bytes", "tiny_tok", "tiny_variant"])
 def test_tiny_configs_are_bit_exact_for_every_step(name, capsys):
     decoding = GOLDEN / f"{name}.decoding.bin"
-    ok = conformance.run(GOLDEN / f"{name}.npz", GOLDEN / f"{name}.input.bin",
-                         decoding if decoding.exists() else None)
+    ok = conformance.run(GOLDEN / f"{name}.npz", decoding if decoding.exists() else None)
     out = capsys.readouterr().out
     assert ok, out
     assert out.count("step ") == 8 and "MISMATCH" not in out
@@ -30,8 +29,8 @@ def test_tiny_configs_are_bit_exact_for_every_step(name, capsys):
 
 @needs_golden
 def test_default_config_slice():
-    ok = conformance.run(GOLDEN / "default.npz", GOLDEN / "default.input.bin",
-                         GOLDEN / "default.decoding.bin", members=1, update_slice=8)
+    ok = conformance.run(GOLDEN / "default.npz", GOLDEN / "default.decoding.bin",
+                         members=1, update_slice=8)
     assert ok
 
 
@@ -44,6 +43,6 @@ def test_a_corrupted_golden_file_fails(tmp_path, capsys):
     golden["after1/model/ln_f"] = golden["after1/model/ln_f"].copy()
     golden["after1/model/ln_f"][0] += 1
     np.savez(tmp_path / "bad.npz", **golden)
-    assert not conformance.run(tmp_path / "bad.npz", GOLDEN / "tiny_tok.input.bin", steps=1)
+    assert not conformance.run(tmp_path / "bad.npz", steps=1, input_path=GOLDEN / "tiny_tok.input.bin")
     out = capsys.readouterr().out
     assert "losses MISMATCH 255/256 exact" in out and "weights MISMATCH ln_f" in out

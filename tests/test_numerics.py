@@ -9,10 +9,11 @@ from deggs.config import Config
 from deggs.numerics.fitness import chunk_fitness
 from deggs.numerics.model import (
     Perturbation, attention_mix, cdiv, init_params, make_tables, max_abs_normalize,
-    param_shapes, parameter_table, project, rope, round_half_away, sequence_loss,
-    standard_norm, trunc_i32, wrap32,
+    project, rope, round_half_away, sequence_loss, standard_norm, trunc_i32, wrap32,
 )
-from deggs.numerics.noise import hash_np, hash_rng, hash_u32, next_step_seed, noise_np, noise_vector, xorshift_noise
+from deggs.numerics.params import param_shapes, parameter_table
+from deggs.numerics.noise import hash_np, hash_u32, noise_np, noise_vector, xorshift_noise
+from deggs.seeds import hash_rng, next_step_seed
 from deggs.numerics.optimizer import matrix_votes, quantize, update_overlay, vector_votes
 from deggs.numerics.sampling import choose_token, scan_order
 
@@ -146,12 +147,11 @@ def test_standard_norm_without_noise():
     x[0, 0, :4] = [40, -40, 8, 0]        # sum |x| = 88, mean 88 // 32 = 2
     w = np.full(32, 16, np.int8)
     b = np.full(32, 3, np.int8)
-    out = standard_norm(SMALL, x, w, b, None, 0, 0, 0, 0, None, None)
+    out = standard_norm(SMALL, x, w, b)
     assert out[0, 0, :4].tolist() == [127, -127, 67, 3]   # 320 -> clipped, -320, 64 + 3, 0 + 3
     tiny = np.zeros((1, 1, 32), np.int64)
     tiny[0, 0, 0] = -5                    # mean 0 becomes 1; C division truncates
-    assert standard_norm(SMALL, tiny, np.full(32, 3, np.int8), np.zeros(32, np.int8),
-                         None, 0, 0, 0, 0, None, None)[0, 0, 0] == -15
+    assert standard_norm(SMALL, tiny, np.full(32, 3, np.int8), np.zeros(32, np.int8))[0, 0, 0] == -15
 
 
 def test_rope_rotates_pairs():

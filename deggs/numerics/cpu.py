@@ -1,13 +1,8 @@
-"""A worker's model state and the compute it runs on it, behind one small interface.
+"""The CPU backend: the readable specification (NumPy + BLAS, members over threads).
 
-A backend holds the int8 weights, the adaptive-noise overlays and the optimizer state of
-one worker, and offers the three things a worker does with them:
-
-    losses(data, step, step_seed, members) -> int32 loss of each listed member
-    update(fitness, step, step_seed)        -> number of weights changed
-    generate(prompt, seed)                  -> prompt + sampled tokens
-
-`CpuBackend` is the readable specification (NumPy + BLAS, members spread over threads).
+It implements deggs.numerics.backend.Backend with the functions of model.py,
+optimizer.py and sampling.py, holding the weights, overlays and optimizer state as
+NumPy arrays.
 """
 
 from __future__ import annotations
@@ -26,20 +21,15 @@ from .sampling import generate
 LOGIT_BUDGET = 1 << 23
 
 
-def rope_positions(cfg: Config) -> int:
-    """Positions the RoPE table must cover: training windows and generations."""
-    return max(cfg.model.seq_len, cfg.sampling.prompt_tokens + cfg.sampling.generate_tokens)
-
-
 class CpuBackend:
     name = "cpu"
 
     def __init__(self, cfg: Config, threads: int | None = None):
         self.cfg = cfg
-        self.tables = make_tables(cfg, rope_positions(cfg))
-        self.params = init_params(cfg)
-        self.overlays = init_overlays(cfg)
-        self.state = OptimizerState.zeros(cfg)
+        self.tables = make_tables(cfg)
+        self.params: dict[str, np.ndarray] = init_params(cfg)
+        self.overlays: dict[str, np.ndarray] = init_overlays(cfg)
+        self.state: OptimizerState = OptimizerState.zeros(cfg)
         self.threads = threads or os.cpu_count() or 1
         per_member = cfg.model.seq_len * max(cfg.model.vocab_size, 4 * cfg.model.hidden_dim)
         self.batch = max(2, min(256, LOGIT_BUDGET // per_member) // 2 * 2)

@@ -31,19 +31,18 @@ from importlib import resources
 
 import numpy as np
 
-from .cpu import rope_positions
 from ..config import Config
-from .model import (INIT_MLP, LAYER_MLP, LAYER_SEED_STRIDE, SEED, init_overlays, init_params,
-                    make_tables, member_tokens, param_shapes)
-from .optimizer import OptimizerState, update_plan
+from ..seeds import member_sign, pair_seed
+from .model import init_overlays, init_params, make_tables, member_tokens
+from .optimizer import OptimizerState
+from .params import EMB_MLP, LAYER_MLP, MATRICES, PARAM, Mlp, offsets, param_shapes, param_slices
+from .sampling import sampler_limits
 
 try:  # CuPy is optional: the backend is only usable where it imports and sees a GPU
     import cupy as cp
 except Exception:  # pragma: no cover - depends on the machine
     cp = None
 
-MATRICES = ("embedding", "w_emb_mlp_up", "w_emb_mlp_down",
-            "w_q", "w_k", "w_v", "w_o", "w_up", "w_down")
 KERNELS = ("embed", "standard_norm", "qkv_rope", "attention_mix", "residual", "mlp_up",
            "sequence_loss", "noise_matrix", "vector_votes", "optimizer_step", "update_overlay",
            "cached_attention", "choose_token")
@@ -171,7 +170,7 @@ class GpuBackend:
             raise ValueError("gpu backend supports hidden_dim <= 512 (shared memory of mlp_up)")
         if self._attention_smem() > 48 * 1024:
             raise ValueError("gpu backend: seq_len * head_dim too large for attention_mix")
-        self.tables = make_tables(cfg, rope_positions(cfg))
+        self.tables = make_tables(cfg)
         self.stream = cp.cuda.Stream(non_blocking=True)
         self.module = self._compile()
         self.k = {name: self.module.get_function(name) for name in KERNELS}
@@ -314,8 +313,8 @@ class GpuBackend:
             return np.zeros(0, np.int32)
         t = self.cfg.model.seq_len
         tokens = member_tokens(self.cfg, data, step, members).astype(np.int32)
-        seeds = ((int(step_seed) + members // 2) & 0xFFFFFFFF).astype(np.uint32)
-        signs = np.where(members % 2 == 0, 1, -1).astype(np.int32)
+        seeds = pair_seed(int(step_seed), members // 2).astype(np.uint32)
+        signs = member_sign(members).astype(np.int32)
         with self.stream:
             d_tok, d_seeds, d_signs = cp.asarray(tokens.ravel()), cp.asarray(seeds), cp.asarray(signs)
             loss = cp.empty(n, cp.int32)
@@ -336,27 +335,29 @@ class GpuBackend:
         ctx = (buf, seeds, signs, nb, seq, r)
         self._hidden(ctx, tok)
         self._project(self.dp["embedding"], buf["y"], buf["g"], v, r, d)
+        vocab_overlay = PARAM["embedding"].overlays[1]
         self._launch("sequence_loss", (nb,), (NT,), (
-            buf["g"], buf["sb"], tok, seeds, signs, self.dov["embedding_row"], u32(SEED["emb"]),
-            self.d_exp, loss), shared_mem=4 * v)
+            buf["g"], buf["sb"], tok, seeds, signs, self.dov[vocab_overlay],
+            u32(offsets(cfg, "embedding")[0]), self.d_exp, loss), shared_mem=4 * v)
 
     def _hidden(self, ctx, tok, cache=None, start=0):
         """Embedding, blocks and final norm of ctx's rows into buf["y"] (see `_attention`)."""
         buf, seeds, signs, nb, seq, r = ctx
         cfg = self.cfg
-        d = cfg.model.hidden_dim
         dp, ov = self.dp, self.dov
+        hidden_overlay, vocab_overlay = PARAM["embedding"].overlays
+        emb_a, emb_b = offsets(cfg, "embedding")
         self._launch("embed", (nb,), (NT,), (
-            tok, seeds, signs, dp["embedding"], dp["emb_bias"], ov["embedding_row"],
-            ov["embedding_col"], ov["emb_bias"], u32(SEED["emb"]), u32(SEED["emb_bias_a"]),
-            u32(SEED["emb_bias_b"]), buf["x"], i32(seq)))
-        self._mlp(ctx, INIT_MLP, None)
+            tok, seeds, signs, dp["embedding"], dp["emb_bias"], ov[vocab_overlay],
+            ov[hidden_overlay], ov["emb_bias"], u32(emb_a), *map(u32, offsets(cfg, "emb_bias")),
+            buf["x"], i32(seq)))
+        self._mlp(ctx, EMB_MLP, None)
         for layer in range(cfg.model.n_layers):
             self._attention(ctx, layer, None if cache is None else cache[layer], start)
             self._mlp(ctx, LAYER_MLP, layer)
         self._norm(ctx, dp["ln_f"], dp["ln_f_bias"], ov["ln_f"], ov["ln_f_bias"],
-                   [SEED["ln_f_a"], SEED["ln_f_b"], SEED["ln_f_bias_a"], SEED["ln_f_bias_b"]],
-                   [(ov["embedding_col"], SEED["emb"] + d)])
+                   [*offsets(cfg, "ln_f"), *offsets(cfg, "ln_f_bias")],
+                   [(ov[hidden_overlay], emb_b)])
 
     def _norm(self, ctx, w, b, ov_w, ov_b, offsets, dots):
         buf, seeds, signs, nb, seq, r = ctx
@@ -366,31 +367,30 @@ class GpuBackend:
             i32(len(dots)), pad[0][0], pad[1][0], pad[2][0], u32(pad[0][1]), u32(pad[1][1]),
             u32(pad[2][1]), buf["sb"], i32(seq), i32(r)))
 
-    def _mlp(self, ctx, names, layer):
+    def _mlp(self, ctx, names: Mlp, layer):
         buf, seeds, signs, nb, seq, r = ctx
         cfg = self.cfg
         d = cfg.model.hidden_dim
-        base = 0 if layer is None else layer * LAYER_SEED_STRIDE
         pick = (lambda a: a) if layer is None else (lambda a: a[layer])
-        p = lambda key: pick(self.dp[names[key]])
+        p = lambda name: pick(self.dp[name])
         o = lambda name: pick(self.dov[name])
-        s = lambda key: base + SEED[key]
-        sd, sl, sbias = names["seed"], names["seed_ln"], names["seed_bias"]
-        up, down = names["up"], names["down"]
-        self._norm(ctx, p("ln"), p("ln_bias"), o(names["ln"]), o(names["ln_bias"]),
-                   [s(f"{sl}_a"), s(f"{sl}_b"), s(f"{sl}_bias_a"), s(f"{sl}_bias_b")],
-                   [(o(up + "_row"), s(f"{sd}_up_b"))])
-        self._project(p("up"), buf["y"], buf["g"], 4 * d, r, d)
+        a = lambda name: u32(offsets(cfg, name, layer)[0])
+        b = lambda name: u32(offsets(cfg, name, layer)[1])
+        up_in, up_out = PARAM[names.up].overlays
+        down_in, down_out = PARAM[names.down].overlays
+        self._norm(ctx, p(names.ln), p(names.ln_bias), o(names.ln), o(names.ln_bias),
+                   [*offsets(cfg, names.ln, layer), *offsets(cfg, names.ln_bias, layer)],
+                   [(o(up_in), offsets(cfg, names.up, layer)[1])])
+        self._project(p(names.up), buf["y"], buf["g"], 4 * d, r, d)
         self._launch("mlp_up", (nb,), (NT,), (
-            buf["g"], buf["sb"], buf["y"], buf["sbd"], seeds, signs, p("bias_up"),
-            o(up + "_col"), o(names["bias_up"]), o(down + "_row"), u32(s(f"{sd}_up_a")),
-            u32(s(f"{sbias}_up_a")), u32(s(f"{sbias}_up_b")), u32(s(f"{sd}_down_b")), self.d_gelu,
-            i32(seq)))
-        self._project(p("down"), buf["y"], buf["g"], d, r, 4 * d)
+            buf["g"], buf["sb"], buf["y"], buf["sbd"], seeds, signs, p(names.bias_up),
+            o(up_out), o(names.bias_up), o(down_in), a(names.up), a(names.bias_up),
+            b(names.bias_up), b(names.down), self.d_gelu, i32(seq)))
+        self._project(p(names.down), buf["y"], buf["g"], d, r, 4 * d)
         self._launch("residual", (nb,), (NT,), (
-            buf["g"], buf["sbd"], buf["x"], seeds, signs, o(down + "_col"), u32(s(f"{sd}_down_a")),
-            i32(cfg.quantization.shift_mlp_down), p("bias_down"), o(names["bias_down"]),
-            u32(s(f"{sbias}_down_a")), u32(s(f"{sbias}_down_b")), i32(seq)))
+            buf["g"], buf["sbd"], buf["x"], seeds, signs, o(down_out), a(names.down),
+            i32(cfg.quantization.shift_mlp_down), p(names.bias_down), o(names.bias_down),
+            a(names.bias_down), b(names.bias_down), i32(seq)))
 
     def _attention(self, ctx, layer, cache=None, start=0):
         """Attention block of ctx's rows; with a cache (keys, values of the layer, flat
@@ -398,20 +398,22 @@ class GpuBackend:
         buf, seeds, signs, nb, seq, r = ctx
         cfg = self.cfg
         d, hd = cfg.model.hidden_dim, cfg.model.head_dim
-        base = layer * LAYER_SEED_STRIDE
-        s = lambda key: base + SEED[key]
         dp = {k: v[layer] for k, v in self.dp.items() if k in ("ln_1", "ln_1_bias", "w_q", "w_k", "w_v", "w_o")}
         o = lambda name: self.dov[name][layer]
+        a = lambda name: offsets(cfg, name, layer)[0]
+        b = lambda name: offsets(cfg, name, layer)[1]
+        inputs = lambda name: o(PARAM[name].overlays[0])   # a matrix's input-side overlay
+        outputs = lambda name: o(PARAM[name].overlays[1])  # and its output side
         self._norm(ctx, dp["ln_1"], dp["ln_1_bias"], o("ln_1"), o("ln_1_bias"),
-                   [s("ln_1_a"), s("ln_1_b"), s("ln_1_bias_a"), s("ln_1_bias_b")],
-                   [(o("w_q_row"), s("q_b")), (o("w_k_row"), s("k_b")), (o("w_v_row"), s("v_b"))])
+                   [*offsets(cfg, "ln_1", layer), *offsets(cfg, "ln_1_bias", layer)],
+                   [(inputs(w), b(w)) for w in ("w_q", "w_k", "w_v")])
         g = buf["g"]
         for i, name in enumerate("qkv"):
             self._project(dp[f"w_{name}"], buf["y"], g[i * d:], d, r, d, ldc=3 * d)
         qkv = buf["qkv"]
         self._launch("qkv_rope", (nb,), (NT,), (
-            g, buf["sb"], qkv, seeds, signs, o("w_q_col"), o("w_k_col"), o("w_v_col"),
-            u32(s("q_a")), u32(s("k_a")), u32(s("v_a")), self.d_rope[start * hd:], i32(seq), i32(r)))
+            g, buf["sb"], qkv, seeds, signs, outputs("w_q"), outputs("w_k"), outputs("w_v"),
+            u32(a("w_q")), u32(a("w_k")), u32(a("w_v")), self.d_rope[start * hd:], i32(seq), i32(r)))
         sbd = buf["sbd"]
         rd = r * d
         q, k, v = qkv[:rd], qkv[rd:2 * rd], qkv[2 * rd:3 * rd]
@@ -419,7 +421,7 @@ class GpuBackend:
             cp.cuda.runtime.memsetAsync(sbd.data.ptr, 0, r * 4, cp.cuda.get_current_stream().ptr)
             threads = (2 * seq + 31) // 32 * 32  # ATT_SPLIT threads per query
             self._launch("attention_mix", (nb, cfg.model.n_heads), (threads,), (
-                q, k, v, buf["y"], sbd, seeds, o("w_o_row"), u32(s("o_b")), self.d_exp))
+                q, k, v, buf["y"], sbd, seeds, inputs("w_o"), u32(b("w_o")), self.d_exp))
         else:  # sign 0: the o-projection's input dot (sbd) is never used
             keys, values = cache
             keys[start * d:(start + seq) * d] = k
@@ -428,7 +430,7 @@ class GpuBackend:
                 q, keys, values, buf["y"], i32(start), self.d_exp), shared_mem=4 * (start + seq))
         self._project(dp["w_o"], buf["y"], g, d, r, d)
         self._launch("residual", (nb,), (NT,), (
-            g, sbd, buf["x"], seeds, signs, o("w_o_col"), u32(s("o_a")),
+            g, sbd, buf["x"], seeds, signs, outputs("w_o"), u32(a("w_o")),
             i32(cfg.quantization.shift_out), NULL, NULL, u32(0), u32(0), i32(seq)))
 
     # --- update -----------------------------------------------------------------------
@@ -443,12 +445,8 @@ class GpuBackend:
         peak = (cfg.noise.perturb_mask * (3 if three else 1)) ** 2
         if n_pairs * peak >= 2**31:
             raise NotImplementedError("votes could overflow int32 at this population")
-        plan = update_plan(cfg)
-        shapes = param_shapes(cfg)
-        dims = []
-        for u in plan:
-            shape = shapes[u.name][1:] if u.layer is not None else shapes[u.name]
-            dims.append(shape)
+        plan = param_slices(cfg)
+        dims = [s.shape for s in plan]
         max_in = max(s[0] for s in dims)
         max_out = max((s[1] for s in dims if len(s) == 2), default=1)
         max_n = max(math.prod(s) for s in dims)
@@ -471,11 +469,12 @@ class GpuBackend:
         consts = (f(o.beta1), f(1) - f(o.beta1), f(o.beta2), f(1) - f(o.beta2), f(o.eps),
                   f(o.weight_decay), f(o.sgd_vote_scale))
         a_cfg = cfg.adaptive_noise
-        for u, shape in zip(U["plan"], U["dims"]):
+        for u in U["plan"]:
+            shape = u.shape
             sel = (lambda x: x) if u.layer is None else (lambda x, l=u.layer: x[l])
             w, m, v, acc = (sel(d[u.name]) for d in (self.dp, self.dm, self.dv, self.dacc))
             n = math.prod(shape)
-            if u.is_matrix:
+            if u.param.is_matrix:
                 n_in, n_out = shape
                 grid_x = (pairs + 255) // 256
                 self._launch("noise_matrix", (grid_x, min(n_in, 65535)), (256,), (
@@ -490,12 +489,12 @@ class GpuBackend:
                     U["vote"], U["fit"], U["seed"], u32(u.off_a), u32(u.off_b), i32(pairs)))
                 inner, cols = n, NULL
             self._launch("optimizer_step", ((n + 255) // 256,), (256,), (
-                w, m, v, acc, U["vote"], i32(n), i32(inner), U["lr"], i32(1 if u.bias_lr else 0),
+                w, m, v, acc, U["vote"], i32(n), i32(inner), U["lr"], i32(1 if u.param.bias_lr else 0),
                 U["rows"], cols, U["changes"], *consts))
             if a_cfg.mode > 0:
-                counts = [(u.overlays[0], U["rows"], shape[0])]
-                if u.is_matrix:
-                    counts.append((u.overlays[1], U["cols"], shape[1]))
+                counts = [(u.param.overlays[0], U["rows"], shape[0])]
+                if u.param.is_matrix:
+                    counts.append((u.param.overlays[1], U["cols"], shape[1]))
                 for name, cnt, size in counts:
                     self._launch("update_overlay", ((size + 255) // 256,), (256,), (
                         sel(self.dov[name]), cnt, i32(size), i32(a_cfg.inc), i32(a_cfg.dec)))
@@ -569,8 +568,7 @@ class GpuBackend:
         if 4 * total > 48 * 1024:
             self.k["cached_attention"].max_dynamic_shared_size_bytes = 4 * total
         f = np.float32
-        penalty = int(f(s.presence_penalty) * f(1 << cfg.quantization.shift_logit))
-        min_p_limit = int(float(np.log(f(s.min_p))) * float(cfg.softmax.exp_scale))
+        penalty, min_p_limit = sampler_limits(cfg)
         seed &= 0xFFFFFFFF
         d = m.hidden_dim
         with self.stream:

@@ -27,115 +27,35 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..config import Config
+from ..seeds import member_sign, pair_seed
 from .noise import hash_np, noise_np, noise_table, xorshift_noise
+from .params import (EMB_MLP, GATE_SEED, LAYER_MLP, PARAM, Mlp, offsets, overlay_shapes,
+                     param_shapes, param_slices)
 
 MAX_VAL = 127
-
-# Offsets added to a member's seed to get each noise vector's seed (include/config.h).
-# Per-layer offsets also get layer * 1000.
-SEED = dict(
-    emb=0, emb_bias_a=50, emb_bias_b=51,
-    ln_1_a=100, ln_1_b=101, ln_1_bias_a=110, ln_1_bias_b=111,
-    q_a=200, q_b=201, k_a=202, k_b=203, v_a=204, v_b=205, o_a=206, o_b=207,
-    ln_2_a=300, ln_2_b=301, ln_2_bias_a=310, ln_2_bias_b=311,
-    mlp_up_a=400, mlp_up_b=401, mlp_down_a=402, mlp_down_b=403,
-    mlp_bias_up_a=410, mlp_bias_up_b=411, mlp_bias_down_a=412, mlp_bias_down_b=413,
-    ln_init_a=500, ln_init_b=501, ln_init_bias_a=502, ln_init_bias_b=503,
-    emb_mlp_up_a=510, emb_mlp_up_b=511, emb_mlp_down_a=512, emb_mlp_down_b=513,
-    emb_mlp_bias_up_a=514, emb_mlp_bias_up_b=515,
-    emb_mlp_bias_down_a=516, emb_mlp_bias_down_b=517,
-    ln_f_a=900, ln_f_b=901, ln_f_bias_a=910, ln_f_bias_b=911,
-    gate=100000,
-)
-LAYER_SEED_STRIDE = 1000
 
 
 # --- parameters --------------------------------------------------------------------
 
-def param_shapes(cfg: Config) -> dict[str, tuple]:
-    """Every int8 parameter, in the reference's order, with its logical shape."""
-    d, v, n = cfg.model.hidden_dim, cfg.model.vocab_size, cfg.model.n_layers
-    return {
-        "embedding": (d, v), "emb_bias": (d,),
-        "ln_init": (d,), "ln_init_bias": (d,),
-        "w_emb_mlp_up": (d, 4 * d), "mlp_emb_bias_up": (4 * d,),
-        "w_emb_mlp_down": (4 * d, d), "mlp_emb_bias_down": (d,),
-        "ln_1": (n, d), "ln_1_bias": (n, d),
-        "w_q": (n, d, d), "w_k": (n, d, d), "w_v": (n, d, d), "w_o": (n, d, d),
-        "ln_2": (n, d), "ln_2_bias": (n, d),
-        "w_up": (n, d, 4 * d), "mlp_bias_up": (n, 4 * d),
-        "w_down": (n, 4 * d, d), "mlp_bias_down": (n, d),
-        "ln_f": (d,), "ln_f_bias": (d,),
-    }
-
-
-def overlay_shapes(cfg: Config) -> dict[str, tuple]:
-    """Adaptive-noise overlays: one int8 per matrix row and column, one per vector entry."""
-    d, v, n = cfg.model.hidden_dim, cfg.model.vocab_size, cfg.model.n_layers
-    return {
-        "embedding_row": (v,), "embedding_col": (d,), "emb_bias": (d,),
-        "ln_init": (d,), "ln_init_bias": (d,),
-        "w_emb_mlp_up_row": (d,), "w_emb_mlp_up_col": (4 * d,), "mlp_emb_bias_up": (4 * d,),
-        "w_emb_mlp_down_row": (4 * d,), "w_emb_mlp_down_col": (d,), "mlp_emb_bias_down": (d,),
-        "ln_1": (n, d), "ln_1_bias": (n, d),
-        "w_q_row": (n, d), "w_q_col": (n, d), "w_k_row": (n, d), "w_k_col": (n, d),
-        "w_v_row": (n, d), "w_v_col": (n, d), "w_o_row": (n, d), "w_o_col": (n, d),
-        "ln_2": (n, d), "ln_2_bias": (n, d),
-        "w_up_row": (n, d), "w_up_col": (n, 4 * d), "mlp_bias_up": (n, 4 * d),
-        "w_down_row": (n, 4 * d), "w_down_col": (n, d), "mlp_bias_down": (n, d),
-        "ln_f": (d,), "ln_f_bias": (d,),
-    }
-
-
 def init_params(cfg: Config) -> dict[str, np.ndarray]:
-    """Weights from one xorshift32 stream in the reference's order; norms 16, biases 0."""
-    shapes = param_shapes(cfg)
-    params = {name: np.zeros(shape, np.int8) for name, shape in shapes.items()}
-    for name in ("ln_init", "ln_1", "ln_2", "ln_f"):
-        params[name][...] = 16
+    """The initial weights: matrices drawn from one xorshift32 stream in the reference's
+    order (params.param_slices), the rest filled with their table's constant."""
+    params = {name: np.zeros(shape, np.int8) for name, shape in param_shapes(cfg).items()}
     state = np.uint32(cfg.training.init_seed)
-    mask = cfg.noise.init_mask
     three = cfg.noise.init_distribution == "three_sample"
-
-    def fill(arr):
-        nonlocal state
-        values, state = xorshift_noise(state, arr.size, mask, three)
-        arr[...] = values.reshape(arr.shape)
-
-    fill(params["embedding"])
-    fill(params["w_emb_mlp_up"])
-    fill(params["w_emb_mlp_down"])
-    for layer in range(cfg.model.n_layers):
-        for name in ("w_q", "w_k", "w_v", "w_o", "w_up", "w_down"):
-            fill(params[name][layer])
+    for s in param_slices(cfg):
+        target = params[s.name][s.index]
+        if s.param.fill is None:
+            values, state = xorshift_noise(state, target.size, cfg.noise.init_mask, three)
+            target[...] = values.reshape(target.shape)
+        else:
+            target[...] = s.param.fill
     return params
 
 
 def init_overlays(cfg: Config) -> dict[str, np.ndarray]:
     return {name: np.full(shape, cfg.adaptive_noise.init, np.int8)
             for name, shape in overlay_shapes(cfg).items()}
-
-
-def parameter_table(cfg: Config) -> list[tuple[str, str, int]]:
-    """(component, dims, params) rows in the order print_arch shows them."""
-    d, v, n = cfg.model.hidden_dim, cfg.model.vocab_size, cfg.model.n_layers
-    rows = [
-        ("Embedding", f"[{v}, {d}]", v * d), ("Embedding Bias", f"[{d}]", d),
-        ("LN Init", f"[{d}]", d), ("LN Init Bias", f"[{d}]", d),
-        ("Emb MLP Up", f"[{d}, {4 * d}]", 4 * d * d), ("Emb MLP Bias Up", f"[{4 * d}]", 4 * d),
-        ("Emb MLP Down", f"[{4 * d}, {d}]", 4 * d * d), ("Emb MLP Bias Down", f"[{d}]", d),
-    ]
-    layer = [
-        ("LN 1", f"[{d}]", d), ("LN 1 Bias", f"[{d}]", d),
-        ("W_Q", f"[{d}, {d}]", d * d), ("W_K", f"[{d}, {d}]", d * d),
-        ("W_V", f"[{d}, {d}]", d * d), ("W_O", f"[{d}, {d}]", d * d),
-        ("LN 2", f"[{d}]", d), ("LN 2 Bias", f"[{d}]", d),
-        ("W_Up", f"[{d}, {4 * d}]", 4 * d * d), ("MLP Bias Up", f"[{4 * d}]", 4 * d),
-        ("W_Down", f"[{4 * d}, {d}]", 4 * d * d), ("MLP Bias Down", f"[{d}]", d),
-    ]
-    rows += [(f"  {name} (x{n})", dims, count * n) for name, dims, count in layer]
-    rows += [("LN Final", f"[{d}]", d), ("LN Final Bias", f"[{d}]", d)]
-    return rows
 
 
 # --- lookup tables -------------------------------------------------------------------
@@ -152,12 +72,18 @@ def c_round(x: float) -> int:
     return int(math.copysign(math.floor(abs(x) + 0.5), x))
 
 
-def make_tables(cfg: Config, positions: int) -> Tables:
-    """The integer lookup tables, RoPE for `positions` positions.
+def rope_positions(cfg: Config) -> int:
+    """Positions a RoPE table must cover: training windows and generations."""
+    return max(cfg.model.seq_len, cfg.sampling.prompt_tokens + cfg.sampling.generate_tokens)
+
+
+def make_tables(cfg: Config, positions: int | None = None) -> Tables:
+    """The integer lookup tables, RoPE for `positions` positions (default: rope_positions).
 
     The reference's RoPE table covers seq_len positions only and its generation reads
     past the end of it; we size it for every position we use.
     """
+    positions = rope_positions(cfg) if positions is None else positions
     sm = cfg.softmax
     exp = [c_round(v) if (v := math.exp(-i / sm.exp_scale) * (1 << sm.scale_bit)) >= 1.0 else 0
            for i in range(sm.lut_size)]
@@ -224,16 +150,16 @@ def int_matmul(x, w):
 class Perturbation:
     """The noise of a set of population members: one seed and one sign per member.
 
-    A member's seed is step_seed + pair (wrapping at 32 bits); members 2i and 2i+1 of a
-    pair share it and carry +noise and -noise. Every method returns arrays whose first
+    Members 2i and 2i+1 of a pair share the pair's seed (deggs.seeds.pair_seed) and carry
+    +noise and -noise. Every method returns arrays whose first
     axis is the member.
     """
 
     def __init__(self, cfg: Config, step_seed: int, members: np.ndarray):
         self.cfg = cfg
         members = np.asarray(members, np.int64)
-        self.seeds = ((step_seed + members // 2) & 0xFFFFFFFF).astype(np.uint32)
-        self.signs = np.where(members % 2 == 0, 1, -1).astype(np.int64)
+        self.seeds = pair_seed(step_seed, members // 2).astype(np.uint32)
+        self.signs = member_sign(members)
         self.mask = cfg.noise.perturb_mask
         self.three = cfg.noise.perturb_distribution == "three_sample"
         q = cfg.quantization
@@ -267,7 +193,7 @@ class Perturbation:
                             np.where(ov < 64, ov / np.float32(64), np.float32(1))).astype(np.float32)
         # mode 2, heavy-tailed: scale / sqrt(u) with u uniform in (0, 1] from the gate hash
         scale = (ov + np.float32(127)) / np.float32(255)
-        r = hash_np(self.seed(offset + SEED["gate"]), idx).astype(np.float32)
+        r = hash_np(self.seed(offset + GATE_SEED), idx).astype(np.float32)
         u = (r + np.float32(1)) / np.float32(4294967296.0)
         return scale / np.sqrt(u)
 
@@ -289,6 +215,27 @@ class Perturbation:
         s = self.factor(overlay_in, off_b, idx)[:, None, :]
         return wrap32(self.scaled(x * b, s).sum(-1))
 
+    def input_dot_by_threads(self, x, off_b: int, overlay_in):
+        """input_dot as the reference's down-projection sums it, thread by thread.
+
+        Thread j of hidden_dim adds inputs j, j+d, j+2d, j+3d into an int32 through
+        float32, truncating after every addition: pb = (int)((float)pb + x * b * factor).
+        We take that multiply-add as one fused rounding (fmaf), as nvcc emits it; float64
+        reproduces it because the float32 product is exact there. (The golden vectors
+        agree with both the fused and the unfused form.) The partial sums then add as
+        integers.
+        """
+        d = x.shape[-1] // 4
+        idx = np.arange(4 * d)
+        terms = f32(x * self.noise(off_b, idx)[:, None, :]).astype(np.float64)
+        factor = self.factor(overlay_in, off_b, idx)[:, None, :].astype(np.float64)
+        partial = np.zeros(x.shape[:2] + (d,), np.int64)
+        for sub in range(4):
+            cols = slice(sub * d, (sub + 1) * d)
+            total = f32(partial).astype(np.float64) + terms[..., cols] * factor[..., cols]
+            partial = trunc_i32(f32(total))
+        return wrap32(partial.sum(-1))
+
     def output_term(self, sb, off_a: int, overlay_out, n: int):
         """((sb * (int)(a_j * factor_j)) * sign) >> shift, per member, position and output."""
         idx = np.arange(n)
@@ -297,28 +244,65 @@ class Perturbation:
         return term >> self.matrix_shift
 
 
-def project(x, w, pert: Perturbation | None, off_a: int, off_b: int, ov_in, ov_out):
+def project(x, w, pert: Perturbation | None, off_a: int, off_b: int, ov_in, ov_out,
+            by_threads: bool = False):
     """x @ (W + perturbation) for x [member, position, in], W [in, out]."""
     out = int_matmul(x, w)
     if pert is not None:
-        sb = pert.input_dot(x, off_b, ov_in)
+        dot = pert.input_dot_by_threads if by_threads else pert.input_dot
+        sb = dot(x, off_b, ov_in)
         out = wrap32(out + pert.output_term(sb, off_a, ov_out, w.shape[1]))
     return out
 
 
+class Weights:
+    """The parameters as a set of members sees them, looked up by their table names.
+
+    `layer` picks one layer's copy of the per-layer parameters; the noise offsets come
+    from deggs.numerics.params. With pert None the weights are unperturbed.
+    """
+
+    def __init__(self, cfg: Config, params, overlays, pert: Perturbation | None, layer=None):
+        self.cfg, self.params, self.overlays, self.pert, self.layer = cfg, params, overlays, pert, layer
+
+    def at(self, layer: int) -> "Weights":
+        return Weights(self.cfg, self.params, self.overlays, self.pert, layer)
+
+    def _arrays(self, name: str):
+        """The parameter `name` (this layer's copy) and its overlays."""
+        pick = (lambda a: a[self.layer]) if PARAM[name].per_layer else (lambda a: a)
+        return pick(self.params[name]), [pick(self.overlays[o]) for o in PARAM[name].overlays]
+
+    def _offsets(self, name):
+        return offsets(self.cfg, name, self.layer if PARAM[name].per_layer else None)
+
+    def vector(self, name: str):
+        """A vector parameter plus each member's rank-1 noise: int64 [member or 1, 1, n]."""
+        v, (overlay,) = self._arrays(name)
+        v = v.astype(np.int64)[None, None, :]
+        if self.pert is None:
+            return v
+        off_a, off_b = self._offsets(name)
+        return v + self.pert.vector(overlay, off_a, off_b, v.shape[-1])[:, None, :]
+
+    def project(self, x, name: str, by_threads: bool = False):
+        """x @ (W + each member's rank-1 noise) for the matrix `name`."""
+        w, (ov_in, ov_out) = self._arrays(name)
+        return project(x, w, self.pert, *self._offsets(name), ov_in, ov_out, by_threads)
+
+
 # --- the layers ------------------------------------------------------------------------
 
-def standard_norm(cfg, x, w, b, pert, off_w_a, off_w_b, off_b_a, off_b_b, ov_w, ov_b):
-    """x * w / mean|x| + b, with the weight and bias perturbed (rank-1 vector noise)."""
-    d = cfg.model.hidden_dim
-    mean = np.abs(x).sum(-1, keepdims=True) // d
+def standard_norm(cfg, x, w, b):
+    """x * w / mean|x| + b, for weights w and biases b as the members see them."""
+    mean = np.abs(x).sum(-1, keepdims=True) // cfg.model.hidden_dim
     mean = np.where(mean == 0, 1, mean)
-    w = w.astype(np.int64)[None, None, :]
-    b = b.astype(np.int64)[None, None, :]
-    if pert is not None:
-        w = w + pert.vector(ov_w, off_w_a, off_w_b, d)[:, None, :]
-        b = b + pert.vector(ov_b, off_b_a, off_b_b, d)[:, None, :]
     return clip8(cdiv(x * w, mean) + b)
+
+
+def norm(cfg, weights: Weights, x, name: str):
+    """The standard norm with parameters `name` and `name`_bias."""
+    return standard_norm(cfg, x, weights.vector(name), weights.vector(name + "_bias"))
 
 
 def max_abs_normalize(x):
@@ -381,127 +365,62 @@ class KVCache:
                    [np.zeros(shape, np.int64) for _ in range(n)])
 
 
-def attention_block(cfg, tables, params, overlays, x, layer, pert, cache, positions):
-    base = layer * LAYER_SEED_STRIDE
-    ov = lambda name: overlays[name][layer]
-    normed = standard_norm(
-        cfg, x, params["ln_1"][layer], params["ln_1_bias"][layer], pert,
-        base + SEED["ln_1_a"], base + SEED["ln_1_b"],
-        base + SEED["ln_1_bias_a"], base + SEED["ln_1_bias_b"], ov("ln_1"), ov("ln_1_bias"))
-    qkv = {}
-    for name in ("q", "k", "v"):
-        qkv[name] = project(normed, params[f"w_{name}"][layer], pert,
-                            base + SEED[f"{name}_a"], base + SEED[f"{name}_b"],
-                            ov(f"w_{name}_row"), ov(f"w_{name}_col"))
-    q = max_abs_normalize(rope(cfg, tables, qkv["q"], positions))
-    cache.k[layer][:, positions] = max_abs_normalize(rope(cfg, tables, qkv["k"], positions))
-    cache.v[layer][:, positions] = max_abs_normalize(qkv["v"])
+def attention_block(cfg, tables, weights: Weights, x, cache: KVCache, positions):
+    """Norm, q/k/v projections with RoPE, attention over the cache, output projection."""
+    layer = weights.layer
+    normed = norm(cfg, weights, x, "ln_1")
+    q, k, v = (weights.project(normed, name) for name in ("w_q", "w_k", "w_v"))
+    q = max_abs_normalize(rope(cfg, tables, q, positions))
+    cache.k[layer][:, positions] = max_abs_normalize(rope(cfg, tables, k, positions))
+    cache.v[layer][:, positions] = max_abs_normalize(v)
     mixed = attention_mix(cfg, tables, q, cache.k[layer], cache.v[layer], positions)
-    out = project(mixed, params["w_o"][layer], pert, base + SEED["o_a"], base + SEED["o_b"],
-                  ov("w_o_row"), ov("w_o_col"))
+    out = weights.project(mixed, "w_o")
     return max_abs_normalize(x + (out >> cfg.quantization.shift_out))
 
 
-# Parameter and overlay names of the two MLPs: the initial one and the per-layer one.
-INIT_MLP = dict(ln="ln_init", ln_bias="ln_init_bias", up="w_emb_mlp_up",
-                bias_up="mlp_emb_bias_up", down="w_emb_mlp_down", bias_down="mlp_emb_bias_down",
-                seed="emb_mlp", seed_ln="ln_init", seed_bias="emb_mlp_bias")
-LAYER_MLP = dict(ln="ln_2", ln_bias="ln_2_bias", up="w_up", bias_up="mlp_bias_up",
-                 down="w_down", bias_down="mlp_bias_down",
-                 seed="mlp", seed_ln="ln_2", seed_bias="mlp_bias")
-
-
-def mlp_block(cfg, tables, params, overlays, x, names, layer, pert):
+def mlp_block(cfg, tables, weights: Weights, x, names: Mlp):
     """Norm, up-projection, GELU table, down-projection, residual, max-abs normalisation."""
     q = cfg.quantization
-    d = cfg.model.hidden_dim
-    base = 0 if layer is None else layer * LAYER_SEED_STRIDE
-    pick = (lambda a: a) if layer is None else (lambda a: a[layer])
-    p = lambda key: pick(params[names[key]])
-    o = lambda name: pick(overlays[name])
-    s = lambda key: base + SEED[key]
-    sd, sl, sb_ = names["seed"], names["seed_ln"], names["seed_bias"]
-
-    normed = standard_norm(cfg, x, p("ln"), p("ln_bias"), pert,
-                           s(f"{sl}_a"), s(f"{sl}_b"), s(f"{sl}_bias_a"), s(f"{sl}_bias_b"),
-                           o(names["ln"]), o(names["ln_bias"]))
-    up = project(normed, p("up"), pert, s(f"{sd}_up_a"), s(f"{sd}_up_b"),
-                 o(names["up"] + "_row"), o(names["up"] + "_col"))
-    pre = (up >> q.shift_mlp_up) + p("bias_up").astype(np.int64)
-    if pert is not None:
-        pre = pre + pert.vector(o(names["bias_up"]), s(f"{sb_}_up_a"), s(f"{sb_}_up_b"), 4 * d)[:, None, :]
+    normed = standard_norm(cfg, x, weights.vector(names.ln), weights.vector(names.ln_bias))
+    up = weights.project(normed, names.up)
+    pre = (up >> q.shift_mlp_up) + weights.vector(names.bias_up)
     hidden = tables.gelu[clip8(pre) & 0xFF]
-
-    down_w = p("down")
-    out = int_matmul(hidden, down_w)
-    if pert is not None:
-        sb = down_input_dot(pert, hidden, s(f"{sd}_down_b"), o(names["down"] + "_row"), d)
-        out = wrap32(out + pert.output_term(sb, s(f"{sd}_down_a"), o(names["down"] + "_col"), d))
-    res = x + (out >> q.shift_mlp_down) + p("bias_down").astype(np.int64)
-    if pert is not None:
-        res = res + pert.vector(o(names["bias_down"]), s(f"{sb_}_down_a"), s(f"{sb_}_down_b"), d)[:, None, :]
+    out = weights.project(hidden, names.down, by_threads=True)  # summed as the reference does
+    res = x + (out >> q.shift_mlp_down) + weights.vector(names.bias_down)
     return max_abs_normalize(res)
 
 
-def down_input_dot(pert, hidden, off_b, overlay_in, d):
-    """The down-projection's input dot product, summed as the reference's threads do.
-
-    Thread j adds inputs j, j+d, j+2d, j+3d into an int32 through float32, truncating
-    after every addition: pb = (int)((float)pb + x * b * factor). We take that
-    multiply-add as one fused rounding (fmaf), as nvcc emits it; float64 reproduces it
-    because the float32 product is exact there. (The golden vectors agree with both the
-    fused and the unfused form.) The threads' partial sums then add as integers.
-    """
-    idx = np.arange(4 * d)
-    terms = f32(hidden * pert.noise(off_b, idx)[:, None, :]).astype(np.float64)
-    factor = pert.factor(overlay_in, off_b, idx)[:, None, :].astype(np.float64)
-    partial = np.zeros(hidden.shape[:2] + (d,), np.int64)
-    for sub in range(4):
-        cols = slice(sub * d, (sub + 1) * d)
-        total = f32(partial).astype(np.float64) + terms[..., cols] * factor[..., cols]
-        partial = trunc_i32(f32(total))
-    return wrap32(partial.sum(-1))
-
-
-def embed(cfg, params, overlays, tokens, pert):
+def embed(cfg, weights: Weights, tokens):
     """Token embeddings plus embedding bias, each with its perturbation."""
-    d = cfg.model.hidden_dim
-    x = params["embedding"].T[tokens].astype(np.int64) + params["emb_bias"].astype(np.int64)
+    params, overlays, pert = weights.params, weights.overlays, weights.pert
+    x = params["embedding"].T[tokens].astype(np.int64) + weights.vector("emb_bias")
     if pert is not None:
         q = cfg.quantization
-        x = x + pert.vector(overlays["emb_bias"], SEED["emb_bias_a"], SEED["emb_bias_b"], d)[:, None, :]
-        a_tok = pert.noise(SEED["emb"], tokens)  # [m, t]
-        s_row = pert.factor(overlays["embedding_row"], SEED["emb"], tokens)
-        idx = np.arange(d)
-        b_dim = pert.noise(SEED["emb"] + d, idx)  # [m, d]
-        s_col = pert.factor(overlays["embedding_col"], SEED["emb"] + d, idx)[:, None, :]
+        out_seed, in_seed = offsets(cfg, "embedding")  # over the vocabulary, the hidden dims
+        ov_in, ov_out = (overlays[o] for o in PARAM["embedding"].overlays)
+        a_tok = pert.noise(out_seed, tokens)  # [m, t]
+        s_row = pert.factor(ov_out, out_seed, tokens)
+        idx = np.arange(cfg.model.hidden_dim)
+        b_dim = pert.noise(in_seed, idx)  # [m, d]
+        s_col = pert.factor(ov_in, in_seed, idx)[:, None, :]
         prod = f32(f32(a_tok[:, :, None] * b_dim[:, None, :]) * s_row[..., None]) * s_col
         x = x + ((trunc_i32(prod) * pert.signs[:, None, None]) >> (q.fixed_point + q.sigma_shift))
     return clip8(x)
 
 
-def final_norm(cfg, params, overlays, x, pert):
-    return standard_norm(cfg, x, params["ln_f"], params["ln_f_bias"], pert,
-                         SEED["ln_f_a"], SEED["ln_f_b"], SEED["ln_f_bias_a"], SEED["ln_f_bias_b"],
-                         overlays["ln_f"], overlays["ln_f_bias"])
-
-
-def logits(cfg, params, overlays, normed, pert):
+def logits(cfg, weights: Weights, normed):
     """The tied head: normed @ embedding (+ its rank-1 noise), >> shift_logit."""
-    d = cfg.model.hidden_dim
-    out = project(normed, params["embedding"], pert, SEED["emb"], SEED["emb"] + d,
-                  overlays["embedding_col"], overlays["embedding_row"])
-    return out >> cfg.quantization.shift_logit
+    return weights.project(normed, "embedding") >> cfg.quantization.shift_logit
 
 
-def forward(cfg, tables, params, overlays, tokens, pert, cache, positions):
+def forward(cfg, tables, weights: Weights, tokens, cache, positions):
     """Hidden states after the final norm for `tokens` [member, position] at `positions`."""
-    x = embed(cfg, params, overlays, tokens, pert)
-    x = mlp_block(cfg, tables, params, overlays, x, INIT_MLP, None, pert)
+    x = embed(cfg, weights, tokens)
+    x = mlp_block(cfg, tables, weights, x, EMB_MLP)
     for layer in range(cfg.model.n_layers):
-        x = attention_block(cfg, tables, params, overlays, x, layer, pert, cache, positions)
-        x = mlp_block(cfg, tables, params, overlays, x, LAYER_MLP, layer, pert)
-    return final_norm(cfg, params, overlays, x, pert)
+        x = attention_block(cfg, tables, weights.at(layer), x, cache, positions)
+        x = mlp_block(cfg, tables, weights.at(layer), x, LAYER_MLP)
+    return norm(cfg, weights, x, "ln_f")
 
 
 def sequence_loss(cfg, tables, lgt, targets):
@@ -524,11 +443,11 @@ def member_losses(cfg: Config, tables: Tables, params, overlays, data, step: int
     """Loss (int32) of each listed population member at a step."""
     members = np.asarray(members, np.int64)
     tokens = member_tokens(cfg, data, step, members)
-    pert = Perturbation(cfg, step_seed, members)
+    weights = Weights(cfg, params, overlays, Perturbation(cfg, step_seed, members))
     t = cfg.model.seq_len
     cache = KVCache.empty(cfg, len(members), t)
-    normed = forward(cfg, tables, params, overlays, tokens[:, :t], pert, cache, np.arange(t))
-    lgt = logits(cfg, params, overlays, normed, pert)
+    normed = forward(cfg, tables, weights, tokens[:, :t], cache, np.arange(t))
+    lgt = logits(cfg, weights, normed)
     return sequence_loss(cfg, tables, lgt, tokens[:, 1:])
 
 

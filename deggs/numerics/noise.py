@@ -1,33 +1,16 @@
 """Counter-based noise: every worker regenerates the same perturbations from (seed, index).
 
-`hash_rng` is a 32-bit integer hash (all arithmetic wraps at 2^32). `noise_from_hash`
-turns one hash into a small signed int8: uniform in [-mask, mask] by default, or the sum
-of three such samples (the reference's "Gaussian"). The initial weights come from a
-xorshift32 stream instead, in parameter order.
+`hash_u32` is deggs.seeds.hash_rng compiled by numba, `hash_np` the same over NumPy
+arrays (all arithmetic wraps at 2^32). `noise_from_hash` turns one hash into a small
+signed int8: uniform in [-mask, mask] by default, or the sum of three such samples (the
+reference's "Gaussian"). The initial weights come from a xorshift32 stream instead, in
+parameter order.
 """
 
 from __future__ import annotations
 
 import numba
 import numpy as np
-
-U32 = 0xFFFFFFFF
-
-
-def hash_rng(seed: int, idx: int) -> int:
-    """The reference's hash_rng on Python ints (used for the per-step seed)."""
-    x = (seed + idx * 0x9E3779B9) & U32
-    x ^= x >> 16
-    x = (x * 0x85EBCA6B) & U32
-    x ^= x >> 13
-    x = (x * 0xC2B2AE35) & U32
-    x ^= x >> 16
-    return x
-
-
-def next_step_seed(seed: int, new_step: int) -> int:
-    """Seed of step `new_step`, from the seed of the step before it."""
-    return hash_rng(seed & U32, new_step & U32)
 
 
 @numba.njit(inline="always")

@@ -19,60 +19,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..config import Config
-from .model import LAYER_SEED_STRIDE, MAX_VAL, SEED, param_shapes
+from ..seeds import pair_seed
+from .model import MAX_VAL
 from .noise import noise_table
+from .params import Slice, param_shapes, param_slices
 
 # Pairs handled per block when building votes: bounds the noise matrices' memory.
 PAIR_BLOCK = 4096
-
-
-@dataclass(frozen=True)
-class Update:
-    """How one parameter (one layer's slice of it) is updated."""
-    name: str
-    layer: int | None
-    off_a: int          # seed offset of the output-side (or first) noise
-    off_b: int          # seed offset of the input-side (or second) noise
-    overlays: tuple     # (row overlay, col overlay) for matrices, (overlay,) for vectors
-    bias_lr: bool = False
-
-    @property
-    def is_matrix(self) -> bool:
-        return len(self.overlays) == 2
-
-
-def update_plan(cfg: Config) -> list[Update]:
-    """Every parameter slice with its noise seeds and overlays."""
-    d = cfg.model.hidden_dim
-
-    def vec(name, key, layer=None, bias_lr=False):
-        base = 0 if layer is None else layer * LAYER_SEED_STRIDE
-        return Update(name, layer, base + SEED[f"{key}_a"], base + SEED[f"{key}_b"], (name,), bias_lr)
-
-    def mat(name, key, layer=None):
-        base = 0 if layer is None else layer * LAYER_SEED_STRIDE
-        return Update(name, layer, base + SEED[f"{key}_a"], base + SEED[f"{key}_b"],
-                      (f"{name}_row", f"{name}_col"))
-
-    plan = [
-        # the embedding is W[hidden, vocab]: its rows are the overlay's "col" side
-        Update("embedding", None, SEED["emb"], SEED["emb"] + d, ("embedding_col", "embedding_row")),
-        vec("emb_bias", "emb_bias", bias_lr=True),
-        vec("ln_init", "ln_init"), vec("ln_init_bias", "ln_init_bias"),
-        mat("w_emb_mlp_up", "emb_mlp_up"), vec("mlp_emb_bias_up", "emb_mlp_bias_up"),
-        mat("w_emb_mlp_down", "emb_mlp_down"), vec("mlp_emb_bias_down", "emb_mlp_bias_down"),
-    ]
-    for layer in range(cfg.model.n_layers):
-        plan += [
-            vec("ln_1", "ln_1", layer), vec("ln_1_bias", "ln_1_bias", layer),
-            mat("w_q", "q", layer), mat("w_k", "k", layer),
-            mat("w_v", "v", layer), mat("w_o", "o", layer),
-            vec("ln_2", "ln_2", layer), vec("ln_2_bias", "ln_2_bias", layer),
-            mat("w_up", "mlp_up", layer), vec("mlp_bias_up", "mlp_bias_up", layer),
-            mat("w_down", "mlp_down", layer), vec("mlp_bias_down", "mlp_bias_down", layer),
-        ]
-    plan += [vec("ln_f", "ln_f"), vec("ln_f_bias", "ln_f_bias")]
-    return plan
 
 
 @dataclass
@@ -97,7 +50,7 @@ def _pair_blocks(cfg, fitness, step_seed):
     active = np.nonzero(fitness)[0]
     for start in range(0, len(active), PAIR_BLOCK):
         pairs = active[start:start + PAIR_BLOCK]
-        seeds = ((step_seed + pairs) & 0xFFFFFFFF).astype(np.uint32)[:, None]
+        seeds = pair_seed(step_seed, pairs).astype(np.uint32)[:, None]
         yield seeds, fitness[pairs].astype(np.float64)[:, None]
 
 
@@ -132,20 +85,34 @@ def fma32(a, b, c):
             + np.asarray(c, np.float32).astype(np.float64)).astype(np.float32)
 
 
-def optimizer_step(cfg: Config, w, m, v, acc, vote, lr):
-    """One AdamW (or threshold-SGD) step on int8 weights; returns (w, m, v, acc, changed)."""
-    o = cfg.optimizer
+def adamw(o, g, wf, m, v):
+    """AdamW's step direction from the gradient g (the negated vote) and weights wf."""
     f = np.float32
+    b1, b2 = f(o.beta1), f(o.beta2)
+    m = fma32(b1, m, (f(1) - b1) * g)
+    v = fma32(f(1) - b2, g * g, b2 * v)
+    return fma32(f(o.weight_decay), wf, m / (np.sqrt(v) + f(o.eps))), m, v
+
+
+def threshold_sgd(o, g, wf, m, v):
+    """A scaled vote and weight decay; no moments."""
+    f = np.float32
+    return fma32(f(o.weight_decay), wf, f(o.sgd_vote_scale) * g), m, v
+
+
+# optimizer.kind -> its step direction (x, m, v). The GPU kernel implements the same two.
+OPTIMIZERS = {"adamw": adamw, "sgd": threshold_sgd}
+
+
+def optimizer_step(cfg: Config, w, m, v, acc, vote, lr):
+    """One optimizer step on int8 weights; returns (w, m, v, acc, changed).
+
+    The float accumulator moves by -lr times the step direction; the weight moves by one
+    where it crosses +-1.
+    """
     g = -vote.astype(np.float32)
-    wf = w.astype(np.float32)
-    if o.kind == "adamw":
-        b1, b2 = f(o.beta1), f(o.beta2)
-        m = fma32(b1, m, (f(1) - b1) * g)
-        v = fma32(f(1) - b2, g * g, b2 * v)
-        x = fma32(f(o.weight_decay), wf, m / (np.sqrt(v) + f(o.eps)))
-    else:
-        x = fma32(f(o.weight_decay), wf, f(o.sgd_vote_scale) * g)
-    acc = fma32(-f(lr), x, acc)
+    x, m, v = OPTIMIZERS[cfg.optimizer.kind](cfg.optimizer, g, w.astype(np.float32), m, v)
+    acc = fma32(-np.float32(lr), x, acc)
     w, acc, changed = quantize(w, acc)
     return w, m, v, acc, changed
 
@@ -172,23 +139,22 @@ def update_overlay(cfg: Config, overlay, changes):
     return ov.astype(np.int8)
 
 
-def update_region(cfg: Config, params, state: OptimizerState, u: Update, fitness, step: int,
+def update_region(cfg: Config, params, state: OptimizerState, s: Slice, fitness, step: int,
                   step_seed: int, rows, cols=None):
     """Update rows (x cols, for a matrix) of one parameter slice in place.
 
     Weights and optimizer state change there; returns the changed-weight mask.
     """
-    sel = (slice(None),) if u.layer is None else (u.layer,)
     lr = np.float32(cfg.learning_rate(step))
-    if u.bias_lr:
+    if s.param.bias_lr:
         lr = lr * np.float32(cfg.optimizer.bias_lr_scale)
-    if u.is_matrix:
-        vote = matrix_votes(cfg, fitness, step_seed, u.off_a, u.off_b, rows, cols)
+    if s.param.is_matrix:
+        vote = matrix_votes(cfg, fitness, step_seed, s.off_a, s.off_b, rows, cols)
         region = np.ix_(rows, cols)
     else:
-        vote = vector_votes(cfg, fitness, step_seed, u.off_a, u.off_b, rows)
+        vote = vector_votes(cfg, fitness, step_seed, s.off_a, s.off_b, rows)
         region = (rows,)
-    arrays = [d[u.name][sel] for d in (params, state.m, state.v, state.acc)]
+    arrays = [d[s.name][s.index] for d in (params, state.m, state.v, state.acc)]
     *new, changed = optimizer_step(cfg, *(a[region] for a in arrays), vote, lr)
     for a, value in zip(arrays, new):
         a[region] = value
@@ -202,15 +168,13 @@ def apply_update(cfg: Config, params, overlays, state: OptimizerState, fitness, 
     Returns how many weights changed.
     """
     updates = 0
-    for u in update_plan(cfg):
-        sel = (slice(None),) if u.layer is None else (u.layer,)
-        shape = params[u.name][sel].shape
-        rows = np.arange(shape[0])
-        cols = np.arange(shape[1]) if u.is_matrix else None
-        changed = update_region(cfg, params, state, u, fitness, step, step_seed, rows, cols)
+    for s in param_slices(cfg):
+        rows = np.arange(s.shape[0])
+        cols = np.arange(s.shape[1]) if s.param.is_matrix else None
+        changed = update_region(cfg, params, state, s, fitness, step, step_seed, rows, cols)
         updates += int(changed.sum())
         if cfg.adaptive_noise.mode > 0:
-            counts = (changed.sum(1), changed.sum(0)) if u.is_matrix else (changed,)
-            for name, count in zip(u.overlays, counts):
-                overlays[name][sel] = update_overlay(cfg, overlays[name][sel], count)
+            counts = (changed.sum(1), changed.sum(0)) if s.param.is_matrix else (changed,)
+            for name, count in zip(s.param.overlays, counts):
+                overlays[name][s.index] = update_overlay(cfg, overlays[name][s.index], count)
     return updates

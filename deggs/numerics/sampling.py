@@ -16,8 +16,8 @@ from __future__ import annotations
 import numpy as np
 
 from ..config import Config
-from .model import KVCache, Tables, forward, logits
-from .noise import hash_rng
+from .model import KVCache, Tables, Weights, forward, logits
+from ..seeds import hash_rng
 
 
 def prompt_window(cfg: Config, data: np.ndarray, step: int) -> np.ndarray:
@@ -38,17 +38,23 @@ def scan_order(cfg: Config) -> np.ndarray:
     return v[np.lexsort((v // threads, v % threads))]
 
 
+def sampler_limits(cfg: Config) -> tuple[int, int]:
+    """(presence penalty per occurrence, min-p cut-off) in the integer logits' units."""
+    s, f = cfg.sampling, np.float32
+    penalty = int(f(s.presence_penalty) * f(1 << cfg.quantization.shift_logit))
+    min_p_limit = int(float(np.log(f(s.min_p))) * float(cfg.softmax.exp_scale))
+    return penalty, min_p_limit
+
+
 def choose_token(cfg: Config, tables: Tables, lgt: np.ndarray, history: np.ndarray,
                  seed: int, t: int, order: np.ndarray) -> int:
     """Sample one token from integer logits, given the tokens so far."""
     s = cfg.sampling
-    f = np.float32
-    penalty = int(f(s.presence_penalty) * f(1 << cfg.quantization.shift_logit))
-    min_p_limit = int(float(np.log(f(s.min_p))) * float(cfg.softmax.exp_scale))
+    penalty, min_p_limit = sampler_limits(cfg)
     counts = np.bincount(history, minlength=cfg.model.vocab_size)[:cfg.model.vocab_size]
     lgt = lgt - penalty * counts
     shifted = lgt - lgt.max()
-    scaled = np.trunc(shifted.astype(np.float32) / f(s.temperature)).astype(np.int64)
+    scaled = np.trunc(shifted.astype(np.float32) / np.float32(s.temperature)).astype(np.int64)
     index = np.clip(-scaled, 0, cfg.softmax.lut_size - 1)
     weights = np.where(scaled >= min_p_limit, tables.exp[index], 0)
     total = int(weights.sum())
@@ -70,12 +76,13 @@ def generate(cfg: Config, tables: Tables, params, overlays, prompt: np.ndarray, 
     buffer = np.zeros(total, np.int64)
     buffer[:len(prompt)] = prompt
     cache = KVCache.empty(cfg, 1, total)
+    weights = Weights(cfg, params, overlays, None)
     order = scan_order(cfg)
     seed &= 0xFFFFFFFF
     for t in range(total - 1):
         pos = np.array([t])
-        normed = forward(cfg, tables, params, overlays, buffer[None, t:t + 1], None, cache, pos)
+        normed = forward(cfg, tables, weights, buffer[None, t:t + 1], cache, pos)
         if t >= len(prompt) - 1:
-            lgt = logits(cfg, params, overlays, normed, None)[0, 0]
+            lgt = logits(cfg, weights, normed)[0, 0]
             buffer[t + 1] = choose_token(cfg, tables, lgt, buffer[:t + 1], seed, t, order)
     return buffer

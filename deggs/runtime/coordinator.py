@@ -45,7 +45,7 @@ import numpy as np
 from . import auth
 from . import checkpoint as ckpt
 from ..config import Config, ConfigError
-from ..numerics.noise import next_step_seed
+from ..seeds import next_step_seed
 from .protocol import (AUTH, DEGGS_PROTOCOL, HELLO, JOB_REQUEST, NO_FINGERPRINT, RESULT,
                        WAIT, Auth, Challenge, FrameReader, Goodbye, Hello, HelloReply,
                        JobRequest, JobResponse, LogMessage, ProtocolError, Reason, Result,

@@ -9,28 +9,29 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .checkpoint import CheckpointError, list_checkpoints, read_checkpoint
-from ..numerics.noise import next_step_seed
+from ..numerics.es import Trainer
 from ..ternary import unpack_trits
+from .checkpoint import CheckpointError, list_checkpoints, read_checkpoint
 
 
-def replay(save_dir: str | Path, engine, until: int | None = None, progress=None) -> tuple[int, int]:
-    """Apply steps 0..N-1 of a run to a fresh backend; returns (N, seed of step N)."""
-    cfg = engine.cfg
+def replay(save_dir: str | Path, trainer: Trainer, until: int | None = None,
+           progress=None) -> Trainer:
+    """Apply the saved steps trainer.step..N-1 (N: the newest checkpoint, or `until`).
+
+    progress(step, last, weights changed) is called after each step."""
+    cfg = trainer.cfg
     files = list_checkpoints(save_dir)
     last = max(files, default=0) if until is None else until
-    seed = cfg.training.seed
-    for step in range(last):
-        path = files.get(step + 1)
+    while trainer.step < last:
+        path = files.get(trainer.step + 1)
         if path is None:
-            raise CheckpointError(f"{Path(save_dir)}: no checkpoint for step {step + 1}; "
-                                  f"the history to replay stops at step {step}")
+            raise CheckpointError(f"{Path(save_dir)}: no checkpoint for step {trainer.step + 1}; "
+                                  f"the history to replay stops at step {trainer.step}")
         checkpoint = read_checkpoint(path, cfg.training.n_pairs)
-        updates = engine.update(unpack_trits(checkpoint.fitness, cfg.training.n_pairs), step, seed)
-        seed = next_step_seed(seed, step + 1)
-        if checkpoint.seed != seed:
+        changed = trainer.apply(unpack_trits(checkpoint.fitness, cfg.training.n_pairs))
+        if checkpoint.seed != trainer.seed:
             raise CheckpointError(f"{path}: seed {checkpoint.seed} does not follow from the "
-                                  f"config's seed (expected {seed})")
+                                  f"config's seed (expected {trainer.seed})")
         if progress is not None:
-            progress(step + 1, last, updates)
-    return last, seed
+            progress(trainer.step, last, changed)
+    return trainer

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import socket
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -38,13 +39,13 @@ from . import auth
 from . import protocol
 from ..config import Config, ConfigError, WorkerConfig
 from ..data import detokenize, load_decoding, load_tokens
-from ..numerics.fitness import chunk_fitness
-from ..numerics.noise import next_step_seed
+from ..numerics.backend import BackendError, make_backend
+from ..numerics.es import Trainer
 from .protocol import (Auth, Challenge, Goodbye, Hello, HelloReply, JobRequest, JobResponse,
                        LogMessage, NotOurProtocol, ProtocolError, Reason, Result, printable,
                        set_keepalive)
 from ..numerics.sampling import prompt_window
-from ..ternary import pack_trits, packed_size, unpack_trits
+from ..ternary import packed_size, unpack_trits
 
 WAIT_S = 0.1             # the reference worker's pause after a WAIT
 FIRST_PAUSE_S = 0.5      # the first pause between reconnects; doubles to worker.retry_max_s
@@ -67,21 +68,13 @@ class CoordinatorAway(Exception):
     """The coordinator said GOODBYE for now (stopped, or its disk failed); it may return."""
 
 
-def make_backend(cfg: Config, name: str, threads: int | None = None):
-    """The compute backend by name: 'auto' is the GPU where CuPy sees one, else the CPU."""
-    from ..numerics.cpu import CpuBackend
-    if name in ("auto", "gpu"):
-        from ..numerics.gpu import GpuBackend, gpu_available
-        if gpu_available():
-            try:
-                return GpuBackend(cfg)
-            except ValueError as e:  # a shape its kernels do not support
-                raise WorkerError(f"{e}; use --backend cpu") from None
-        if name == "gpu":
-            raise WorkerError("backend 'gpu' needs CuPy and a CUDA device")
-    if name in ("auto", "cpu"):
-        return CpuBackend(cfg, threads)
-    raise WorkerError(f"unknown backend {name!r} (available: auto, cpu, gpu)")
+@dataclass
+class Training:
+    """What a worker trains once it knows the config: the data and a model replica."""
+    cfg: Config
+    trainer: Trainer
+    tokens: np.ndarray
+    pieces: list[bytes] | None  # token texts, for generations; None: raw bytes or unknown
 
 
 class Worker:
@@ -102,11 +95,7 @@ class Worker:
         self.data_dir = Path(data_dir)
         self.backend_name, self.threads = backend, threads
         self.log = log
-        self.engine = None          # built once the config is known
-        self.tokens = None
-        self.pieces = None
-        self.step = 0
-        self.seed = cfg.training.seed if cfg else None
+        self.training: Training | None = None  # once the config is known
         self.last_updates = 0
         self.chunks_done = 0
         self._pause = FIRST_PAUSE_S  # before the next reconnect
@@ -117,19 +106,37 @@ class Worker:
     # --- setup -------------------------------------------------------------------------
 
     def _prepare(self, cfg: Config):
-        """Load and check the data for a config, and build the backend."""
-        self.tokens = load_tokens(self.data_dir / "input.bin", cfg)
+        """Load and check the data for a config, and build the model replica."""
+        tokens = load_tokens(self.data_dir / "input.bin", cfg)
+        pieces = None
         decoding = self.data_dir / "decoding.bin"
         if not cfg.model.byte_tokens:
             if decoding.exists():
-                self.pieces = load_decoding(decoding)
+                pieces = load_decoding(decoding)
             else:
                 self.log(f"[worker] {decoding} not found: generations will show token ids")
+        try:
+            backend = make_backend(cfg, self.backend_name, self.threads)
+        except BackendError as e:
+            raise WorkerError(str(e)) from None
         self.cfg = cfg
-        self.seed = cfg.training.seed
-        self.engine = make_backend(cfg, self.backend_name, self.threads)
-        self.log(f"[worker] {len(self.tokens)} tokens, backend {self.engine.name}, "
+        self.training = Training(cfg, Trainer(backend), tokens, pieces)
+        self.log(f"[worker] {len(tokens)} tokens, backend {backend.name}, "
                  f"config {cfg.fingerprint().hex()}")
+
+    @property
+    def step(self) -> int:
+        """The step our model is at (0 until we know the config)."""
+        return self.training.trainer.step if self.training else 0
+
+    @property
+    def seed(self) -> int:
+        return self.training.trainer.seed if self.training else 0
+
+    def _ready(self) -> Training:
+        if self.training is None:
+            raise ProtocolError("a job before the coordinator sent its config")
+        return self.training
 
     @property
     def settings(self) -> WorkerConfig:
@@ -356,7 +363,8 @@ class Worker:
             raise WorkerError(f"the coordinator is behind this worker: it hands out step "
                               f"{job.last_step}, the worker is at step {self.step} (restarted "
                               "without --load-dir?)")
-        c, population = self.cfg.training.chunk_size, self.cfg.training.population_size
+        settings = self._ready().cfg.training
+        c, population = settings.chunk_size, settings.population_size
         if job.last_step > self.step or job.data_position % c or job.data_position >= population:
             raise ProtocolError(f"bad job: step {job.last_step}, position {job.data_position} "
                                 f"(we are at step {self.step})")
@@ -372,44 +380,42 @@ class Worker:
             self._run_chunk(sock, job)
 
     def _apply_update(self, response: JobResponse):
-        cfg = self.cfg
+        training = self._ready()
         try:
-            fitness = unpack_trits(response.data, cfg.training.n_pairs)
+            fitness = unpack_trits(response.data, training.cfg.training.n_pairs)
         except ValueError as e:
             raise ProtocolError(f"bad fitness for step {self.step}: {e}") from None
         started = time.perf_counter()
-        self.last_updates = self.engine.update(fitness, self.step, self.seed)
-        self.step = response.last_step
-        self.seed = next_step_seed(self.seed, self.step)
+        self.last_updates = training.trainer.apply(fitness)
         self.log(f"[worker] updated to step {self.step}: {self.last_updates} weights changed "
                  f"({time.perf_counter() - started:.2f} s)")
 
     def _run_chunk(self, sock: socket.socket, response: JobResponse):
-        cfg = self.cfg
+        training = self._ready()
+        cfg, trainer = training.cfg, training.trainer
         c = cfg.training.chunk_size
         start = response.data_position
         chunk = start // c
-        if chunk == 0 and self.step % cfg.sampling.every_steps == 0:
+        if chunk == 0 and trainer.step % cfg.sampling.every_steps == 0:
             self._send(sock, LogMessage(self.generation_text()).encode())
         started = time.perf_counter()
-        losses = self.engine.losses(self.tokens, self.step, self.seed, np.arange(start, start + c))
-        result = chunk_fitness(cfg, losses)
-        self._send(sock, Result(self.seed, self.step, start, self.last_updates,
-                                result.sum_loss, pack_trits(result.fitness)).encode())
+        result = trainer.score_chunk(training.tokens, chunk)
+        self._send(sock, Result(trainer.seed, trainer.step, start, self.last_updates,
+                                result.sum_loss, result.packed).encode())
         self.last_updates = 0  # counted once, with the first chunk after the update
         self.chunks_done += 1
         seconds = time.perf_counter() - started
-        self.log(f"[worker] step {self.step} chunk {chunk}: {seconds:.2f} s, "
+        self.log(f"[worker] step {trainer.step} chunk {chunk}: {seconds:.2f} s, "
                  f"{c * cfg.model.seq_len / seconds:,.0f} member-tokens/s")
 
     def generation_text(self) -> str:
         """A sample of the model, in plain text: the coordinator escapes control
         characters, so colours would show as escape codes."""
-        cfg = self.cfg
-        prompt = prompt_window(cfg, self.tokens, self.step)
-        tokens = self.engine.generate(prompt, self.seed + 999)
+        training = self._ready()
+        cfg, trainer = training.cfg, training.trainer
+        prompt = prompt_window(cfg, training.tokens, trainer.step)
+        tokens = trainer.sample(prompt)
         n = len(prompt)
-        return (f"--- GENERATION at step {self.step} ---\n"
-                f"{detokenize(tokens[:n], cfg, self.pieces)} >>> "
-                f"{detokenize(tokens[n:], cfg, self.pieces)}\n")
-
+        return (f"--- GENERATION at step {trainer.step} ---\n"
+                f"{detokenize(tokens[:n], cfg, training.pieces)} >>> "
+                f"{detokenize(tokens[n:], cfg, training.pieces)}\n")

@@ -1,0 +1,88 @@
+"""The contract between an ES step and the hardware that computes it, and the registry.
+
+A backend holds one model replica: the int8 weights, the adaptive-noise overlays and the
+optimizer state, in the CPU backend's logical layouts when read (`params`, `overlays`,
+`state`). The CPU backend (cpu.py) is the readable specification; the GPU backend
+(gpu.py) computes the same bits with CUDA kernels. A new backend implements `Backend`
+and gets a row in `BACKENDS`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+import numpy as np
+
+from ..config import Config
+
+if TYPE_CHECKING:  # the registry itself stays light: `deggs worker --help` reads NAMES
+    from .optimizer import OptimizerState
+
+
+class Backend(Protocol):
+    name: str
+    cfg: Config
+
+    def losses(self, data: np.ndarray, step: int, step_seed: int, members) -> np.ndarray:
+        """int32 loss of each listed population member at a step."""
+        ...
+
+    def update(self, fitness: np.ndarray, step: int, step_seed: int) -> int:
+        """Apply a step's whole-population fitness; returns how many weights changed."""
+        ...
+
+    def generate(self, prompt, seed: int, n_tokens: int | None = None) -> np.ndarray:
+        """The prompt followed by n_tokens tokens sampled from the unperturbed model."""
+        ...
+
+    @property
+    def params(self) -> dict[str, np.ndarray]: ...
+
+    @property
+    def overlays(self) -> dict[str, np.ndarray]: ...
+
+    @property
+    def state(self) -> "OptimizerState": ...
+
+
+class BackendError(ValueError):
+    """A backend that cannot run here, or cannot run this config."""
+
+
+def _cpu(cfg: Config, threads: int | None) -> Backend:
+    from .cpu import CpuBackend
+    return CpuBackend(cfg, threads)
+
+
+def _gpu(cfg: Config, threads: int | None) -> Backend:
+    from .gpu import GpuBackend, gpu_available
+    if not gpu_available():
+        raise BackendError("backend 'gpu' needs CuPy and a CUDA device")
+    try:
+        return GpuBackend(cfg)
+    except ValueError as e:  # a shape its kernels do not support
+        raise BackendError(f"{e}; use --backend cpu") from None
+
+
+BACKENDS = {"cpu": _cpu, "gpu": _gpu}
+NAMES = ("auto", *BACKENDS)
+
+
+def gpu_present() -> bool:
+    """CuPy imports and sees a CUDA device (without building a backend)."""
+    try:
+        from .gpu import gpu_available
+    except ImportError:
+        return False
+    return gpu_available()
+
+
+def make_backend(cfg: Config, name: str = "auto", threads: int | None = None) -> Backend:
+    """A backend by name; 'auto' is the GPU where CuPy sees one, else the CPU.
+
+    threads: how many CPU threads the CPU backend uses (default: every core)."""
+    if name == "auto":
+        name = "gpu" if gpu_present() else "cpu"
+    if name not in BACKENDS:
+        raise BackendError(f"unknown backend {name!r} (available: {', '.join(NAMES)})")
+    return BACKENDS[name](cfg, threads)

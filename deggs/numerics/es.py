@@ -1,0 +1,91 @@
+"""One evolution-strategies step, top-down.
+
+A step of training, as every worker, the replay and the checks run it:
+
+    for each chunk of the population (on whichever worker it is handed to):
+        losses  = backend.losses(data, step, seed, the chunk's members)
+        fitness = chunk_fitness(losses)        # one trit per antithetic pair
+        packed  = pack_trits(fitness)          # 5 pairs a byte: all that crosses the wire
+    then on every worker, from the whole population's fitness:
+        backend.update(fitness, step, seed)    # every pair's noise regenerated, AdamW
+        step, seed = step + 1, next_step_seed(seed, step + 1)
+
+Member 2i of the population adds pair i's noise to the weights, member 2i + 1 subtracts
+it; a chunk is `chunk_size` consecutive members. `Trainer` holds one replica of the model
+(a backend) with the step and seed it is at.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..config import Config
+from ..seeds import next_step_seed
+from ..ternary import pack_trits
+from .backend import Backend
+from .fitness import chunk_fitness
+
+GENERATION_SEED = 999  # a step's sample is drawn with the step seed + 999, as the reference
+
+
+@dataclass(frozen=True)
+class ChunkResult:
+    chunk: int
+    losses: np.ndarray   # int32, one per member
+    fitness: np.ndarray  # int32 in {-1, 0, 1}, one per pair
+    sum_loss: int        # every member's loss added up
+    packed: bytes        # the fitness as sent in a RESULT
+
+
+def chunk_members(cfg: Config, chunk: int) -> np.ndarray:
+    c = cfg.training.chunk_size
+    return np.arange(chunk * c, (chunk + 1) * c)
+
+
+def chunk_result(cfg: Config, chunk: int, losses: np.ndarray) -> ChunkResult:
+    """A chunk's fitness and its packed form, from its member losses."""
+    result = chunk_fitness(cfg, losses)
+    return ChunkResult(chunk, losses, result.fitness, result.sum_loss, pack_trits(result.fitness))
+
+
+class Trainer:
+    """A model replica at a step: a backend's weights, the step number and its seed."""
+
+    def __init__(self, backend: Backend, step: int = 0, seed: int | None = None):
+        self.backend = backend
+        self.cfg = backend.cfg
+        self.step = step
+        self.seed = self.cfg.training.seed if seed is None else seed
+
+    def score_chunk(self, data: np.ndarray, chunk: int) -> ChunkResult:
+        """A chunk's member losses at this step, their fitness and its packed form."""
+        losses = self.backend.losses(data, self.step, self.seed, chunk_members(self.cfg, chunk))
+        return chunk_result(self.cfg, chunk, losses)
+
+    def score_population(self, data: np.ndarray) -> list[ChunkResult]:
+        """Every chunk of the step, in order (what all workers together compute)."""
+        return [self.score_chunk(data, chunk) for chunk in range(self.cfg.training.n_chunks)]
+
+    def apply(self, fitness: np.ndarray) -> int:
+        """The update from the whole population's fitness; moves to the next step.
+
+        Returns how many weights changed."""
+        changed = self.backend.update(fitness, self.step, self.seed)
+        self.step += 1
+        self.seed = next_step_seed(self.seed, self.step)
+        return changed
+
+    def train_step(self, data: np.ndarray) -> list[ChunkResult]:
+        """One whole step in this process: score every chunk, then apply the update."""
+        results = self.score_population(data)
+        self.apply(np.concatenate([r.fitness for r in results]))
+        return results
+
+    def sample(self, prompt: np.ndarray, n_tokens: int | None = None,
+               seed: int | None = None) -> np.ndarray:
+        """The prompt and n_tokens sampled from the unperturbed model (default seed: the
+        step's, as the reference's workers sample)."""
+        seed = self.seed + GENERATION_SEED if seed is None else seed
+        return self.backend.generate(prompt, seed, n_tokens)

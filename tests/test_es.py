@@ -1,0 +1,71 @@
+"""One ES step (deggs.numerics.es) and the replay built on it."""
+
+import numpy as np
+import pytest
+
+from deggs.config import Config
+from deggs.numerics.cpu import CpuBackend
+from deggs.numerics.es import Trainer, chunk_members
+from deggs.numerics.fitness import chunk_fitness
+from deggs.runtime.checkpoint import Checkpoint, CheckpointError, save_checkpoint
+from deggs.runtime.replay import replay
+from deggs.seeds import hash_rng
+from deggs.ternary import pack_trits, unpack_trits
+
+CFG = Config().replace(
+    model=dict(hidden_dim=32, head_dim=32, n_layers=1, seq_len=8, vocab_size=256),
+    training=dict(population_size=32, chunk_size=8),
+    sampling=dict(prompt_tokens=4, generate_tokens=4))
+DATA = np.random.default_rng(0).integers(0, 256, 4000).astype(np.uint8)
+
+
+def test_a_chunk_is_scored_and_packed():
+    trainer = Trainer(CpuBackend(CFG, threads=1))
+    result = trainer.score_chunk(DATA, 2)
+    assert chunk_members(CFG, 2).tolist() == list(range(16, 24))
+    losses = trainer.backend.losses(DATA, 0, CFG.training.seed, range(16, 24))
+    assert np.array_equal(result.losses, losses)
+    expected = chunk_fitness(CFG, losses)
+    assert np.array_equal(result.fitness, expected.fitness) and result.sum_loss == expected.sum_loss
+    assert result.packed == pack_trits(expected.fitness) and len(result.packed) == 1  # 4 pairs
+
+
+def test_apply_moves_to_the_next_step_and_seed():
+    trainer = Trainer(CpuBackend(CFG, threads=1))
+    before = {k: v.copy() for k, v in trainer.backend.params.items()}
+    fitness = np.resize([1, -1, 0], CFG.training.n_pairs)
+    changed = trainer.apply(fitness)
+    assert (trainer.step, trainer.seed) == (1, hash_rng(42, 1))
+    # AdamW's first steps move each accumulator by lr * |m / sqrt(v)| < 1: no weight yet
+    changed += sum(trainer.apply(fitness) for _ in range(3))
+    assert (trainer.step, trainer.seed) == (4, hash_rng(hash_rng(hash_rng(hash_rng(42, 1), 2), 3), 4))
+    assert changed == sum(int((trainer.backend.params[k] != v).sum()) for k, v in before.items())
+    assert changed > 0
+
+
+def test_replay_rebuilds_the_trained_model(tmp_path):
+    trained = Trainer(CpuBackend(CFG, threads=1))
+    for _ in range(3):
+        results = trained.train_step(DATA)
+        fitness = np.concatenate([r.fitness for r in results])
+        save_checkpoint(tmp_path, Checkpoint(trained.step, trained.seed, pack_trits(fitness)))
+    seen = []
+    rebuilt = replay(tmp_path, Trainer(CpuBackend(CFG, threads=1)),
+                     progress=lambda step, last, changed: seen.append((step, last)))
+    assert seen == [(1, 3), (2, 3), (3, 3)]
+    assert (rebuilt.step, rebuilt.seed) == (trained.step, trained.seed)
+    for k, v in trained.backend.params.items():
+        assert np.array_equal(rebuilt.backend.params[k], v), k
+    prompt = DATA[:4].astype(np.int64)
+    assert np.array_equal(rebuilt.sample(prompt), trained.sample(prompt))
+
+
+def test_replay_refuses_a_hole_and_a_foreign_seed(tmp_path):
+    fitness = pack_trits(np.zeros(CFG.training.n_pairs, np.int32))
+    save_checkpoint(tmp_path, Checkpoint(2, hash_rng(hash_rng(42, 1), 2), fitness))
+    with pytest.raises(CheckpointError, match="no checkpoint for step 1"):
+        replay(tmp_path, Trainer(CpuBackend(CFG, threads=1)))
+    save_checkpoint(tmp_path, Checkpoint(1, 7, fitness))
+    with pytest.raises(CheckpointError, match="seed 7 does not follow"):
+        replay(tmp_path, Trainer(CpuBackend(CFG, threads=1)))
+    assert unpack_trits(fitness, CFG.training.n_pairs).tolist() == [0] * 16
