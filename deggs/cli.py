@@ -10,10 +10,10 @@ from pathlib import Path
 
 import click
 
-from .runtime.auth import SecretError, load_secret
-from .runtime.checkpoint import CheckpointError
 from .config import ConfigError, load_config
 from .numerics.backend import NAMES as BACKEND_NAMES
+from .runtime.auth import SecretError, load_secret
+from .runtime.checkpoint import CheckpointError
 from .runtime.coordinator import Coordinator
 from .runtime.protocol import Reason
 
@@ -64,17 +64,31 @@ async def _run_coordinator(coordinator: Coordinator) -> int:
 
 
 @click.command()
-@click.option("--config", "config_path", type=click.Path(dir_okay=False),
-              help="config.toml (default: ./config.toml if present, else built-in defaults)")
+@click.option(
+    "--config",
+    "config_path",
+    type=click.Path(dir_okay=False),
+    help="config.toml (default: ./config.toml if present, else built-in defaults)",
+)
 @click.option("--host", help="address to listen on (default: [coordinator] host)")
-@click.option("--port", type=click.IntRange(0, 65535),
-              help="port to listen on, 0 for any free one (default: [coordinator] port)")
-@click.option("--save-dir", type=click.Path(file_okay=False), default="checkpoints",
-              show_default=True, help="where checkpoints, config.json and metrics.jsonl go")
-@click.option("--load-dir", type=click.Path(file_okay=False),
-              help="resume from the newest checkpoint in this directory")
-@click.option("--max-steps", type=click.IntRange(min=0),
-              help="exit once the run reaches this step")
+@click.option(
+    "--port",
+    type=click.IntRange(0, 65535),
+    help="port to listen on, 0 for any free one (default: [coordinator] port)",
+)
+@click.option(
+    "--save-dir",
+    type=click.Path(file_okay=False),
+    default="checkpoints",
+    show_default=True,
+    help="where checkpoints, config.json and metrics.jsonl go",
+)
+@click.option(
+    "--load-dir",
+    type=click.Path(file_okay=False),
+    help="resume from the newest checkpoint in this directory",
+)
+@click.option("--max-steps", type=click.IntRange(min=0), help="exit once the run reaches this step")
 def coordinator_main(config_path, host, port, save_dir, load_dir, max_steps):
     """Run the d-eggs coordinator.
 
@@ -85,9 +99,15 @@ def coordinator_main(config_path, host, port, save_dir, load_dir, max_steps):
     _setup_logging()
     try:
         config = _load_optional_config(config_path)
-        coordinator = Coordinator(config, save_dir=save_dir, load_dir=load_dir,
-                                  max_steps=max_steps, host=host, port=port,
-                                  secret=load_secret())
+        coordinator = Coordinator(
+            config,
+            save_dir=save_dir,
+            load_dir=load_dir,
+            max_steps=max_steps,
+            host=host,
+            port=port,
+            secret=load_secret(),
+        )
         code = asyncio.run(_run_coordinator(coordinator))
     except (ConfigError, CheckpointError, SecretError, OSError) as e:
         click.echo(f"deggs-coordinator: error: {e}", err=True)
@@ -98,6 +118,7 @@ def coordinator_main(config_path, host, port, save_dir, load_dir, max_steps):
 
 
 # --- the worker side ---------------------------------------------------------------------
+
 
 def _fail(command: str, error: Exception):
     click.echo(f"{command}: error: {error}", err=True)
@@ -125,14 +146,30 @@ class _StopOnSignal:
 @click.command()
 @click.argument("host")
 @click.option("--port", type=click.IntRange(1, 65535), default=12345, show_default=True)
-@click.option("--config", "config_path", type=click.Path(dir_okay=False),
-              help="config.toml; without it (and without ./config.toml) the worker adopts "
-                   "the coordinator's config")
-@click.option("--data-dir", type=click.Path(file_okay=False), default=".", show_default=True,
-              help="directory holding input.bin and decoding.bin")
-@click.option("--backend", type=click.Choice(BACKEND_NAMES), default="auto", show_default=True,
-              help="compute backend (auto: the GPU where CuPy sees one, else the CPU)")
-@click.option("--threads", type=click.IntRange(min=1), help="CPU backend threads (default: all cores)")
+@click.option(
+    "--config",
+    "config_path",
+    type=click.Path(dir_okay=False),
+    help="config.toml; without it (and without ./config.toml) the worker adopts "
+    "the coordinator's config",
+)
+@click.option(
+    "--data-dir",
+    type=click.Path(file_okay=False),
+    default=".",
+    show_default=True,
+    help="directory holding input.bin and decoding.bin",
+)
+@click.option(
+    "--backend",
+    type=click.Choice(BACKEND_NAMES),
+    default="auto",
+    show_default=True,
+    help="compute backend (auto: the GPU where CuPy sees one, else the CPU)",
+)
+@click.option(
+    "--threads", type=click.IntRange(min=1), help="CPU backend threads (default: all cores)"
+)
 def worker_main(host, port, config_path, data_dir, backend, threads):
     """Run a worker against the coordinator at HOST.
 
@@ -144,13 +181,22 @@ def worker_main(host, port, config_path, data_dir, backend, threads):
     """
     from .data import DataError
     from .runtime.worker import StopWorker, Worker, WorkerError
+
     try:
         secret = load_secret()
         config = None
         if config_path is not None or DEFAULT_CONFIG.exists():
             config = _load_optional_config(config_path)
-        worker = Worker(host, port, config, data_dir, backend, threads,
-                        log=lambda text: click.echo(text), secret=secret)
+        worker = Worker(
+            host,
+            port,
+            config,
+            data_dir,
+            backend,
+            threads,
+            log=lambda text: click.echo(text),
+            secret=secret,
+        )
         with _StopOnSignal():
             worker.run()  # returns when the coordinator says the run is finished
     except StopWorker as e:
@@ -162,17 +208,23 @@ def worker_main(host, port, config_path, data_dir, backend, threads):
 
 @click.command()
 @click.argument("text", type=click.Path(exists=True, dir_okay=False), required=False)
-@click.option("--vocab-size", type=click.IntRange(min=256),
-              help="256 for raw bytes, more for a byte-level BPE (default: the config's)")
+@click.option(
+    "--vocab-size",
+    type=click.IntRange(min=256),
+    help="256 for raw bytes, more for a byte-level BPE (default: the config's)",
+)
 @click.option("--config", "config_path", type=click.Path(dir_okay=False))
 @click.option("--out", type=click.Path(file_okay=False), default=".", show_default=True)
 def prepare_main(text, vocab_size, config_path, out):
     """Write input.bin and decoding.bin from TEXT (default: a built-in corpus)."""
     from .prepare import default_corpus, prepare
+
     try:
         if vocab_size is None:
             vocab_size = _load_optional_config(config_path).model.vocab_size
-        corpus = Path(text).read_text(encoding="utf-8", errors="replace") if text else default_corpus()
+        corpus = (
+            Path(text).read_text(encoding="utf-8", errors="replace") if text else default_corpus()
+        )
         info = prepare(corpus, vocab_size, out)
     except (ConfigError, ValueError, OSError) as e:
         _fail("deggs-prepare", e)
@@ -181,22 +233,32 @@ def prepare_main(text, vocab_size, config_path, out):
 
 
 @click.command()
-@click.option("--load-dir", required=True, type=click.Path(exists=True, file_okay=False),
-              help="a coordinator's save directory")
-@click.option("--data-dir", type=click.Path(file_okay=False), default=".", show_default=True,
-              help="input.bin (default prompt), decoding.bin and tokenizer.json")
+@click.option(
+    "--load-dir",
+    required=True,
+    type=click.Path(exists=True, file_okay=False),
+    help="a coordinator's save directory",
+)
+@click.option(
+    "--data-dir",
+    type=click.Path(file_okay=False),
+    default=".",
+    show_default=True,
+    help="input.bin (default prompt), decoding.bin and tokenizer.json",
+)
 @click.option("--prompt", help="text to continue (default: the data at the last step)")
 @click.option("--tokens", "n_tokens", type=click.IntRange(min=1), help="tokens to sample")
 @click.option("--seed", type=int, help="sampling seed (default: the last step's seed + 999)")
 def generate_main(load_dir, data_dir, prompt, n_tokens, seed):
     """Rebuild the model trained in LOAD_DIR and sample from it."""
-    from .runtime.checkpoint import saved_config
     from .data import DataError, detokenize, load_decoding, load_tokens
-    from .prepare import encode_prompt
-    from .runtime.replay import replay
     from .numerics.backend import make_backend
     from .numerics.es import Trainer
     from .numerics.sampling import prompt_window
+    from .prepare import encode_prompt
+    from .runtime.checkpoint import saved_config
+    from .runtime.replay import replay
+
     try:
         cfg = saved_config(load_dir)
         if cfg is None:
@@ -212,12 +274,16 @@ def generate_main(load_dir, data_dir, prompt, n_tokens, seed):
             raise ValueError("the prompt is empty")
         out = trainer.sample(ids, n_tokens, seed)
         decoding = Path(data_dir) / "decoding.bin"
-        pieces = load_decoding(decoding) if not cfg.model.byte_tokens and decoding.exists() else None
+        pieces = (
+            load_decoding(decoding) if not cfg.model.byte_tokens and decoding.exists() else None
+        )
     except (ConfigError, CheckpointError, DataError, ValueError, OSError) as e:
         _fail("deggs-generate", e)
     n = len(ids)
     click.echo(f"step {step}:")
-    click.echo(detokenize(out[:n], cfg, pieces) + click.style(detokenize(out[n:], cfg, pieces), fg="cyan"))
+    click.echo(
+        detokenize(out[:n], cfg, pieces) + click.style(detokenize(out[n:], cfg, pieces), fg="cyan")
+    )
 
 
 def _replay_progress():
@@ -226,10 +292,12 @@ def _replay_progress():
 
     def show(step, total, updates):
         if tty:
-            click.echo(f"\rreplaying step {step}/{total} ({updates} weights changed)",
-                       nl=step == total)
+            click.echo(
+                f"\rreplaying step {step}/{total} ({updates} weights changed)", nl=step == total
+            )
         elif step == total or step % max(1, total // 10) == 0:
             click.echo(f"replayed step {step}/{total}")
+
     return show
 
 
@@ -238,6 +306,7 @@ def _replay_progress():
 def print_arch_main(config_path):
     """Print the model's parameter table."""
     from .numerics.params import parameter_table
+
     try:
         cfg = _load_optional_config(config_path)
     except ConfigError as e:
@@ -245,7 +314,9 @@ def print_arch_main(config_path):
     m = cfg.model
     click.echo("Configuration:")
     click.echo(f"  Hidden Dim: {m.hidden_dim}\n  Heads:      {m.n_heads} (Head Dim: {m.head_dim})")
-    click.echo(f"  Layers:     {m.n_layers}\n  Vocab Size: {m.vocab_size}\n  Seq Len:    {m.seq_len}\n")
+    click.echo(
+        f"  Layers:     {m.n_layers}\n  Vocab Size: {m.vocab_size}\n  Seq Len:    {m.seq_len}\n"
+    )
     click.echo(f"{'Component':<25} {'Dimensions':<20} {'Params':<15} {'Size (MB)':<10}")
     click.echo("-" * 80)
     total = 0
@@ -280,7 +351,11 @@ def main():
     """
 
 
-for _name, _command in [("coordinator", coordinator_main), ("worker", worker_main),
-                        ("prepare", prepare_main), ("generate", generate_main),
-                        ("print-arch", print_arch_main)]:
+for _name, _command in [
+    ("coordinator", coordinator_main),
+    ("worker", worker_main),
+    ("prepare", prepare_main),
+    ("generate", generate_main),
+    ("print-arch", print_arch_main),
+]:
     main.add_command(_standard_options(_command, f"deggs-{_name}"), _name)

@@ -134,18 +134,18 @@ class CoordinatorConfig:
     straggler_timeout_s: float = 90.0
     max_history: int = 5000
     handshake_timeout_s: float = 10.0  # connect -> first complete frame (and AUTH)
-    frame_timeout_s: float = 30.0      # a frame, once begun, must complete
-    max_connections: int = 1024        # lowered to what the descriptor limit allows
-    max_send_buffer: int = 1 << 20     # bytes queued to one peer before we stop reading it
-    disk_retry_s: float = 60.0         # how long a failing checkpoint write is retried
+    frame_timeout_s: float = 30.0  # a frame, once begun, must complete
+    max_connections: int = 1024  # lowered to what the descriptor limit allows
+    max_send_buffer: int = 1 << 20  # bytes queued to one peer before we stop reading it
+    disk_retry_s: float = 60.0  # how long a failing checkpoint write is retried
 
 
 @dataclass(frozen=True)
 class WorkerConfig:
     reply_timeout_s: float = 60.0  # a coordinator silent this long is taken as gone
     frame_timeout_s: float = 30.0  # a frame, once begun, must complete
-    retry_max_s: float = 10.0      # the longest pause between reconnects
-    resolve_tries: int = 3         # a host name that does not resolve this often is an error
+    retry_max_s: float = 10.0  # the longest pause between reconnects
+    resolve_tries: int = 3  # a host name that does not resolve this often is an error
 
 
 # Tables that do not change the math, and so stay out of the fingerprint.
@@ -180,7 +180,7 @@ class Config:
     # --- conversions -----------------------------------------------------------
 
     @classmethod
-    def from_dict(cls, data: dict) -> "Config":
+    def from_dict(cls, data: dict) -> Config:
         if not isinstance(data, dict):
             raise ConfigError("config must be a table of tables")
         sections = {}
@@ -207,12 +207,12 @@ class Config:
         return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
 
     @classmethod
-    def from_json(cls, text: str) -> "Config":
+    def from_json(cls, text: str) -> Config:
         """Parse config JSON, which may come from a peer: bounded in size, depth and
         number length, and free of NaN and infinities."""
         return cls.from_dict(_parse_json(text))
 
-    def replace(self, **sections) -> "Config":
+    def replace(self, **sections) -> Config:
         """A copy with some tables' keys changed: replace(model={'seq_len': 16})."""
         data = self.to_dict()
         for name, changes in sections.items():
@@ -231,7 +231,7 @@ class Config:
         text = json.dumps(self.math_dict(), sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(text.encode()).digest()[:8]
 
-    def differences(self, other: "Config") -> list[str]:
+    def differences(self, other: Config) -> list[str]:
         """Keys whose math-relevant values differ, as 'table.key: ours != theirs'."""
         a, b = self.math_dict(), other.math_dict()
         out = []
@@ -254,6 +254,7 @@ class Config:
     @property
     def token_dtype(self):
         import numpy as np
+
         return np.uint8 if self.model.byte_tokens else np.uint32
 
 
@@ -299,14 +300,16 @@ def _parse_json(text: str) -> Any:
             if not math.isfinite(value):
                 raise ConfigError(f"config JSON holds {s}, which is not a finite number")
             return value
+
         return parse
 
     def no_constant(name: str):
         raise ConfigError(f"config JSON holds {name}, which no setting takes")
 
     try:
-        return json.loads(text, parse_int=number(int), parse_float=number(float),
-                          parse_constant=no_constant)
+        return json.loads(
+            text, parse_int=number(int), parse_float=number(float), parse_constant=no_constant
+        )
     except json.JSONDecodeError as e:
         raise ConfigError(f"config JSON is malformed: {e}") from None
 
@@ -330,6 +333,7 @@ def load_config(path: str | Path | None = None) -> Config:
 
 
 # --- validation -------------------------------------------------------------------
+
 
 def _build_section(name: str, cls, table: dict):
     known = {f.name: f for f in fields(cls)}
@@ -364,9 +368,15 @@ def _coerce(where: str, value: Any, default: Any):
             raise ConfigError(f"{where} must be a non-empty list of [first_step, lr] pairs")
         pairs = []
         for p in value:
-            if (not isinstance(p, (list, tuple)) or len(p) != 2 or isinstance(p[0], bool)
-                    or not isinstance(p[0], int) or isinstance(p[1], bool)
-                    or not isinstance(p[1], (int, float)) or not _finite(p[1])):
+            if (
+                not isinstance(p, (list, tuple))
+                or len(p) != 2
+                or isinstance(p[0], bool)
+                or not isinstance(p[0], int)
+                or isinstance(p[1], bool)
+                or not isinstance(p[1], (int, float))
+                or not _finite(p[1])
+            ):
                 raise ConfigError(f"{where} entries must be [first_step, lr], not {p!r}")
             pairs.append((p[0], float(p[1])))
         return tuple(pairs)
@@ -393,27 +403,44 @@ def _validate(c: Config):
             v = getattr(obj, f.name)
             choices = CHOICES.get((section.name, f.name))
             if choices is not None:
-                _require(v in choices, f"{section.name}.{f.name}",
-                         f"must be one of {', '.join(map(repr, choices))}, not {v!r}")
+                _require(
+                    v in choices,
+                    f"{section.name}.{f.name}",
+                    f"must be one of {', '.join(map(repr, choices))}, not {v!r}",
+                )
     for key in ("hidden_dim", "head_dim", "n_layers", "seq_len", "vocab_size"):
         _require(getattr(m, key) > 0, f"model.{key}", "must be positive")
-    _require(m.hidden_dim % m.head_dim == 0, "model.hidden_dim",
-             f"{m.hidden_dim} is not a multiple of model.head_dim = {m.head_dim}")
+    _require(
+        m.hidden_dim % m.head_dim == 0,
+        "model.hidden_dim",
+        f"{m.hidden_dim} is not a multiple of model.head_dim = {m.head_dim}",
+    )
     _require(m.hidden_dim % 32 == 0, "model.hidden_dim", f"{m.hidden_dim} is not a multiple of 32")
     _require(m.hidden_dim <= 1024, "model.hidden_dim", "at most 1024 (one thread per feature)")
-    _require(m.head_dim % 32 == 0, "model.head_dim",
-             f"{m.head_dim} is not a multiple of 32 (a head spans whole warps)")
+    _require(
+        m.head_dim % 32 == 0,
+        "model.head_dim",
+        f"{m.head_dim} is not a multiple of 32 (a head spans whole warps)",
+    )
     _require(m.vocab_size >= 2, "model.vocab_size", "must be at least 2")
     _require(m.vocab_size == 256 or m.vocab_size < 2**32, "model.vocab_size", "too large")
-    _require(t.chunk_size > 0 and t.chunk_size % 2 == 0, "training.chunk_size",
-             f"must be a positive even number (antithetic pairs), not {t.chunk_size}")
-    _require(t.population_size > 0 and t.population_size % t.chunk_size == 0,
-             "training.population_size",
-             f"{t.population_size} is not a multiple of training.chunk_size = {t.chunk_size}")
+    _require(
+        t.chunk_size > 0 and t.chunk_size % 2 == 0,
+        "training.chunk_size",
+        f"must be a positive even number (antithetic pairs), not {t.chunk_size}",
+    )
+    _require(
+        t.population_size > 0 and t.population_size % t.chunk_size == 0,
+        "training.population_size",
+        f"{t.population_size} is not a multiple of training.chunk_size = {t.chunk_size}",
+    )
     _require(t.population_size < 2**31, "training.population_size", "must be below 2^31")
     _require(0 <= t.seed < 2**32, "training.seed", "must fit in 32 bits")
-    _require(0 < t.init_seed < 2**32, "training.init_seed",
-             "must be a non-zero 32-bit value (xorshift32 stays at 0 forever)")
+    _require(
+        0 < t.init_seed < 2**32,
+        "training.init_seed",
+        "must be a non-zero 32-bit value (xorshift32 stays at 0 forever)",
+    )
     for f in fields(q):
         _require(0 <= getattr(q, f.name) < 31, f"quantization.{f.name}", "must be in 0..30")
     _require(1 <= c.softmax.scale_bit <= 30, "softmax.scale_bit", "must be in 1..30")
@@ -427,8 +454,11 @@ def _validate(c: Config):
         _require(0 <= getattr(a, key) <= 127, f"adaptive_noise.{key}", "must be in 0..127")
     _require(-127 <= a.init <= 127, "adaptive_noise.init", "must be in -127..127")
     _require(c.fitness.chunk_mean_exponent > 0, "fitness.chunk_mean_exponent", "must be positive")
-    _require(c.fitness.adaptive_threshold_alpha >= 0, "fitness.adaptive_threshold_alpha",
-             "must not be negative")
+    _require(
+        c.fitness.adaptive_threshold_alpha >= 0,
+        "fitness.adaptive_threshold_alpha",
+        "must not be negative",
+    )
     o = c.optimizer
     _require(0 <= o.beta1 < 1, "optimizer.beta1", "must be in [0, 1)")
     _require(0 <= o.beta2 < 1, "optimizer.beta2", "must be in [0, 1)")
@@ -448,13 +478,20 @@ def _validate(c: Config):
     _require(k.max_history >= 1, "coordinator.max_history", "must be at least 1")
     _require(bool(k.host), "coordinator.host", "must not be empty")
     for key in ("handshake_timeout_s", "frame_timeout_s", "disk_retry_s"):
-        _require(0 < getattr(k, key) < 1e6, f"coordinator.{key}",
-                 "must be positive and below 1e6 seconds")
+        _require(
+            0 < getattr(k, key) < 1e6,
+            f"coordinator.{key}",
+            "must be positive and below 1e6 seconds",
+        )
     _require(k.max_connections >= 1, "coordinator.max_connections", "must be at least 1")
-    _require(k.max_send_buffer >= 1 << 16, "coordinator.max_send_buffer",
-             "must be at least 65536 (a catch-up reply must fit)")
+    _require(
+        k.max_send_buffer >= 1 << 16,
+        "coordinator.max_send_buffer",
+        "must be at least 65536 (a catch-up reply must fit)",
+    )
     w = c.worker
     for key in ("reply_timeout_s", "frame_timeout_s", "retry_max_s"):
-        _require(0 < getattr(w, key) < 1e6, f"worker.{key}",
-                 "must be positive and below 1e6 seconds")
+        _require(
+            0 < getattr(w, key) < 1e6, f"worker.{key}", "must be positive and below 1e6 seconds"
+        )
     _require(w.resolve_tries >= 1, "worker.resolve_tries", "must be at least 1")

@@ -27,19 +27,25 @@ def load_tokens(path: str | Path, cfg: Config) -> np.ndarray:
     except FileNotFoundError:
         raise DataError(f"{path}: not found (run deggs-prepare to make one)") from None
     if size % dtype.itemsize:
-        raise DataError(f"{path}: {size} bytes is not a whole number of {dtype.itemsize}-byte "
-                        f"tokens (vocab_size {cfg.model.vocab_size})")
+        raise DataError(
+            f"{path}: {size} bytes is not a whole number of {dtype.itemsize}-byte "
+            f"tokens (vocab_size {cfg.model.vocab_size})"
+        )
     tokens = np.fromfile(path, dtype=dtype).astype(cfg.token_dtype)
     need = max(cfg.model.seq_len + 1, cfg.sampling.prompt_tokens)
     if len(tokens) < need:
-        raise DataError(f"{path}: {len(tokens)} tokens, fewer than seq_len + 1 = "
-                        f"{cfg.model.seq_len + 1} (or the prompt's {cfg.sampling.prompt_tokens})")
+        raise DataError(
+            f"{path}: {len(tokens)} tokens, fewer than seq_len + 1 = "
+            f"{cfg.model.seq_len + 1} (or the prompt's {cfg.sampling.prompt_tokens})"
+        )
     if not cfg.model.byte_tokens and len(tokens):
         top = int(tokens.max())
         if top >= cfg.model.vocab_size:
             where = int(np.argmax(tokens >= cfg.model.vocab_size))
-            raise DataError(f"{path}: token {top} at index {where} is not below vocab_size "
-                            f"{cfg.model.vocab_size}")
+            raise DataError(
+                f"{path}: token {top} at index {where} is not below vocab_size "
+                f"{cfg.model.vocab_size}"
+            )
     return tokens
 
 
@@ -62,10 +68,10 @@ def load_decoding(path: str | Path) -> list[bytes]:
     for token in range(count):
         if pos + 4 > len(raw):
             raise DataError(f"{path}: ends before the length of token {token} of {count}")
-        n = int.from_bytes(raw[pos:pos + 4], "little")
+        n = int.from_bytes(raw[pos : pos + 4], "little")
         if pos + 4 + n > len(raw):
             raise DataError(f"{path}: token {token} claims {n} bytes, past the end of the file")
-        pieces.append(raw[pos + 4:pos + 4 + n])
+        pieces.append(raw[pos + 4 : pos + 4 + n])
         pos += 4 + n
     if pos != len(raw):
         raise DataError(f"{path}: {len(raw) - pos} bytes left over after {count} tokens")
@@ -85,5 +91,7 @@ def detokenize(tokens, cfg: Config, pieces: list[bytes] | None) -> str:
         return "".join(chr(t) if 32 <= t <= 126 else "." for t in (int(t) for t in tokens))
     if pieces is None:
         return "[" + ",".join(str(int(t)) for t in tokens) + "]"
-    raw = b"".join(pieces[t] if t < len(pieces) else f"<{t}>".encode() for t in (int(t) for t in tokens))
+    raw = b"".join(
+        pieces[t] if t < len(pieces) else f"<{t}>".encode() for t in (int(t) for t in tokens)
+    )
     return raw.decode("utf-8", "replace")

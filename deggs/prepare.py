@@ -23,13 +23,17 @@ TOKENIZER_FILE = "tokenizer.json"
 
 def default_corpus() -> str:
     from pydoc_data.topics import topics
+
     return "\n\n".join(topics[name] for name in sorted(topics))
 
 
 def byte_to_unicode() -> dict[int, str]:
     """The byte <-> printable character table of byte-level BPE (as GPT-2 defines it)."""
-    printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
-                 + list(range(ord("®"), ord("ÿ") + 1)))
+    printable = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
     chars = printable[:]
     extra = 0
     for b in range(256):
@@ -37,16 +41,20 @@ def byte_to_unicode() -> dict[int, str]:
             printable.append(b)
             chars.append(256 + extra)
             extra += 1
-    return {b: chr(c) for b, c in zip(printable, chars)}
+    return {b: chr(c) for b, c in zip(printable, chars, strict=True)}
 
 
 def train_tokenizer(text: str, vocab_size: int):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tokenizer.train_from_iterator([text], trainer)
     return tokenizer
 
@@ -74,8 +82,10 @@ def prepare(text: str, vocab_size: int, out: str | Path) -> dict:
     tokenizer = train_tokenizer(text, vocab_size)
     pieces = token_bytes(tokenizer)
     if len(pieces) != vocab_size:
-        raise ValueError(f"the text only supports {len(pieces)} tokens, not vocab_size "
-                         f"{vocab_size}: give more text or a smaller vocab")
+        raise ValueError(
+            f"the text only supports {len(pieces)} tokens, not vocab_size "
+            f"{vocab_size}: give more text or a smaller vocab"
+        )
     ids = np.array(tokenizer.encode(text).ids, np.uint32)
     ids.astype("<u4").tofile(out / "input.bin")
     save_decoding(out / "decoding.bin", pieces)
@@ -91,4 +101,5 @@ def encode_prompt(text: str, vocab_size: int, data_dir: str | Path) -> np.ndarra
     if not path.exists():
         raise FileNotFoundError(f"{path} not found: deggs-prepare writes it next to input.bin")
     from tokenizers import Tokenizer
+
     return np.array(Tokenizer.from_file(str(path)).encode(text).ids, np.int64)

@@ -29,7 +29,7 @@ def next_step_seed(seed: int, new_step: int) -> int:
     return hash_rng(seed & U32, new_step & U32)
 
 
-def pair_seed(step_seed: int, pair: int) -> int:
+def pair_seed(step_seed, pair):
     """The noise seed of antithetic pair `pair` (members 2 pair and 2 pair + 1) at a step.
 
     Works on Python ints and on NumPy integer arrays alike.

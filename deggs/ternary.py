@@ -41,10 +41,9 @@ def check_packed(data: bytes, count: int) -> None:
         raise ValueError(f"{count} values need {packed_size(count)} bytes, got {len(data)}")
     if data and max(data) > MAX_PACKED_BYTE:
         where = next(i for i, b in enumerate(data) if b > MAX_PACKED_BYTE)
-        raise ValueError(f"byte {where} is {data[where]}, above {MAX_PACKED_BYTE} "
-                         "(not five trits)")
+        raise ValueError(f"byte {where} is {data[where]}, above {MAX_PACKED_BYTE} (not five trits)")
     rest = count % TRITS_PER_BYTE
-    if rest and data[-1] >= 3 ** rest:
+    if rest and data[-1] >= 3**rest:
         raise ValueError(f"the last byte holds trits beyond the {count} values")
 
 

@@ -42,7 +42,7 @@ class Backend(Protocol):
     def overlays(self) -> dict[str, np.ndarray]: ...
 
     @property
-    def state(self) -> "OptimizerState": ...
+    def state(self) -> OptimizerState: ...
 
 
 class BackendError(ValueError):
@@ -51,11 +51,13 @@ class BackendError(ValueError):
 
 def _cpu(cfg: Config, threads: int | None) -> Backend:
     from .cpu import CpuBackend
+
     return CpuBackend(cfg, threads)
 
 
 def _gpu(cfg: Config, threads: int | None) -> Backend:
     from .gpu import GpuBackend, gpu_available
+
     if not gpu_available():
         raise BackendError("backend 'gpu' needs CuPy and a CUDA device")
     try:

@@ -36,11 +36,12 @@ class CpuBackend:
 
     def losses(self, data: np.ndarray, step: int, step_seed: int, members) -> np.ndarray:
         members = np.asarray(members, np.int64)
-        batches = [members[i:i + self.batch] for i in range(0, len(members), self.batch)]
+        batches = [members[i : i + self.batch] for i in range(0, len(members), self.batch)]
 
         def run(batch):
-            return member_losses(self.cfg, self.tables, self.params, self.overlays,
-                                 data, step, step_seed, batch)
+            return member_losses(
+                self.cfg, self.tables, self.params, self.overlays, data, step, step_seed, batch
+            )
 
         if len(batches) == 1 or self.threads == 1:
             parts = [run(b) for b in batches]
@@ -50,7 +51,9 @@ class CpuBackend:
         return np.concatenate(parts) if parts else np.zeros(0, np.int32)
 
     def update(self, fitness, step: int, step_seed: int) -> int:
-        return apply_update(self.cfg, self.params, self.overlays, self.state, fitness, step, step_seed)
+        return apply_update(
+            self.cfg, self.params, self.overlays, self.state, fitness, step, step_seed
+        )
 
     def generate(self, prompt, seed: int, n_tokens: int | None = None) -> np.ndarray:
         needed = len(prompt) + (self.cfg.sampling.generate_tokens if n_tokens is None else n_tokens)

@@ -33,10 +33,10 @@ GENERATION_SEED = 999  # a step's sample is drawn with the step seed + 999, as t
 @dataclass(frozen=True)
 class ChunkResult:
     chunk: int
-    losses: np.ndarray   # int32, one per member
+    losses: np.ndarray  # int32, one per member
     fitness: np.ndarray  # int32 in {-1, 0, 1}, one per pair
-    sum_loss: int        # every member's loss added up
-    packed: bytes        # the fitness as sent in a RESULT
+    sum_loss: int  # every member's loss added up
+    packed: bytes  # the fitness as sent in a RESULT
 
 
 def chunk_members(cfg: Config, chunk: int) -> np.ndarray:
@@ -83,8 +83,9 @@ class Trainer:
         self.apply(np.concatenate([r.fitness for r in results]))
         return results
 
-    def sample(self, prompt: np.ndarray, n_tokens: int | None = None,
-               seed: int | None = None) -> np.ndarray:
+    def sample(
+        self, prompt: np.ndarray, n_tokens: int | None = None, seed: int | None = None
+    ) -> np.ndarray:
         """The prompt and n_tokens sampled from the unperturbed model (default seed: the
         step's, as the reference's workers sample)."""
         seed = self.seed + GENERATION_SEED if seed is None else seed

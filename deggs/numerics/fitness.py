@@ -22,7 +22,7 @@ from ..config import Config
 @dataclass(frozen=True)
 class ChunkFitness:
     fitness: np.ndarray  # int32 [pairs], values in {-1, 0, 1}
-    sum_loss: int        # sum of every member's loss (int64 on the wire)
+    sum_loss: int  # sum of every member's loss (int64 on the wire)
 
 
 def chunk_fitness(cfg: Config, losses: np.ndarray) -> ChunkFitness:

@@ -43,11 +43,23 @@ try:  # CuPy is optional: the backend is only usable where it imports and sees a
 except Exception:  # pragma: no cover - depends on the machine
     cp = None
 
-KERNELS = ("embed", "standard_norm", "qkv_rope", "attention_mix", "residual", "mlp_up",
-           "sequence_loss", "noise_matrix", "vector_votes", "optimizer_step", "update_overlay",
-           "cached_attention", "choose_token")
+KERNELS = (
+    "embed",
+    "standard_norm",
+    "qkv_rope",
+    "attention_mix",
+    "residual",
+    "mlp_up",
+    "sequence_loss",
+    "noise_matrix",
+    "vector_votes",
+    "optimizer_step",
+    "update_overlay",
+    "cached_attention",
+    "choose_token",
+)
 
-NT = 256                 # threads of the row kernels
+NT = 256  # threads of the row kernels
 FORWARD_BUDGET = 8 << 30  # bytes for the largest GEMM output of a sub-batch of members
 
 # cuBLAS / CUDA enum values
@@ -92,9 +104,27 @@ def _load_cublas():
     lib.cublasCreate_v2.argtypes = [ctypes.POINTER(c_void)]
     lib.cublasSetStream_v2.argtypes = [c_void, c_void]
     lib.cublasSetWorkspace_v2.argtypes = [c_void, c_void, ctypes.c_size_t]
-    lib.cublasGemmEx.argtypes = [c_void, c_int, c_int, c_int, c_int, c_int, c_void, c_void, c_int,
-                                 c_int, c_void, c_int, c_int, c_void, c_void, c_int, c_int, c_int,
-                                 c_int]
+    lib.cublasGemmEx.argtypes = [
+        c_void,
+        c_int,
+        c_int,
+        c_int,
+        c_int,
+        c_int,
+        c_void,
+        c_void,
+        c_int,
+        c_int,
+        c_void,
+        c_int,
+        c_int,
+        c_void,
+        c_void,
+        c_int,
+        c_int,
+        c_int,
+        c_int,
+    ]
     return lib
 
 
@@ -105,6 +135,7 @@ class Cublas:
 
     def __init__(self):
         import ctypes
+
         self.lib = _load_cublas()
         self.handle = ctypes.c_void_p()
         self._check(self.lib.cublasCreate_v2(ctypes.byref(self.handle)), "cublasCreate")
@@ -123,13 +154,37 @@ class Cublas:
         stream = cp.cuda.get_current_stream().ptr
         if stream != self.stream:
             self._check(self.lib.cublasSetStream_v2(self.handle, stream), "cublasSetStream")
-            self._check(self.lib.cublasSetWorkspace_v2(self.handle, self.workspace.data.ptr,
-                                                       self.WORKSPACE), "cublasSetWorkspace")
+            self._check(
+                self.lib.cublasSetWorkspace_v2(
+                    self.handle, self.workspace.data.ptr, self.WORKSPACE
+                ),
+                "cublasSetWorkspace",
+            )
             self.stream = stream
-        self._check(self.lib.cublasGemmEx(
-            self.handle, OP_T, OP_N, m, n, k, self.one.ctypes.data, a, CUDA_R_8I, lda,
-            b, CUDA_R_8I, ldb, self.zero.ctypes.data, c, CUDA_R_32I, ldc,
-            CUBLAS_COMPUTE_32I, GEMM_DEFAULT), "cublasGemmEx")
+        self._check(
+            self.lib.cublasGemmEx(
+                self.handle,
+                OP_T,
+                OP_N,
+                m,
+                n,
+                k,
+                self.one.ctypes.data,
+                a,
+                CUDA_R_8I,
+                lda,
+                b,
+                CUDA_R_8I,
+                ldb,
+                self.zero.ctypes.data,
+                c,
+                CUDA_R_32I,
+                ldc,
+                CUBLAS_COMPUTE_32I,
+                GEMM_DEFAULT,
+            ),
+            "cublasGemmEx",
+        )
 
 
 def u32(x: int) -> np.uint32:
@@ -156,8 +211,13 @@ def from_device_layout(name: str, arr: np.ndarray) -> np.ndarray:
 class GpuBackend:
     name = "gpu"
 
-    def __init__(self, cfg: Config, batch: int | None = None, use_graph: bool = True,
-                 device: int | None = None):
+    def __init__(
+        self,
+        cfg: Config,
+        batch: int | None = None,
+        use_graph: bool = True,
+        device: int | None = None,
+    ):
         if not gpu_available():
             raise RuntimeError("the gpu backend needs CuPy and a CUDA device")
         if device is not None:
@@ -185,13 +245,14 @@ class GpuBackend:
         per_member = m.seq_len * max(4 * m.hidden_dim, m.vocab_size) * 4
         budget = min(FORWARD_BUDGET, cp.cuda.runtime.memGetInfo()[0] // 4)
         self.batch = batch or max(1, budget // per_member)
-        self._fwd = None
-        self._gen = None
-        self._upd = None
+        # device buffers, made on first use: forward, generation, update
+        self._fwd: dict | None = None
+        self._gen: dict | None = None
+        self._upd: dict | None = None
         self.use_graph = use_graph
         self.graph = None
         self.graph_error = None
-        self.profile = None  # a dict to time each kernel launch (not while capturing)
+        self.profile: dict | None = None  # {} times each kernel launch (not while capturing)
         self.load_state(init_params(cfg), init_overlays(cfg), OptimizerState.zeros(cfg))
 
     # --- state ------------------------------------------------------------------------
@@ -206,11 +267,19 @@ class GpuBackend:
         q, m = c.quantization, c.model
         lut0 = int(self.tables.exp.max())
         defines = dict(
-            HIDDEN=m.hidden_dim, HEAD_DIM=m.head_dim, SEQ=m.seq_len, VOCAB=m.vocab_size,
-            FIXED_POINT=q.fixed_point, SIGMA_SHIFT=q.sigma_shift,
-            SIGMA_SHIFT_VECTOR=q.sigma_shift_vector, SHIFT_ATTN=q.shift_attn,
-            SHIFT_LOGIT=q.shift_logit, SHIFT_MLP_UP=q.shift_mlp_up,
-            LUT_SIZE=c.softmax.lut_size, SCALE_BIT=c.softmax.scale_bit, ROPE_SHIFT=c.rope.scale_bit,
+            HIDDEN=m.hidden_dim,
+            HEAD_DIM=m.head_dim,
+            SEQ=m.seq_len,
+            VOCAB=m.vocab_size,
+            FIXED_POINT=q.fixed_point,
+            SIGMA_SHIFT=q.sigma_shift,
+            SIGMA_SHIFT_VECTOR=q.sigma_shift_vector,
+            SHIFT_ATTN=q.shift_attn,
+            SHIFT_LOGIT=q.shift_logit,
+            SHIFT_MLP_UP=q.shift_mlp_up,
+            LUT_SIZE=c.softmax.lut_size,
+            SCALE_BIT=c.softmax.scale_bit,
+            ROPE_SHIFT=c.rope.scale_bit,
             NOISE_MASK=c.noise.perturb_mask,
             THREE_SAMPLE=int(c.noise.perturb_distribution == "three_sample"),
             ADAPTIVE_MODE=c.adaptive_noise.mode,
@@ -223,13 +292,21 @@ class GpuBackend:
     def load_state(self, params: dict, overlays: dict, state: OptimizerState | None = None):
         """Put weights, overlays and (optionally) optimizer state on the device."""
         shapes = param_shapes(self.cfg)
-        self.dp = {k: cp.asarray(to_device_layout(k, np.asarray(params[k], np.int8))) for k in shapes}
+        self.dp = {
+            k: cp.asarray(to_device_layout(k, np.asarray(params[k], np.int8))) for k in shapes
+        }
         self.dov = {k: cp.asarray(np.ascontiguousarray(v, np.int8)) for k, v in overlays.items()}
         if state is None:
             state = OptimizerState.zeros(self.cfg)
-        self.dm = {k: cp.asarray(to_device_layout(k, np.asarray(state.m[k], np.float32))) for k in shapes}
-        self.dv = {k: cp.asarray(to_device_layout(k, np.asarray(state.v[k], np.float32))) for k in shapes}
-        self.dacc = {k: cp.asarray(to_device_layout(k, np.asarray(state.acc[k], np.float32))) for k in shapes}
+        self.dm = {
+            k: cp.asarray(to_device_layout(k, np.asarray(state.m[k], np.float32))) for k in shapes
+        }
+        self.dv = {
+            k: cp.asarray(to_device_layout(k, np.asarray(state.v[k], np.float32))) for k in shapes
+        }
+        self.dacc = {
+            k: cp.asarray(to_device_layout(k, np.asarray(state.acc[k], np.float32))) for k in shapes
+        }
         self.graph = None  # the captured update points at the old arrays
 
     def host_state(self):
@@ -269,16 +346,23 @@ class GpuBackend:
 
     def profile_report(self) -> dict:
         """Milliseconds per kernel name since profiling started (profile = {})."""
+        assert self.profile is not None, "set profile = {} first"
         cp.cuda.get_current_stream().synchronize()
         self.stream.synchronize()
-        return {k: round(sum(cp.cuda.get_elapsed_time(a, b) for a, b in v), 3)
-                for k, v in sorted(self.profile.items())}
+        return {
+            k: round(sum(cp.cuda.get_elapsed_time(a, b) for a, b in v), 3)
+            for k, v in sorted(self.profile.items())
+        }
 
     def _gemm(self, a, b, c, m, n, k, lda, ldb, ldc):
         """C[n, ldc] (int32, row-major) = B[n, k] @ A[m, k]^T: cuBLAS TN, int8 in, int32 out."""
         if self.profile is not None:
-            return self._timed(f"gemm {m}x{k}", lambda: self.blas.gemm_tn_i8(
-                a.data.ptr, b.data.ptr, c.data.ptr, m, n, k, lda, ldb, ldc))
+            return self._timed(
+                f"gemm {m}x{k}",
+                lambda: self.blas.gemm_tn_i8(
+                    a.data.ptr, b.data.ptr, c.data.ptr, m, n, k, lda, ldb, ldc
+                ),
+            )
         self.blas.gemm_tn_i8(a.data.ptr, b.data.ptr, c.data.ptr, m, n, k, lda, ldb, ldc)
 
     def _project(self, wt, x, out, n_out, rows, k, ldc=None):
@@ -301,10 +385,14 @@ class GpuBackend:
         m = self.cfg.model
         d = m.hidden_dim
         return dict(
-            rows=r, x=cp.empty(r * d, cp.int8), y=cp.empty(r * 4 * d, cp.int8),
+            rows=r,
+            x=cp.empty(r * d, cp.int8),
+            y=cp.empty(r * 4 * d, cp.int8),
             g=cp.empty(max(r * 4 * d, logit_rows * m.vocab_size), cp.int32),
-            sb=cp.empty(3 * r, cp.int32), sbd=cp.empty(r, cp.int32),
-            qkv=cp.empty(3 * r * d, cp.int8))
+            sb=cp.empty(3 * r, cp.int32),
+            sbd=cp.empty(r, cp.int32),
+            qkv=cp.empty(3 * r * d, cp.int8),
+        )
 
     def losses(self, data: np.ndarray, step: int, step_seed: int, members) -> np.ndarray:
         members = np.asarray(members, np.int64)
@@ -316,13 +404,19 @@ class GpuBackend:
         seeds = pair_seed(int(step_seed), members // 2).astype(np.uint32)
         signs = member_sign(members).astype(np.int32)
         with self.stream:
-            d_tok, d_seeds, d_signs = cp.asarray(tokens.ravel()), cp.asarray(seeds), cp.asarray(signs)
+            d_tok, d_seeds, d_signs = (
+                cp.asarray(tokens.ravel()),
+                cp.asarray(seeds),
+                cp.asarray(signs),
+            )
             loss = cp.empty(n, cp.int32)
             nb = min(self.batch, n)
             buf = self._buffers(nb)
             for s in range(0, n, nb):
                 e = min(n, s + nb)
-                self._forward(buf, d_tok[s * (t + 1):], d_seeds[s:e], d_signs[s:e], e - s, loss[s:e])
+                self._forward(
+                    buf, d_tok[s * (t + 1) :], d_seeds[s:e], d_signs[s:e], e - s, loss[s:e]
+                )
             out = loss.get(stream=self.stream)
         self.stream.synchronize()
         return out
@@ -336,9 +430,23 @@ class GpuBackend:
         self._hidden(ctx, tok)
         self._project(self.dp["embedding"], buf["y"], buf["g"], v, r, d)
         vocab_overlay = PARAM["embedding"].overlays[1]
-        self._launch("sequence_loss", (nb,), (NT,), (
-            buf["g"], buf["sb"], tok, seeds, signs, self.dov[vocab_overlay],
-            u32(offsets(cfg, "embedding")[0]), self.d_exp, loss), shared_mem=4 * v)
+        self._launch(
+            "sequence_loss",
+            (nb,),
+            (NT,),
+            (
+                buf["g"],
+                buf["sb"],
+                tok,
+                seeds,
+                signs,
+                self.dov[vocab_overlay],
+                u32(offsets(cfg, "embedding")[0]),
+                self.d_exp,
+                loss,
+            ),
+            shared_mem=4 * v,
+        )
 
     def _hidden(self, ctx, tok, cache=None, start=0):
         """Embedding, blocks and final norm of ctx's rows into buf["y"] (see `_attention`)."""
@@ -347,25 +455,68 @@ class GpuBackend:
         dp, ov = self.dp, self.dov
         hidden_overlay, vocab_overlay = PARAM["embedding"].overlays
         emb_a, emb_b = offsets(cfg, "embedding")
-        self._launch("embed", (nb,), (NT,), (
-            tok, seeds, signs, dp["embedding"], dp["emb_bias"], ov[vocab_overlay],
-            ov[hidden_overlay], ov["emb_bias"], u32(emb_a), *map(u32, offsets(cfg, "emb_bias")),
-            buf["x"], i32(seq)))
+        self._launch(
+            "embed",
+            (nb,),
+            (NT,),
+            (
+                tok,
+                seeds,
+                signs,
+                dp["embedding"],
+                dp["emb_bias"],
+                ov[vocab_overlay],
+                ov[hidden_overlay],
+                ov["emb_bias"],
+                u32(emb_a),
+                *map(u32, offsets(cfg, "emb_bias")),
+                buf["x"],
+                i32(seq),
+            ),
+        )
         self._mlp(ctx, EMB_MLP, None)
         for layer in range(cfg.model.n_layers):
             self._attention(ctx, layer, None if cache is None else cache[layer], start)
             self._mlp(ctx, LAYER_MLP, layer)
-        self._norm(ctx, dp["ln_f"], dp["ln_f_bias"], ov["ln_f"], ov["ln_f_bias"],
-                   [*offsets(cfg, "ln_f"), *offsets(cfg, "ln_f_bias")],
-                   [(ov[hidden_overlay], emb_b)])
+        self._norm(
+            ctx,
+            dp["ln_f"],
+            dp["ln_f_bias"],
+            ov["ln_f"],
+            ov["ln_f_bias"],
+            [*offsets(cfg, "ln_f"), *offsets(cfg, "ln_f_bias")],
+            [(ov[hidden_overlay], emb_b)],
+        )
 
     def _norm(self, ctx, w, b, ov_w, ov_b, offsets, dots):
         buf, seeds, signs, nb, seq, r = ctx
         pad = dots + [(ov_w, 0)] * (3 - len(dots))
-        self._launch("standard_norm", (nb,), (NT,), (
-            buf["x"], buf["y"], seeds, signs, w, b, ov_w, ov_b, *(u32(o) for o in offsets),
-            i32(len(dots)), pad[0][0], pad[1][0], pad[2][0], u32(pad[0][1]), u32(pad[1][1]),
-            u32(pad[2][1]), buf["sb"], i32(seq), i32(r)))
+        self._launch(
+            "standard_norm",
+            (nb,),
+            (NT,),
+            (
+                buf["x"],
+                buf["y"],
+                seeds,
+                signs,
+                w,
+                b,
+                ov_w,
+                ov_b,
+                *(u32(o) for o in offsets),
+                i32(len(dots)),
+                pad[0][0],
+                pad[1][0],
+                pad[2][0],
+                u32(pad[0][1]),
+                u32(pad[1][1]),
+                u32(pad[2][1]),
+                buf["sb"],
+                i32(seq),
+                i32(r),
+            ),
+        )
 
     def _mlp(self, ctx, names: Mlp, layer):
         buf, seeds, signs, nb, seq, r = ctx
@@ -378,19 +529,60 @@ class GpuBackend:
         b = lambda name: u32(offsets(cfg, name, layer)[1])
         up_in, up_out = PARAM[names.up].overlays
         down_in, down_out = PARAM[names.down].overlays
-        self._norm(ctx, p(names.ln), p(names.ln_bias), o(names.ln), o(names.ln_bias),
-                   [*offsets(cfg, names.ln, layer), *offsets(cfg, names.ln_bias, layer)],
-                   [(o(up_in), offsets(cfg, names.up, layer)[1])])
+        self._norm(
+            ctx,
+            p(names.ln),
+            p(names.ln_bias),
+            o(names.ln),
+            o(names.ln_bias),
+            [*offsets(cfg, names.ln, layer), *offsets(cfg, names.ln_bias, layer)],
+            [(o(up_in), offsets(cfg, names.up, layer)[1])],
+        )
         self._project(p(names.up), buf["y"], buf["g"], 4 * d, r, d)
-        self._launch("mlp_up", (nb,), (NT,), (
-            buf["g"], buf["sb"], buf["y"], buf["sbd"], seeds, signs, p(names.bias_up),
-            o(up_out), o(names.bias_up), o(down_in), a(names.up), a(names.bias_up),
-            b(names.bias_up), b(names.down), self.d_gelu, i32(seq)))
+        self._launch(
+            "mlp_up",
+            (nb,),
+            (NT,),
+            (
+                buf["g"],
+                buf["sb"],
+                buf["y"],
+                buf["sbd"],
+                seeds,
+                signs,
+                p(names.bias_up),
+                o(up_out),
+                o(names.bias_up),
+                o(down_in),
+                a(names.up),
+                a(names.bias_up),
+                b(names.bias_up),
+                b(names.down),
+                self.d_gelu,
+                i32(seq),
+            ),
+        )
         self._project(p(names.down), buf["y"], buf["g"], d, r, 4 * d)
-        self._launch("residual", (nb,), (NT,), (
-            buf["g"], buf["sbd"], buf["x"], seeds, signs, o(down_out), a(names.down),
-            i32(cfg.quantization.shift_mlp_down), p(names.bias_down), o(names.bias_down),
-            a(names.bias_down), b(names.bias_down), i32(seq)))
+        self._launch(
+            "residual",
+            (nb,),
+            (NT,),
+            (
+                buf["g"],
+                buf["sbd"],
+                buf["x"],
+                seeds,
+                signs,
+                o(down_out),
+                a(names.down),
+                i32(cfg.quantization.shift_mlp_down),
+                p(names.bias_down),
+                o(names.bias_down),
+                a(names.bias_down),
+                b(names.bias_down),
+                i32(seq),
+            ),
+        )
 
     def _attention(self, ctx, layer, cache=None, start=0):
         """Attention block of ctx's rows; with a cache (keys, values of the layer, flat
@@ -398,40 +590,94 @@ class GpuBackend:
         buf, seeds, signs, nb, seq, r = ctx
         cfg = self.cfg
         d, hd = cfg.model.hidden_dim, cfg.model.head_dim
-        dp = {k: v[layer] for k, v in self.dp.items() if k in ("ln_1", "ln_1_bias", "w_q", "w_k", "w_v", "w_o")}
+        dp = {
+            k: v[layer]
+            for k, v in self.dp.items()
+            if k in ("ln_1", "ln_1_bias", "w_q", "w_k", "w_v", "w_o")
+        }
         o = lambda name: self.dov[name][layer]
         a = lambda name: offsets(cfg, name, layer)[0]
         b = lambda name: offsets(cfg, name, layer)[1]
-        inputs = lambda name: o(PARAM[name].overlays[0])   # a matrix's input-side overlay
+        inputs = lambda name: o(PARAM[name].overlays[0])  # a matrix's input-side overlay
         outputs = lambda name: o(PARAM[name].overlays[1])  # and its output side
-        self._norm(ctx, dp["ln_1"], dp["ln_1_bias"], o("ln_1"), o("ln_1_bias"),
-                   [*offsets(cfg, "ln_1", layer), *offsets(cfg, "ln_1_bias", layer)],
-                   [(inputs(w), b(w)) for w in ("w_q", "w_k", "w_v")])
+        self._norm(
+            ctx,
+            dp["ln_1"],
+            dp["ln_1_bias"],
+            o("ln_1"),
+            o("ln_1_bias"),
+            [*offsets(cfg, "ln_1", layer), *offsets(cfg, "ln_1_bias", layer)],
+            [(inputs(w), b(w)) for w in ("w_q", "w_k", "w_v")],
+        )
         g = buf["g"]
         for i, name in enumerate("qkv"):
-            self._project(dp[f"w_{name}"], buf["y"], g[i * d:], d, r, d, ldc=3 * d)
+            self._project(dp[f"w_{name}"], buf["y"], g[i * d :], d, r, d, ldc=3 * d)
         qkv = buf["qkv"]
-        self._launch("qkv_rope", (nb,), (NT,), (
-            g, buf["sb"], qkv, seeds, signs, outputs("w_q"), outputs("w_k"), outputs("w_v"),
-            u32(a("w_q")), u32(a("w_k")), u32(a("w_v")), self.d_rope[start * hd:], i32(seq), i32(r)))
+        self._launch(
+            "qkv_rope",
+            (nb,),
+            (NT,),
+            (
+                g,
+                buf["sb"],
+                qkv,
+                seeds,
+                signs,
+                outputs("w_q"),
+                outputs("w_k"),
+                outputs("w_v"),
+                u32(a("w_q")),
+                u32(a("w_k")),
+                u32(a("w_v")),
+                self.d_rope[start * hd :],
+                i32(seq),
+                i32(r),
+            ),
+        )
         sbd = buf["sbd"]
         rd = r * d
-        q, k, v = qkv[:rd], qkv[rd:2 * rd], qkv[2 * rd:3 * rd]
+        q, k, v = qkv[:rd], qkv[rd : 2 * rd], qkv[2 * rd : 3 * rd]
         if cache is None:
             cp.cuda.runtime.memsetAsync(sbd.data.ptr, 0, r * 4, cp.cuda.get_current_stream().ptr)
             threads = (2 * seq + 31) // 32 * 32  # ATT_SPLIT threads per query
-            self._launch("attention_mix", (nb, cfg.model.n_heads), (threads,), (
-                q, k, v, buf["y"], sbd, seeds, inputs("w_o"), u32(b("w_o")), self.d_exp))
+            self._launch(
+                "attention_mix",
+                (nb, cfg.model.n_heads),
+                (threads,),
+                (q, k, v, buf["y"], sbd, seeds, inputs("w_o"), u32(b("w_o")), self.d_exp),
+            )
         else:  # sign 0: the o-projection's input dot (sbd) is never used
             keys, values = cache
-            keys[start * d:(start + seq) * d] = k
-            values[start * d:(start + seq) * d] = v
-            self._launch("cached_attention", (seq, cfg.model.n_heads), (128,), (
-                q, keys, values, buf["y"], i32(start), self.d_exp), shared_mem=4 * (start + seq))
+            keys[start * d : (start + seq) * d] = k
+            values[start * d : (start + seq) * d] = v
+            self._launch(
+                "cached_attention",
+                (seq, cfg.model.n_heads),
+                (128,),
+                (q, keys, values, buf["y"], i32(start), self.d_exp),
+                shared_mem=4 * (start + seq),
+            )
         self._project(dp["w_o"], buf["y"], g, d, r, d)
-        self._launch("residual", (nb,), (NT,), (
-            g, sbd, buf["x"], seeds, signs, outputs("w_o"), u32(a("w_o")),
-            i32(cfg.quantization.shift_out), NULL, NULL, u32(0), u32(0), i32(seq)))
+        self._launch(
+            "residual",
+            (nb,),
+            (NT,),
+            (
+                g,
+                sbd,
+                buf["x"],
+                seeds,
+                signs,
+                outputs("w_o"),
+                u32(a("w_o")),
+                i32(cfg.quantization.shift_out),
+                NULL,
+                NULL,
+                u32(0),
+                u32(0),
+                i32(seq),
+            ),
+        )
 
     # --- update -----------------------------------------------------------------------
 
@@ -451,11 +697,19 @@ class GpuBackend:
         max_out = max((s[1] for s in dims if len(s) == 2), default=1)
         max_n = max(math.prod(s) for s in dims)
         self._upd = dict(
-            pairs=pairs, plan=plan, dims=dims,
-            fit=cp.zeros(pairs, cp.int8), seed=cp.zeros(1, cp.uint32), lr=cp.zeros(2, cp.float32),
-            changes=cp.zeros(1, cp.uint64), vote=cp.empty(max_n, cp.int32),
-            a=cp.zeros(max_out * pairs, cp.int8), b=cp.zeros(max_in * pairs, cp.int8),
-            rows=cp.zeros(max(max_in, max_out), cp.int32), cols=cp.zeros(max_out, cp.int32))
+            pairs=pairs,
+            plan=plan,
+            dims=dims,
+            fit=cp.zeros(pairs, cp.int8),
+            seed=cp.zeros(1, cp.uint32),
+            lr=cp.zeros(2, cp.float32),
+            changes=cp.zeros(1, cp.uint64),
+            vote=cp.empty(max_n, cp.int32),
+            a=cp.zeros(max_out * pairs, cp.int8),
+            b=cp.zeros(max_in * pairs, cp.int8),
+            rows=cp.zeros(max(max_in, max_out), cp.int32),
+            cols=cp.zeros(max_out, cp.int32),
+        )
         return self._upd
 
     def _update_body(self):
@@ -466,38 +720,78 @@ class GpuBackend:
         pairs = U["pairs"]
         stream = cp.cuda.get_current_stream().ptr
         cp.cuda.runtime.memsetAsync(U["changes"].data.ptr, 0, 8, stream)
-        consts = (f(o.beta1), f(1) - f(o.beta1), f(o.beta2), f(1) - f(o.beta2), f(o.eps),
-                  f(o.weight_decay), f(o.sgd_vote_scale))
+        consts = (
+            f(o.beta1),
+            f(1) - f(o.beta1),
+            f(o.beta2),
+            f(1) - f(o.beta2),
+            f(o.eps),
+            f(o.weight_decay),
+            f(o.sgd_vote_scale),
+        )
         a_cfg = cfg.adaptive_noise
         for u in U["plan"]:
             shape = u.shape
-            sel = (lambda x: x) if u.layer is None else (lambda x, l=u.layer: x[l])
+            sel = (lambda x: x) if u.layer is None else (lambda x, layer=u.layer: x[layer])
             w, m, v, acc = (sel(d[u.name]) for d in (self.dp, self.dm, self.dv, self.dacc))
             n = math.prod(shape)
             if u.param.is_matrix:
                 n_in, n_out = shape
                 grid_x = (pairs + 255) // 256
-                self._launch("noise_matrix", (grid_x, min(n_in, 65535)), (256,), (
-                    U["b"], NULL, U["seed"], u32(u.off_b), i32(n_in), i32(pairs)))
-                self._launch("noise_matrix", (grid_x, min(n_out, 65535)), (256,), (
-                    U["a"], U["fit"], U["seed"], u32(u.off_a), i32(n_out), i32(pairs)))
+                self._launch(
+                    "noise_matrix",
+                    (grid_x, min(n_in, 65535)),
+                    (256,),
+                    (U["b"], NULL, U["seed"], u32(u.off_b), i32(n_in), i32(pairs)),
+                )
+                self._launch(
+                    "noise_matrix",
+                    (grid_x, min(n_out, 65535)),
+                    (256,),
+                    (U["a"], U["fit"], U["seed"], u32(u.off_a), i32(n_out), i32(pairs)),
+                )
                 # vote[out, in] (row-major) = sum_p (fit_p a_p[out]) b_p[in]
                 self._gemm(U["b"], U["a"], U["vote"], n_in, n_out, pairs, pairs, pairs, n_in)
                 inner, cols = n_in, U["cols"]
             else:
-                self._launch("vector_votes", (n,), (NT,), (
-                    U["vote"], U["fit"], U["seed"], u32(u.off_a), u32(u.off_b), i32(pairs)))
+                self._launch(
+                    "vector_votes",
+                    (n,),
+                    (NT,),
+                    (U["vote"], U["fit"], U["seed"], u32(u.off_a), u32(u.off_b), i32(pairs)),
+                )
                 inner, cols = n, NULL
-            self._launch("optimizer_step", ((n + 255) // 256,), (256,), (
-                w, m, v, acc, U["vote"], i32(n), i32(inner), U["lr"], i32(1 if u.param.bias_lr else 0),
-                U["rows"], cols, U["changes"], *consts))
+            self._launch(
+                "optimizer_step",
+                ((n + 255) // 256,),
+                (256,),
+                (
+                    w,
+                    m,
+                    v,
+                    acc,
+                    U["vote"],
+                    i32(n),
+                    i32(inner),
+                    U["lr"],
+                    i32(1 if u.param.bias_lr else 0),
+                    U["rows"],
+                    cols,
+                    U["changes"],
+                    *consts,
+                ),
+            )
             if a_cfg.mode > 0:
                 counts = [(u.param.overlays[0], U["rows"], shape[0])]
                 if u.param.is_matrix:
                     counts.append((u.param.overlays[1], U["cols"], shape[1]))
                 for name, cnt, size in counts:
-                    self._launch("update_overlay", ((size + 255) // 256,), (256,), (
-                        sel(self.dov[name]), cnt, i32(size), i32(a_cfg.inc), i32(a_cfg.dec)))
+                    self._launch(
+                        "update_overlay",
+                        ((size + 255) // 256,),
+                        (256,),
+                        (sel(self.dov[name]), cnt, i32(size), i32(a_cfg.inc), i32(a_cfg.dec)),
+                    )
             else:
                 cp.cuda.runtime.memsetAsync(U["rows"].data.ptr, 0, U["rows"].nbytes, stream)
                 cp.cuda.runtime.memsetAsync(U["cols"].data.ptr, 0, U["cols"].nbytes, stream)
@@ -531,7 +825,7 @@ class GpuBackend:
             raise ValueError("the gpu update takes ternary fitness (-1, 0, 1)")
         U = self._update_buffers()
         fit = np.zeros(U["pairs"], np.int8)
-        fit[:len(fitness)] = fitness
+        fit[: len(fitness)] = fitness
         lr = np.float32(cfg.learning_rate(step))
         lrs = np.array([lr, lr * np.float32(cfg.optimizer.bias_lr_scale)], np.float32)
         with self.stream:
@@ -558,7 +852,7 @@ class GpuBackend:
         prompt = np.asarray(prompt, np.int64)
         total = len(prompt) + n_tokens
         buffer = np.zeros(total, np.int64)
-        buffer[:len(prompt)] = prompt
+        buffer[: len(prompt)] = prompt
         first = max(len(prompt), 1)  # positions run together before the first choice
         if total <= first:
             return buffer
@@ -572,23 +866,40 @@ class GpuBackend:
         seed &= 0xFFFFFFFF
         d = m.hidden_dim
         with self.stream:
-            if self._gen is None or self._gen["rows"] < first:
-                self._gen = self._row_buffers(first, 1)
-                self._gen["seed"] = cp.zeros(1, cp.uint32)
-                self._gen["sign"] = cp.zeros(1, cp.int32)  # sign 0: the unperturbed model
             buf = self._gen
+            if buf is None or buf["rows"] < first:
+                buf = self._gen = self._row_buffers(first, 1)
+                buf["seed"] = cp.zeros(1, cp.uint32)
+                buf["sign"] = cp.zeros(1, cp.int32)  # sign 0: the unperturbed model
             tokens = cp.asarray(buffer.astype(np.int32))
-            cache = [(cp.zeros(total * d, cp.int8), cp.zeros(total * d, cp.int8))
-                     for _ in range(m.n_layers)]
+            cache = [
+                (cp.zeros(total * d, cp.int8), cp.zeros(total * d, cp.int8))
+                for _ in range(m.n_layers)
+            ]
             start = 0
             for t in range(first - 1, total - 1):
                 seq = t + 1 - start
                 ctx = (buf, buf["seed"], buf["sign"], 1, seq, seq)
                 self._hidden(ctx, tokens[start:], cache, start)
-                self._project(self.dp["embedding"], buf["y"][(seq - 1) * d:], buf["g"], m.vocab_size, 1, d)
-                self._launch("choose_token", (1,), (d,), (
-                    buf["g"], tokens, i32(t), u32(seed), i32(penalty), f(s.temperature),
-                    i32(min_p_limit), self.d_exp), shared_mem=4 * m.vocab_size)
+                self._project(
+                    self.dp["embedding"], buf["y"][(seq - 1) * d :], buf["g"], m.vocab_size, 1, d
+                )
+                self._launch(
+                    "choose_token",
+                    (1,),
+                    (d,),
+                    (
+                        buf["g"],
+                        tokens,
+                        i32(t),
+                        u32(seed),
+                        i32(penalty),
+                        f(s.temperature),
+                        i32(min_p_limit),
+                        self.d_exp,
+                    ),
+                    shared_mem=4 * m.vocab_size,
+                )
                 start = t + 1
             out = tokens.get(stream=self.stream)
         self.stream.synchronize()

@@ -29,13 +29,23 @@ import numpy as np
 from ..config import Config
 from ..seeds import member_sign, pair_seed
 from .noise import hash_np, noise_np, noise_table, xorshift_noise
-from .params import (EMB_MLP, GATE_SEED, LAYER_MLP, PARAM, Mlp, offsets, overlay_shapes,
-                     param_shapes, param_slices)
+from .params import (
+    EMB_MLP,
+    GATE_SEED,
+    LAYER_MLP,
+    PARAM,
+    Mlp,
+    offsets,
+    overlay_shapes,
+    param_shapes,
+    param_slices,
+)
 
 MAX_VAL = 127
 
 
 # --- parameters --------------------------------------------------------------------
+
 
 def init_params(cfg: Config) -> dict[str, np.ndarray]:
     """The initial weights: matrices drawn from one xorshift32 stream in the reference's
@@ -54,17 +64,20 @@ def init_params(cfg: Config) -> dict[str, np.ndarray]:
 
 
 def init_overlays(cfg: Config) -> dict[str, np.ndarray]:
-    return {name: np.full(shape, cfg.adaptive_noise.init, np.int8)
-            for name, shape in overlay_shapes(cfg).items()}
+    return {
+        name: np.full(shape, cfg.adaptive_noise.init, np.int8)
+        for name, shape in overlay_shapes(cfg).items()
+    }
 
 
 # --- lookup tables -------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class Tables:
-    exp: np.ndarray    # int64 [lut_size]: exp(-i / exp_scale) * 2^scale_bit, rounded
-    gelu: np.ndarray   # int64 [256]: GELU of each int8 in Q.fixed_point, by uint8 index
-    rope: np.ndarray   # int64 [positions, head_dim // 2, 2]: cos, sin * 2^rope_scale_bit
+    exp: np.ndarray  # int64 [lut_size]: exp(-i / exp_scale) * 2^scale_bit, rounded
+    gelu: np.ndarray  # int64 [256]: GELU of each int8 in Q.fixed_point, by uint8 index
+    rope: np.ndarray  # int64 [positions, head_dim // 2, 2]: cos, sin * 2^rope_scale_bit
 
 
 def c_round(x: float) -> int:
@@ -85,8 +98,10 @@ def make_tables(cfg: Config, positions: int | None = None) -> Tables:
     """
     positions = rope_positions(cfg) if positions is None else positions
     sm = cfg.softmax
-    exp = [c_round(v) if (v := math.exp(-i / sm.exp_scale) * (1 << sm.scale_bit)) >= 1.0 else 0
-           for i in range(sm.lut_size)]
+    exp = [
+        c_round(v) if (v := math.exp(-i / sm.exp_scale) * (1 << sm.scale_bit)) >= 1.0 else 0
+        for i in range(sm.lut_size)
+    ]
     fp = cfg.quantization.fixed_point
     gelu = []
     for i in range(256):
@@ -105,6 +120,7 @@ def make_tables(cfg: Config, positions: int | None = None) -> Tables:
 
 # --- C arithmetic on NumPy arrays ----------------------------------------------------
 
+
 def wrap32(x):
     """int32 wraparound of an int64 array (CUDA integer adds and multiplies wrap)."""
     return np.asarray(x, np.int64).astype(np.int32).astype(np.int64)
@@ -113,7 +129,7 @@ def wrap32(x):
 def trunc_i32(x):
     """float -> int32 cast as the GPU does it: truncate, saturate, NaN -> 0."""
     x = np.asarray(x, np.float64)
-    return np.nan_to_num(np.clip(np.trunc(x), -2**31, 2**31 - 1)).astype(np.int64)
+    return np.nan_to_num(np.clip(np.trunc(x), -(2**31), 2**31 - 1)).astype(np.int64)
 
 
 def cdiv(a, b):
@@ -147,6 +163,7 @@ def int_matmul(x, w):
 
 # --- per-member perturbations ----------------------------------------------------------
 
+
 class Perturbation:
     """The noise of a set of population members: one seed and one sign per member.
 
@@ -173,7 +190,9 @@ class Perturbation:
         """noise_from_hash(seed + offset, idx) per member; idx is [n] or [member, n]."""
         idx = np.asarray(idx)
         if idx.ndim == 1:  # the same indices for every member: the numba table
-            return noise_table(self.seed(offset)[:, 0], idx.astype(np.uint32), self.mask, self.three)
+            return noise_table(
+                self.seed(offset)[:, 0], idx.astype(np.uint32), self.mask, self.three
+            )
         return noise_np(self.seed(offset), idx, self.mask, self.three)
 
     def factor(self, overlay, offset: int, idx):
@@ -189,8 +208,9 @@ class Perturbation:
         if mode == 0:
             return np.ones_like(ov)
         if mode == 1:
-            return np.where(ov < 0, np.float32(0),
-                            np.where(ov < 64, ov / np.float32(64), np.float32(1))).astype(np.float32)
+            return np.where(
+                ov < 0, np.float32(0), np.where(ov < 64, ov / np.float32(64), np.float32(1))
+            ).astype(np.float32)
         # mode 2, heavy-tailed: scale / sqrt(u) with u uniform in (0, 1] from the gate hash
         scale = (ov + np.float32(127)) / np.float32(255)
         r = hash_np(self.seed(offset + GATE_SEED), idx).astype(np.float32)
@@ -244,8 +264,9 @@ class Perturbation:
         return term >> self.matrix_shift
 
 
-def project(x, w, pert: Perturbation | None, off_a: int, off_b: int, ov_in, ov_out,
-            by_threads: bool = False):
+def project(
+    x, w, pert: Perturbation | None, off_a: int, off_b: int, ov_in, ov_out, by_threads: bool = False
+):
     """x @ (W + perturbation) for x [member, position, in], W [in, out]."""
     out = int_matmul(x, w)
     if pert is not None:
@@ -263,9 +284,15 @@ class Weights:
     """
 
     def __init__(self, cfg: Config, params, overlays, pert: Perturbation | None, layer=None):
-        self.cfg, self.params, self.overlays, self.pert, self.layer = cfg, params, overlays, pert, layer
+        self.cfg, self.params, self.overlays, self.pert, self.layer = (
+            cfg,
+            params,
+            overlays,
+            pert,
+            layer,
+        )
 
-    def at(self, layer: int) -> "Weights":
+    def at(self, layer: int) -> Weights:
         return Weights(self.cfg, self.params, self.overlays, self.pert, layer)
 
     def _arrays(self, name: str):
@@ -273,7 +300,7 @@ class Weights:
         pick = (lambda a: a[self.layer]) if PARAM[name].per_layer else (lambda a: a)
         return pick(self.params[name]), [pick(self.overlays[o]) for o in PARAM[name].overlays]
 
-    def _offsets(self, name):
+    def _offsets(self, name: str) -> tuple[int, int]:
         return offsets(self.cfg, name, self.layer if PARAM[name].per_layer else None)
 
     def vector(self, name: str):
@@ -292,6 +319,7 @@ class Weights:
 
 
 # --- the layers ------------------------------------------------------------------------
+
 
 def standard_norm(cfg, x, w, b):
     """x * w / mean|x| + b, for weights w and biases b as the members see them."""
@@ -354,6 +382,7 @@ def attention_mix(cfg, tables, q, k_cache, v_cache, positions):
 @dataclass
 class KVCache:
     """Normalised keys and values of every layer, [layer][member, position, hidden]."""
+
     k: list
     v: list
 
@@ -361,8 +390,10 @@ class KVCache:
     def empty(cls, cfg: Config, members: int, positions: int):
         shape = (members, positions, cfg.model.hidden_dim)
         n = cfg.model.n_layers
-        return cls([np.zeros(shape, np.int64) for _ in range(n)],
-                   [np.zeros(shape, np.int64) for _ in range(n)])
+        return cls(
+            [np.zeros(shape, np.int64) for _ in range(n)],
+            [np.zeros(shape, np.int64) for _ in range(n)],
+        )
 
 
 def attention_block(cfg, tables, weights: Weights, x, cache: KVCache, positions):
@@ -438,8 +469,9 @@ def sequence_loss(cfg, tables, lgt, targets):
     return per_position.sum(-1).astype(np.int32)
 
 
-def member_losses(cfg: Config, tables: Tables, params, overlays, data, step: int,
-                  step_seed: int, members) -> np.ndarray:
+def member_losses(
+    cfg: Config, tables: Tables, params, overlays, data, step: int, step_seed: int, members
+) -> np.ndarray:
     """Loss (int32) of each listed population member at a step."""
     members = np.asarray(members, np.int64)
     tokens = member_tokens(cfg, data, step, members)

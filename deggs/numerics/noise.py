@@ -86,6 +86,7 @@ def xorshift_noise(state, n, mask, three_sample):
 
 # --- NumPy forms, broadcasting over arrays of seeds and indices --------------------
 
+
 def hash_np(seed, idx):
     """hash_rng over broadcast uint32 arrays (NumPy integer arithmetic wraps)."""
     x = np.asarray(seed, dtype=np.uint32) + np.asarray(idx, dtype=np.uint32) * np.uint32(0x9E3779B9)

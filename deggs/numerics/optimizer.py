@@ -31,12 +31,13 @@ PAIR_BLOCK = 4096
 @dataclass
 class OptimizerState:
     """AdamW moments and fractional accumulators, float32, shaped like the parameters."""
+
     m: dict
     v: dict
     acc: dict
 
     @classmethod
-    def zeros(cls, cfg: Config) -> "OptimizerState":
+    def zeros(cls, cfg: Config) -> OptimizerState:
         shapes = param_shapes(cfg)
         z = lambda: {k: np.zeros(s, np.float32) for k, s in shapes.items()}
         return cls(z(), z(), z())
@@ -44,20 +45,24 @@ class OptimizerState:
 
 # --- votes -------------------------------------------------------------------------
 
+
 def _pair_blocks(cfg, fitness, step_seed):
     """(seeds, fitness) of the pairs with non-zero fitness, in blocks."""
     fitness = np.asarray(fitness, np.int64)
     active = np.nonzero(fitness)[0]
     for start in range(0, len(active), PAIR_BLOCK):
-        pairs = active[start:start + PAIR_BLOCK]
+        pairs = active[start : start + PAIR_BLOCK]
         seeds = pair_seed(step_seed, pairs).astype(np.uint32)[:, None]
         yield seeds, fitness[pairs].astype(np.float64)[:, None]
 
 
 def _noise(cfg, seeds, offset, idx):
-    return noise_table((seeds[:, 0] + np.uint32(offset & 0xFFFFFFFF)), np.asarray(idx, np.uint32),
-                       cfg.noise.perturb_mask,
-                       cfg.noise.perturb_distribution == "three_sample").astype(np.float64)
+    return noise_table(
+        (seeds[:, 0] + np.uint32(offset & 0xFFFFFFFF)),
+        np.asarray(idx, np.uint32),
+        cfg.noise.perturb_mask,
+        cfg.noise.perturb_distribution == "three_sample",
+    ).astype(np.float64)
 
 
 def matrix_votes(cfg, fitness, step_seed, off_a, off_b, rows, cols):
@@ -79,10 +84,13 @@ def vector_votes(cfg, fitness, step_seed, off_a, off_b, idx):
 
 # --- the quantized optimizer step ---------------------------------------------------
 
+
 def fma32(a, b, c):
     """float32 fused multiply-add: the float32 product is exact in float64, one rounding."""
-    return (np.asarray(a, np.float32).astype(np.float64) * np.asarray(b, np.float32).astype(np.float64)
-            + np.asarray(c, np.float32).astype(np.float64)).astype(np.float32)
+    return (
+        np.asarray(a, np.float32).astype(np.float64) * np.asarray(b, np.float32).astype(np.float64)
+        + np.asarray(c, np.float32).astype(np.float64)
+    ).astype(np.float32)
 
 
 def adamw(o, g, wf, m, v):
@@ -139,8 +147,17 @@ def update_overlay(cfg: Config, overlay, changes):
     return ov.astype(np.int8)
 
 
-def update_region(cfg: Config, params, state: OptimizerState, s: Slice, fitness, step: int,
-                  step_seed: int, rows, cols=None):
+def update_region(
+    cfg: Config,
+    params,
+    state: OptimizerState,
+    s: Slice,
+    fitness,
+    step: int,
+    step_seed: int,
+    rows,
+    cols=None,
+):
     """Update rows (x cols, for a matrix) of one parameter slice in place.
 
     Weights and optimizer state change there; returns the changed-weight mask.
@@ -155,14 +172,16 @@ def update_region(cfg: Config, params, state: OptimizerState, s: Slice, fitness,
         vote = vector_votes(cfg, fitness, step_seed, s.off_a, s.off_b, rows)
         region = (rows,)
     arrays = [d[s.name][s.index] for d in (params, state.m, state.v, state.acc)]
-    *new, changed = optimizer_step(cfg, *(a[region] for a in arrays), vote, lr)
-    for a, value in zip(arrays, new):
+    w, m, v, acc = (a[region] for a in arrays)
+    *new, changed = optimizer_step(cfg, w, m, v, acc, vote, lr)
+    for a, value in zip(arrays, new, strict=True):
         a[region] = value
     return changed
 
 
-def apply_update(cfg: Config, params, overlays, state: OptimizerState, fitness, step: int,
-                 step_seed: int) -> int:
+def apply_update(
+    cfg: Config, params, overlays, state: OptimizerState, fitness, step: int, step_seed: int
+) -> int:
     """Update params, overlays and state in place from the fitness of `step`.
 
     Returns how many weights changed.
@@ -175,6 +194,6 @@ def apply_update(cfg: Config, params, overlays, state: OptimizerState, fitness, 
         updates += int(changed.sum())
         if cfg.adaptive_noise.mode > 0:
             counts = (changed.sum(1), changed.sum(0)) if s.param.is_matrix else (changed,)
-            for name, count in zip(s.param.overlays, counts):
+            for name, count in zip(s.param.overlays, counts, strict=True):
                 overlays[name][s.index] = update_overlay(cfg, overlays[name][s.index], count)
     return updates

@@ -20,21 +20,21 @@ from dataclasses import dataclass
 from ..config import Config
 
 LAYER_STRIDE = 1000  # seed offset between the layers' copies of a parameter
-GATE_SEED = 100000   # adaptive noise mode 2 draws its gate from noise offset + GATE_SEED
+GATE_SEED = 100000  # adaptive noise mode 2 draws its gate from noise offset + GATE_SEED
 
 
 @dataclass(frozen=True)
 class Param:
     name: str
-    title: str                   # as print-arch lists it
-    dims: tuple[str, ...]        # one layer's logical shape
-    seed: int                    # seed offset of the `a` noise (include/config.h's SEED_OFF_*)
+    title: str  # as print-arch lists it
+    dims: tuple[str, ...]  # one layer's logical shape
+    seed: int  # seed offset of the `a` noise (include/config.h's SEED_OFF_*)
     per_layer: bool = False
-    fill: int | None = 0         # initial value; None: drawn from the xorshift32 stream
-    bias_lr: bool = False        # learning rate times optimizer.bias_lr_scale
-    b_after: str = "1"           # `b` noise's offset from `a`: 1, or a dimension name
+    fill: int | None = 0  # initial value; None: drawn from the xorshift32 stream
+    bias_lr: bool = False  # learning rate times optimizer.bias_lr_scale
+    b_after: str = "1"  # `b` noise's offset from `a`: 1, or a dimension name
     overlay_names: tuple[str, ...] = ()  # (in, out) for a matrix; default <name>_row, _col
-    shown_dims: tuple[str, ...] = ()     # print-arch's dimensions, where they differ
+    shown_dims: tuple[str, ...] = ()  # print-arch's dimensions, where they differ
 
     @property
     def is_matrix(self) -> bool:
@@ -54,8 +54,16 @@ PARAMS: tuple[Param, ...] = (
     # The embedding is W[hidden, vocab], tied with the output head. print-arch shows it in
     # the reference's [vocab, hidden] storage order; its input noise sits hidden_dim
     # entries after its output noise, and its "row" overlay runs over the vocabulary.
-    Param("embedding", "Embedding", ("d", "v"), 0, fill=None, b_after="d",
-          overlay_names=("embedding_col", "embedding_row"), shown_dims=("v", "d")),
+    Param(
+        "embedding",
+        "Embedding",
+        ("d", "v"),
+        0,
+        fill=None,
+        b_after="d",
+        overlay_names=("embedding_col", "embedding_row"),
+        shown_dims=("v", "d"),
+    ),
     Param("emb_bias", "Embedding Bias", ("d",), 50, bias_lr=True),
     Param("ln_init", "LN Init", ("d",), 500, fill=_NORM),
     Param("ln_init_bias", "LN Init Bias", ("d",), 502),
@@ -85,6 +93,7 @@ MATRICES = tuple(p.name for p in PARAMS if p.is_matrix)
 @dataclass(frozen=True)
 class Mlp:
     """The parameters of one MLP block: the initial one, or a layer's."""
+
     ln: str
     ln_bias: str
     up: str
@@ -93,8 +102,14 @@ class Mlp:
     bias_down: str
 
 
-EMB_MLP = Mlp("ln_init", "ln_init_bias", "w_emb_mlp_up", "mlp_emb_bias_up",
-              "w_emb_mlp_down", "mlp_emb_bias_down")
+EMB_MLP = Mlp(
+    "ln_init",
+    "ln_init_bias",
+    "w_emb_mlp_up",
+    "mlp_emb_bias_up",
+    "w_emb_mlp_down",
+    "mlp_emb_bias_down",
+)
 LAYER_MLP = Mlp("ln_2", "ln_2_bias", "w_up", "mlp_bias_up", "w_down", "mlp_bias_down")
 
 
@@ -115,6 +130,7 @@ def offsets(cfg: Config, name: str, layer: int | None = None) -> tuple[int, int]
 @dataclass(frozen=True)
 class Slice:
     """One parameter, or one layer's copy of a per-layer parameter: what an update walks."""
+
     param: Param
     layer: int | None
     shape: tuple[int, ...]  # of the slice
@@ -137,11 +153,13 @@ def param_slices(cfg: Config) -> list[Slice]:
     n = sizes(cfg)
     first = next(i for i, p in enumerate(PARAMS) if p.per_layer)
     last = max(i for i, p in enumerate(PARAMS) if p.per_layer) + 1
-    order = [(p, None) for p in PARAMS[:first]]
+    order: list[tuple[Param, int | None]] = [(p, None) for p in PARAMS[:first]]
     order += [(p, layer) for layer in range(cfg.model.n_layers) for p in PARAMS[first:last]]
     order += [(p, None) for p in PARAMS[last:]]
-    return [Slice(p, layer, tuple(n[k] for k in p.dims), *offsets(cfg, p.name, layer))
-            for p, layer in order]
+    return [
+        Slice(p, layer, tuple(n[k] for k in p.dims), *offsets(cfg, p.name, layer))
+        for p, layer in order
+    ]
 
 
 def _full(cfg: Config, p: Param, shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -157,7 +175,11 @@ def param_shapes(cfg: Config) -> dict[str, tuple[int, ...]]:
 def overlay_shapes(cfg: Config) -> dict[str, tuple[int, ...]]:
     """Adaptive-noise overlays: one int8 per matrix input and output, one per vector entry."""
     n = sizes(cfg)
-    return {name: _full(cfg, p, (n[dim],)) for p in PARAMS for name, dim in zip(p.overlays, p.dims)}
+    return {
+        name: _full(cfg, p, (n[dim],))
+        for p in PARAMS
+        for name, dim in zip(p.overlays, p.dims, strict=True)
+    }
 
 
 def parameter_table(cfg: Config) -> list[tuple[str, str, int]]:

@@ -16,8 +16,8 @@ from __future__ import annotations
 import numpy as np
 
 from ..config import Config
-from .model import KVCache, Tables, Weights, forward, logits
 from ..seeds import hash_rng
+from .model import KVCache, Tables, Weights, forward, logits
 
 
 def prompt_window(cfg: Config, data: np.ndarray, step: int) -> np.ndarray:
@@ -28,7 +28,7 @@ def prompt_window(cfg: Config, data: np.ndarray, step: int) -> np.ndarray:
     """
     n, t, size = len(data), cfg.model.seq_len, cfg.sampling.prompt_tokens
     start = min((step * t) % (n - t), n - size)
-    return data[start:start + size].astype(np.int64)
+    return data[start : start + size].astype(np.int64)
 
 
 def scan_order(cfg: Config) -> np.ndarray:
@@ -46,12 +46,19 @@ def sampler_limits(cfg: Config) -> tuple[int, int]:
     return penalty, min_p_limit
 
 
-def choose_token(cfg: Config, tables: Tables, lgt: np.ndarray, history: np.ndarray,
-                 seed: int, t: int, order: np.ndarray) -> int:
+def choose_token(
+    cfg: Config,
+    tables: Tables,
+    lgt: np.ndarray,
+    history: np.ndarray,
+    seed: int,
+    t: int,
+    order: np.ndarray,
+) -> int:
     """Sample one token from integer logits, given the tokens so far."""
     s = cfg.sampling
     penalty, min_p_limit = sampler_limits(cfg)
-    counts = np.bincount(history, minlength=cfg.model.vocab_size)[:cfg.model.vocab_size]
+    counts = np.bincount(history, minlength=cfg.model.vocab_size)[: cfg.model.vocab_size]
     lgt = lgt - penalty * counts
     shifted = lgt - lgt.max()
     scaled = np.trunc(shifted.astype(np.float32) / np.float32(s.temperature)).astype(np.int64)
@@ -65,8 +72,15 @@ def choose_token(cfg: Config, tables: Tables, lgt: np.ndarray, history: np.ndarr
     return int(order[np.searchsorted(running, threshold, side="right")])
 
 
-def generate(cfg: Config, tables: Tables, params, overlays, prompt: np.ndarray, seed: int,
-             n_tokens: int | None = None) -> np.ndarray:
+def generate(
+    cfg: Config,
+    tables: Tables,
+    params,
+    overlays,
+    prompt: np.ndarray,
+    seed: int,
+    n_tokens: int | None = None,
+) -> np.ndarray:
     """Prompt followed by n_tokens sampled tokens (default: sampling.generate_tokens)."""
     n_tokens = cfg.sampling.generate_tokens if n_tokens is None else n_tokens
     prompt = np.asarray(prompt, np.int64)
@@ -74,15 +88,15 @@ def generate(cfg: Config, tables: Tables, params, overlays, prompt: np.ndarray, 
     if tables.rope.shape[0] < total - 1:
         raise ValueError(f"RoPE table covers {tables.rope.shape[0]} positions, need {total - 1}")
     buffer = np.zeros(total, np.int64)
-    buffer[:len(prompt)] = prompt
+    buffer[: len(prompt)] = prompt
     cache = KVCache.empty(cfg, 1, total)
     weights = Weights(cfg, params, overlays, None)
     order = scan_order(cfg)
     seed &= 0xFFFFFFFF
     for t in range(total - 1):
         pos = np.array([t])
-        normed = forward(cfg, tables, weights, buffer[None, t:t + 1], cache, pos)
+        normed = forward(cfg, tables, weights, buffer[None, t : t + 1], cache, pos)
         if t >= len(prompt) - 1:
             lgt = logits(cfg, weights, normed)[0, 0]
-            buffer[t + 1] = choose_token(cfg, tables, lgt, buffer[:t + 1], seed, t, order)
+            buffer[t + 1] = choose_token(cfg, tables, lgt, buffer[: t + 1], seed, t, order)
     return buffer

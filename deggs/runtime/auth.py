@@ -58,6 +58,7 @@ def proof(secret: bytes, role: str, worker_nonce: bytes, coordinator_nonce: byte
     return hmac.new(secret, message, hashlib.sha256).digest()
 
 
-def verify(secret: bytes, role: str, worker_nonce: bytes, coordinator_nonce: bytes,
-           claimed: bytes) -> bool:
+def verify(
+    secret: bytes, role: str, worker_nonce: bytes, coordinator_nonce: bytes, claimed: bytes
+) -> bool:
     return hmac.compare_digest(proof(secret, role, worker_nonce, coordinator_nonce), claimed)

@@ -21,9 +21,10 @@ run first rewrites the file without them (tidy_metrics).
 A file that fails validation (bad magic or version, a size that disagrees with the
 header or the config, bytes that are not packed trits, a step that disagrees with its
 name) raises CheckpointError naming the file. The newest checkpoint is loaded when a run
-resumes, and a bad one stops the start: quietly falling back to an older step would put the coordinator behind workers
-that already applied the newer one. Older files are read only when a worker needs them
-to catch up; a bad one there fails that worker's catch-up, not the run.
+resumes, and a bad one stops the start: quietly falling back to an older step would put
+the coordinator behind workers that already applied the newer one. Older files are read
+only when a worker needs them to catch up; a bad one there fails that worker's catch-up,
+not the run.
 """
 
 from __future__ import annotations
@@ -64,8 +65,13 @@ def checkpoint_path(directory: str | Path, step: int) -> Path:
 
 
 def encode_checkpoint(checkpoint: Checkpoint) -> bytes:
-    header = _HEADER.pack(CHECKPOINT_MAGIC, CHECKPOINT_VERSION, checkpoint.step,
-                          checkpoint.seed, len(checkpoint.fitness))
+    header = _HEADER.pack(
+        CHECKPOINT_MAGIC,
+        CHECKPOINT_VERSION,
+        checkpoint.step,
+        checkpoint.seed,
+        len(checkpoint.fitness),
+    )
     return header + checkpoint.fitness
 
 
@@ -75,21 +81,26 @@ def decode_checkpoint(data: bytes, name: str, n_pairs: int | None = None) -> Che
     With n_pairs (the population's pairs) the fitness must be exactly their packed trits.
     """
     if len(data) < _HEADER.size:
-        raise CheckpointError(f"{name}: truncated ({len(data)} bytes, the header alone is "
-                              f"{_HEADER.size})")
+        raise CheckpointError(
+            f"{name}: truncated ({len(data)} bytes, the header alone is {_HEADER.size})"
+        )
     magic, version, step, seed, size = _HEADER.unpack_from(data)
     if magic != CHECKPOINT_MAGIC:
         raise CheckpointError(f"{name}: bad magic {magic:#010x}, not a checkpoint")
     if version != CHECKPOINT_VERSION:
         raise CheckpointError(f"{name}: unsupported checkpoint version {version}")
     if len(data) != _HEADER.size + size:
-        raise CheckpointError(f"{name}: header announces {size} bytes of fitness, the file "
-                              f"holds {len(data) - _HEADER.size}")
-    fitness = bytes(data[_HEADER.size:])
+        raise CheckpointError(
+            f"{name}: header announces {size} bytes of fitness, the file "
+            f"holds {len(data) - _HEADER.size}"
+        )
+    fitness = bytes(data[_HEADER.size :])
     if n_pairs is not None:
         if size != packed_size(n_pairs):
-            raise CheckpointError(f"{name}: {size} bytes of fitness, this config's population "
-                                  f"packs into {packed_size(n_pairs)}")
+            raise CheckpointError(
+                f"{name}: {size} bytes of fitness, this config's population "
+                f"packs into {packed_size(n_pairs)}"
+            )
         try:
             check_packed(fitness, n_pairs)
         except ValueError as e:
@@ -169,6 +180,7 @@ def load_latest(directory: str | Path, n_pairs: int | None = None) -> Checkpoint
 
 # --- config.json ---------------------------------------------------------------------
 
+
 def saved_config(directory: str | Path) -> Config | None:
     """The config a run saved in `directory`, or None when it saved none."""
     path = Path(directory) / CONFIG_FILE
@@ -186,8 +198,9 @@ def check_saved_config(directory: str | Path, config: Config) -> None:
     if saved is None or saved.fingerprint() == config.fingerprint():
         return
     diffs = "; ".join(saved.differences(config)) or "fingerprints differ"
-    raise ConfigError(f"{Path(directory) / CONFIG_FILE} was saved with another config "
-                      f"(saved != current): {diffs}")
+    raise ConfigError(
+        f"{Path(directory) / CONFIG_FILE} was saved with another config (saved != current): {diffs}"
+    )
 
 
 def save_config(directory: str | Path, config: Config) -> None:
@@ -204,7 +217,8 @@ def prepare_save_dir(directory: str | Path, config: Config, start_step: int) -> 
         raise CheckpointError(
             f"{directory} already holds checkpoints up to step {max(newer)} and this run "
             f"starts at step {start_step}; pass --load-dir {directory} to resume it, or "
-            "choose another save directory")
+            "choose another save directory"
+        )
     save_config(directory, config)
 
 
@@ -220,6 +234,7 @@ def copy_history(source: str | Path, target: str | Path) -> int:
 
 
 # --- metrics.jsonl and committing a step ----------------------------------------------
+
 
 def append_metrics(directory: str | Path, record: dict) -> None:
     """Append one finished step's record as a JSON line, durably.

@@ -42,15 +42,35 @@ from pathlib import Path
 
 import numpy as np
 
-from . import auth
-from . import checkpoint as ckpt
 from ..config import Config, ConfigError
 from ..seeds import next_step_seed
-from .protocol import (AUTH, DEGGS_PROTOCOL, HELLO, JOB_REQUEST, NO_FINGERPRINT, RESULT,
-                       WAIT, Auth, Challenge, FrameReader, Goodbye, Hello, HelloReply,
-                       JobRequest, JobResponse, LogMessage, ProtocolError, Reason, Result,
-                       limits_from_worker, printable, set_keepalive)
 from ..ternary import check_packed, pack_trits, packed_size, unpack_blocks
+from . import auth
+from . import checkpoint as ckpt
+from .protocol import (
+    AUTH,
+    DEGGS_PROTOCOL,
+    HELLO,
+    JOB_REQUEST,
+    NO_FINGERPRINT,
+    RESULT,
+    WAIT,
+    Auth,
+    Challenge,
+    FrameReader,
+    Goodbye,
+    Hello,
+    HelloReply,
+    JobRequest,
+    JobResponse,
+    LogMessage,
+    ProtocolError,
+    Reason,
+    Result,
+    limits_from_worker,
+    printable,
+    set_keepalive,
+)
 
 log = logging.getLogger("deggs.runtime.coordinator")
 
@@ -70,14 +90,19 @@ class Drop(Exception):
 @dataclass
 class StepState:
     """Everything the coordinator tracks about the step being trained."""
+
     step: int
     seed: int
     started: float  # clock time the step began
     n_chunks: int
     chunk_pairs: int
-    packed: list = field(default_factory=list)  # per chunk: the packed fitness of the RESULT that counted, or None
+    packed: list = field(
+        default_factory=list
+    )  # per chunk: the packed fitness of the RESULT that counted, or None
     pending: deque = field(default_factory=deque)  # chunks nobody holds, next first
-    in_progress: OrderedDict = field(default_factory=OrderedDict)  # chunk -> time handed out, oldest first
+    in_progress: OrderedDict = field(
+        default_factory=OrderedDict
+    )  # chunk -> time handed out, oldest first
     holders: dict = field(default_factory=dict)  # chunk in progress -> the Peers holding it
     n_done: int = 0
     sealing: bool = False  # every chunk is in; the step is being made durable
@@ -90,11 +115,17 @@ class StepState:
     bytes_received: int = 0
 
     @classmethod
-    def fresh(cls, config: Config, step: int, seed: int, now: float) -> "StepState":
+    def fresh(cls, config: Config, step: int, seed: int, now: float) -> StepState:
         t = config.training
-        return cls(step=step, seed=seed, started=now, n_chunks=t.n_chunks,
-                   chunk_pairs=t.chunk_size // 2, packed=[None] * t.n_chunks,
-                   pending=deque(range(t.n_chunks)))
+        return cls(
+            step=step,
+            seed=seed,
+            started=now,
+            n_chunks=t.n_chunks,
+            chunk_pairs=t.chunk_size // 2,
+            packed=[None] * t.n_chunks,
+            pending=deque(range(t.n_chunks)),
+        )
 
     @property
     def complete(self) -> bool:
@@ -103,8 +134,11 @@ class StepState:
     def fitness(self) -> np.ndarray:
         """The population's fitness (zeros for chunks not in yet), unpacked in one go."""
         zeros = bytes(packed_size(self.chunk_pairs))
-        return unpack_blocks(b"".join(zeros if p is None else p for p in self.packed),
-                             self.n_chunks, self.chunk_pairs)
+        return unpack_blocks(
+            b"".join(zeros if p is None else p for p in self.packed),
+            self.n_chunks,
+            self.chunk_pairs,
+        )
 
 
 class Coordinator:
@@ -120,9 +154,18 @@ class Coordinator:
     reached) or `failure` (the reason a step could not be made durable).
     """
 
-    def __init__(self, config: Config, *, save_dir=None, load_dir=None,
-                 max_steps: int | None = None, host: str | None = None,
-                 port: int | None = None, secret: bytes | None = None, clock=time.monotonic):
+    def __init__(
+        self,
+        config: Config,
+        *,
+        save_dir=None,
+        load_dir=None,
+        max_steps: int | None = None,
+        host: str | None = None,
+        port: int | None = None,
+        secret: bytes | None = None,
+        clock=time.monotonic,
+    ):
         self.config = config
         k = config.coordinator
         self.host = k.host if host is None else host
@@ -166,8 +209,12 @@ class Coordinator:
                 step, seed = latest.step, latest.seed
                 if step > 0:
                     self._remember(step - 1, latest.fitness)
-                log.info("resumed from %s at step %d (seed %d)",
-                         ckpt.checkpoint_path(self.load_dir, step), step, seed)
+                log.info(
+                    "resumed from %s at step %d (seed %d)",
+                    ckpt.checkpoint_path(self.load_dir, step),
+                    step,
+                    seed,
+                )
         return StepState.fresh(self.config, step, seed, self.clock())
 
     async def start(self) -> int:
@@ -184,16 +231,30 @@ class Coordinator:
         self._spawn(self._sweep_deadlines())
         self.state.started = self.clock()
         t = self.config.training
-        log.info("listening on %s:%d (at most %d connections)", self.host, self.port,
-                 self.max_connections)
+        log.info(
+            "listening on %s:%d (at most %d connections)",
+            self.host,
+            self.port,
+            self.max_connections,
+        )
         if self.secret is None and not _is_loopback(self.host):
-            log.warning("no shared secret: anyone who can reach %s:%d can join and steer "
-                        "training; set %s or %s", self.host, self.port, auth.SECRET_ENV,
-                        auth.SECRET_FILE_ENV)
-        log.info("step %d, population %d in %d chunks of %d, fingerprint %s%s",
-                 self.state.step, t.population_size, t.n_chunks, t.chunk_size,
-                 self.config.fingerprint().hex(), ", workers must prove the shared secret"
-                 if self.secret is not None else "")
+            log.warning(
+                "no shared secret: anyone who can reach %s:%d can join and steer "
+                "training; set %s or %s",
+                self.host,
+                self.port,
+                auth.SECRET_ENV,
+                auth.SECRET_FILE_ENV,
+            )
+        log.info(
+            "step %d, population %d in %d chunks of %d, fingerprint %s%s",
+            self.state.step,
+            t.population_size,
+            t.n_chunks,
+            t.chunk_size,
+            self.config.fingerprint().hex(),
+            ", workers must prove the shared secret" if self.secret is not None else "",
+        )
         self._check_finished()
         return self.port
 
@@ -254,14 +315,14 @@ class Coordinator:
 
     # --- connections (called by Peer) --------------------------------------------------
 
-    def admit(self, peer: "Peer") -> bool:
+    def admit(self, peer: Peer) -> bool:
         if len(self.peers) >= self.max_connections:
             self._over_limit.note(limit=self.max_connections)
             return False
         self.peers.add(peer)
         return True
 
-    def forget(self, peer: "Peer"):
+    def forget(self, peer: Peer):
         """A connection closed: the chunks only it held go back to the queue at once."""
         self.peers.discard(peer)
         s = self.state
@@ -276,10 +337,9 @@ class Coordinator:
                 del s.holders[chunk]
                 s.in_progress.pop(chunk, None)
                 s.pending.appendleft(chunk)
-                log.info("chunk %d of step %d back in the queue: %s left", chunk, s.step,
-                         peer.name)
+                log.info("chunk %d of step %d back in the queue: %s left", chunk, s.step, peer.name)
 
-    def handle(self, peer: "Peer", opcode: int, payload: bytes):
+    def handle(self, peer: Peer, opcode: int, payload: bytes):
         """The reply to one message: a frame, an awaitable of a frame, or None.
 
         Raises Drop or ProtocolError to close the connection.
@@ -289,8 +349,10 @@ class Coordinator:
         if opcode == AUTH:
             return self._on_auth(peer, Auth.decode(payload))
         if not peer.authorized:
-            raise Drop("sent a message before proving the shared secret"
-                       + ("" if peer.hello else " (a reference worker? they cannot prove it)"))
+            raise Drop(
+                "sent a message before proving the shared secret"
+                + ("" if peer.hello else " (a reference worker? they cannot prove it)")
+            )
         if opcode == RESULT:
             self._on_result(peer, Result.decode(payload))
             return None
@@ -304,42 +366,55 @@ class Coordinator:
 
     # --- the handshake -----------------------------------------------------------------
 
-    def _on_hello(self, peer: "Peer", hello: Hello) -> bytes:
+    def _on_hello(self, peer: Peer, hello: Hello) -> bytes:
         if peer.hello is not None:
             raise ProtocolError("a second HELLO")
         peer.hello = hello
         if hello.deggs_protocol != DEGGS_PROTOCOL:
-            raise self._refusal(peer, Reason.PROTOCOL_MISMATCH,
-                                f"the worker speaks deggs protocol {hello.deggs_protocol}, the "
-                                f"coordinator {DEGGS_PROTOCOL}: run the same deggs version")
+            raise self._refusal(
+                peer,
+                Reason.PROTOCOL_MISMATCH,
+                f"the worker speaks deggs protocol {hello.deggs_protocol}, the "
+                f"coordinator {DEGGS_PROTOCOL}: run the same deggs version",
+            )
         if self.secret is None:
-            return self._welcome(peer)
+            return self._welcome(peer, hello)
         peer.nonce = auth.new_nonce()
-        return Challenge(peer.nonce, auth.proof(self.secret, "coordinator", hello.nonce,
-                                                peer.nonce)).encode()
+        return Challenge(
+            peer.nonce, auth.proof(self.secret, "coordinator", hello.nonce, peer.nonce)
+        ).encode()
 
-    def _on_auth(self, peer: "Peer", message: Auth) -> bytes:
-        if self.secret is None or peer.nonce is None or peer.authenticated:
+    def _on_auth(self, peer: Peer, message: Auth) -> bytes:
+        if self.secret is None or peer.hello is None or peer.nonce is None or peer.authenticated:
             raise ProtocolError("AUTH without a challenge")
         if not auth.verify(self.secret, "worker", peer.hello.nonce, peer.nonce, message.proof):
             raise Drop("wrong proof of the shared secret")
         peer.authenticated = True
-        return self._welcome(peer)
+        return self._welcome(peer, peer.hello)
 
-    def _welcome(self, peer: "Peer") -> bytes:
+    def _welcome(self, peer: Peer, hello: Hello) -> bytes:
         """HELLO_REPLY to an admitted deggs worker whose config matches (or who has none)."""
-        hello, ours = peer.hello, self.config.fingerprint()
+        ours = self.config.fingerprint()
         if hello.fingerprint not in (NO_FINGERPRINT, ours):
-            raise self._refusal(peer, Reason.CONFIG_MISMATCH, "the worker's config differs "
-                                "from the coordinator's: " + self._config_differences(hello))
+            raise self._refusal(
+                peer,
+                Reason.CONFIG_MISMATCH,
+                "the worker's config differs "
+                "from the coordinator's: " + self._config_differences(hello),
+            )
         peer.welcomed = True
-        log.info("worker %s joined (%s)", peer.name, "config matches"
-                 if hello.fingerprint == ours else "takes the coordinator's config")
+        log.info(
+            "worker %s joined (%s)",
+            peer.name,
+            "config matches" if hello.fingerprint == ours else "takes the coordinator's config",
+        )
         return HelloReply(ours, self.config.to_json()).encode()
 
     def _config_differences(self, hello: Hello) -> str:
-        fingerprints = (f"fingerprints differ (worker {hello.fingerprint.hex()}, "
-                        f"coordinator {self.config.fingerprint().hex()})")
+        fingerprints = (
+            f"fingerprints differ (worker {hello.fingerprint.hex()}, "
+            f"coordinator {self.config.fingerprint().hex()})"
+        )
         if not hello.config_json:
             return fingerprints
         try:
@@ -349,14 +424,14 @@ class Coordinator:
         diffs = worker_config.differences(self.config)
         return "(worker != coordinator) " + "; ".join(diffs) if diffs else fingerprints
 
-    def _refusal(self, peer: "Peer", reason: Reason, text: str) -> Drop:
+    def _refusal(self, peer: Peer, reason: Reason, text: str) -> Drop:
         """Close with a GOODBYE saying why. Reference workers cannot read one: they get
         the close alone, and the log line here says why."""
         return Drop(text, Goodbye(reason, text).encode() if peer.hello else b"")
 
     # --- jobs and results --------------------------------------------------------------
 
-    def _on_job_request(self, peer: "Peer", req: JobRequest):
+    def _on_job_request(self, peer: Peer, req: JobRequest):
         s = self.state
         if self.finished.is_set():
             raise self._refusal(peer, Reason.FINISHED, f"the run reached step {s.step}")
@@ -364,37 +439,44 @@ class Coordinator:
             return self._catch_up(peer, req.last_step)
         if req.last_step > s.step:
             raise self._refusal(
-                peer, Reason.COORDINATOR_BEHIND,
+                peer,
+                Reason.COORDINATOR_BEHIND,
                 f"the worker is at step {req.last_step} but the coordinator is at step "
-                f"{s.step}; was the coordinator restarted without --load-dir?")
+                f"{s.step}; was the coordinator restarted without --load-dir?",
+            )
         if req.seed != s.seed:
             raise self._refusal(
-                peer, Reason.SEED_MISMATCH,
+                peer,
+                Reason.SEED_MISMATCH,
                 f"the worker's seed {req.seed} for step {s.step} differs from the "
-                f"coordinator's {s.seed} (another training.seed?)")
+                f"coordinator's {s.seed} (another training.seed?)",
+            )
         return self._assign(peer).encode()
 
-    def _catch_up(self, peer: "Peer", step: int):
+    def _catch_up(self, peer: Peer, step: int):
         """The fitness of `step`, which moves a worker from `step` to `step + 1`."""
         fitness = self.history.get(step)
         if fitness is not None:
             return JobResponse(self.state.seed, step + 1, 0, fitness).encode()
         return self._catch_up_from_disk(peer, step)
 
-    async def _catch_up_from_disk(self, peer: "Peer", step: int) -> bytes:
+    async def _catch_up_from_disk(self, peer: Peer, step: int) -> bytes:
         fitness = None
         if self.history_dirs:
-            fitness = await self._on_disk(_fitness_from_disk, self.history_dirs, step,
-                                          self.config.training.n_pairs)
+            fitness = await self._on_disk(
+                _fitness_from_disk, self.history_dirs, step, self.config.training.n_pairs
+            )
         if fitness is None:
             raise self._refusal(
-                peer, Reason.HISTORY_GONE,
+                peer,
+                Reason.HISTORY_GONE,
                 f"the fitness of step {step} is no longer kept (neither in memory nor in a "
                 f"checkpoint), so a worker at step {step} cannot catch up to step "
-                f"{self.state.step}")
+                f"{self.state.step}",
+            )
         return JobResponse(self.state.seed, step + 1, 0, fitness).encode()
 
-    def _assign(self, peer: "Peer") -> JobResponse:
+    def _assign(self, peer: Peer) -> JobResponse:
         s, now = self.state, self.clock()
         if s.pending:
             chunk = s.pending.popleft()
@@ -415,34 +497,46 @@ class Coordinator:
         peer.chunks.add(chunk)
         return JobResponse(s.seed, s.step, chunk * self.chunk_size)
 
-    def _on_result(self, peer: "Peer", res: Result):
+    def _on_result(self, peer: Peer, res: Result):
         s = self.state
         population = self.config.training.population_size
         if res.data_position % self.chunk_size or res.data_position >= population:
-            raise ProtocolError(f"RESULT data_position {res.data_position} is not the start of "
-                                f"a chunk (multiples of {self.chunk_size} below {population})")
+            raise ProtocolError(
+                f"RESULT data_position {res.data_position} is not the start of "
+                f"a chunk (multiples of {self.chunk_size} below {population})"
+            )
         if len(res.data) != self.chunk_bytes:
-            raise ProtocolError(f"RESULT carries {len(res.data)} bytes of fitness, a chunk "
-                                f"packs into {self.chunk_bytes}")
+            raise ProtocolError(
+                f"RESULT carries {len(res.data)} bytes of fitness, a chunk "
+                f"packs into {self.chunk_bytes}"
+            )
         chunk = res.data_position // self.chunk_size
         if res.last_step != s.step:
-            log.info("ignoring a RESULT for step %d from %s (now at step %d)",
-                     res.last_step, peer.name, s.step)
+            log.info(
+                "ignoring a RESULT for step %d from %s (now at step %d)",
+                res.last_step,
+                peer.name,
+                s.step,
+            )
             return
         if res.seed != s.seed:
-            raise ProtocolError(f"RESULT for step {s.step} carries seed {res.seed}, expected "
-                                f"{s.seed}")
+            raise ProtocolError(
+                f"RESULT for step {s.step} carries seed {res.seed}, expected {s.seed}"
+            )
         if peer.step != s.step or chunk not in peer.chunks:
-            raise ProtocolError(f"RESULT for chunk {chunk} of step {s.step}, which was not "
-                                "handed to this connection")
+            raise ProtocolError(
+                f"RESULT for chunk {chunk} of step {s.step}, which was not "
+                "handed to this connection"
+            )
         try:
             check_packed(res.data, self.chunk_pairs)
         except ValueError as e:
             raise ProtocolError(f"RESULT fitness is malformed: {e}") from None
         s.transmissions += 1  # duplicates count, as in the reference's statistics
         s.updates_total += res.updates_count
-        s.updates_min = res.updates_count if s.updates_min is None else min(s.updates_min,
-                                                                            res.updates_count)
+        s.updates_min = (
+            res.updates_count if s.updates_min is None else min(s.updates_min, res.updates_count)
+        )
         s.updates_max = max(s.updates_max, res.updates_count)
         if s.packed[chunk] is not None:
             log.info("ignoring a duplicate RESULT for chunk %d from %s", chunk, peer.name)
@@ -465,12 +559,15 @@ class Coordinator:
         step, seed = s.step + 1, next_step_seed(s.seed, s.step + 1)
         if self.save_dir is not None:
             try:
-                await self._durably(ckpt.commit_step, self.save_dir,
-                                    ckpt.Checkpoint(step, seed, packed), record)
+                await self._durably(
+                    ckpt.commit_step, self.save_dir, ckpt.Checkpoint(step, seed, packed), record
+                )
             except OSError as e:
-                self._fail(f"cannot save step {s.step} in {self.save_dir} "
-                           f"({e.strerror or e}); the run stops at step {s.step}, and "
-                           f"--load-dir {self.save_dir} resumes it once the disk is fixed")
+                self._fail(
+                    f"cannot save step {s.step} in {self.save_dir} "
+                    f"({e.strerror or e}); the run stops at step {s.step}, and "
+                    f"--load-dir {self.save_dir} resumes it once the disk is fixed"
+                )
                 return
         log.info(format_step_line(record, self._prev_loss))
         self._prev_loss = record["loss"]
@@ -489,8 +586,11 @@ class Coordinator:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise
-                log.warning("writing the checkpoint failed (%s); workers wait, retrying for "
-                            "another %.1f s", e.strerror or e, left)
+                log.warning(
+                    "writing the checkpoint failed (%s); workers wait, retrying for another %.1f s",
+                    e.strerror or e,
+                    left,
+                )
                 await asyncio.sleep(min(pause, left))
                 pause = min(pause * 2, 5.0)
 
@@ -529,9 +629,10 @@ class Peer(asyncio.Protocol):
     bytes of replies unread, which bounds what one connection can make us hold.
     """
 
+    transport: asyncio.Transport  # set by connection_made, which asyncio calls first
+
     def __init__(self, coordinator: Coordinator):
         self.coord = coordinator
-        self.transport: asyncio.Transport | None = None
         self.name = "?"
         self.reader = FrameReader(coordinator.limits)
         self.queue: deque[tuple[int, bytes]] = deque()
@@ -570,7 +671,7 @@ class Peer(asyncio.Protocol):
         log.debug("%s connected", self.name)
 
     def connection_lost(self, exc):
-        if self.transport is None or self not in self.coord.peers:
+        if self not in self.coord.peers:  # refused by admit(), or already forgotten
             return
         if self.reader.partial and not self.closing:
             log.warning("%s dropping: disconnected mid-frame", self.name)
@@ -616,8 +717,7 @@ class Peer(asyncio.Protocol):
         """Handle queued frames until one must wait for the disk or the peer stops reading
         its replies (pause_writing); send each batch of replies as one write."""
         limit = self.coord.config.coordinator.max_send_buffer
-        while (self.queue and not self.busy and not self.closing
-               and self.write_paused_since is None):
+        while self.queue and not self.busy and not self.closing and self.write_paused_since is None:
             out, size = [], 0
             while self.queue and size < limit and not self.busy:
                 opcode, payload = self.queue.popleft()
@@ -633,8 +733,7 @@ class Peer(asyncio.Protocol):
                     return
                 except Exception as e:  # a bug of ours: this connection ends, the run goes on
                     self._write(out)
-                    self._close(f"internal error handling its message: {e!r}",
-                                level=logging.ERROR)
+                    self._close(f"internal error handling its message: {e!r}", level=logging.ERROR)
                     return
                 if isinstance(reply, bytes):
                     out.append(reply)
@@ -678,8 +777,10 @@ class Peer(asyncio.Protocol):
             self._close(f"closing: no handshake within {k.handshake_timeout_s:g} s")
         elif self.partial_since is not None and now - self.partial_since > k.frame_timeout_s:
             self._close(f"closing: a frame still unfinished after {k.frame_timeout_s:g} s")
-        elif (self.write_paused_since is not None
-              and now - self.write_paused_since > k.frame_timeout_s):
+        elif (
+            self.write_paused_since is not None
+            and now - self.write_paused_since > k.frame_timeout_s
+        ):
             self._close(f"closing: it has not read its replies for {k.frame_timeout_s:g} s")
 
     def _close(self, why: str, goodbye: bytes = b"", level: int = logging.WARNING):
@@ -748,8 +849,13 @@ def _connection_budget(wanted: int) -> int:
         return wanted
     budget = max(1, min(wanted, soft - FD_RESERVE))
     if budget < wanted:
-        log.warning("coordinator.max_connections lowered from %d to %d: the descriptor limit "
-                    "is %d (ulimit -n)", wanted, budget, soft)
+        log.warning(
+            "coordinator.max_connections lowered from %d to %d: the descriptor limit "
+            "is %d (ulimit -n)",
+            wanted,
+            budget,
+            soft,
+        )
     return budget
 
 
@@ -764,22 +870,27 @@ def _is_loopback(host: str) -> bool:
 
 def format_step_line(r: dict, prev_loss: float | None = None) -> str:
     """The human summary of a finished step, after the reference's."""
-    trend = "" if prev_loss is None else (" v" if r["loss"] < prev_loss else
-                                          " ^" if r["loss"] > prev_loss else " =")
+    trend = (
+        ""
+        if prev_loss is None
+        else (" v" if r["loss"] < prev_loss else " ^" if r["loss"] > prev_loss else " =")
+    )
     net = (r["bytes_sent"] + r["bytes_received"]) / r["step_time_s"] / 2**20
-    return (f"Step {r['step']} | Tokens: {_humanize(r['tokens'], 1000, ['', ' K', ' M', ' B'])}"
-            f" | Loss: {r['loss']:.4f}{trend} | Time: {r['step_time_s'] * 1000:.2f} ms"
-            f" | Updates: {r['updates_total']} (n={r['transmissions']}, min={r['updates_min']},"
-            f" max={r['updates_max']}) | Speed: {r['tokens_per_s']:.2f} tok/s"
-            f" | LR: {r['lr']:.3f} | Net: {net:.2f} MB/s"
-            f" (Tx: {_humanize(r['bytes_sent'], 1024, [' B', ' KB', ' MB', ' GB'])},"
-            f" Rx: {_humanize(r['bytes_received'], 1024, [' B', ' KB', ' MB', ' GB'])})")
+    return (
+        f"Step {r['step']} | Tokens: {_humanize(r['tokens'], 1000, ['', ' K', ' M', ' B'])}"
+        f" | Loss: {r['loss']:.4f}{trend} | Time: {r['step_time_s'] * 1000:.2f} ms"
+        f" | Updates: {r['updates_total']} (n={r['transmissions']}, min={r['updates_min']},"
+        f" max={r['updates_max']}) | Speed: {r['tokens_per_s']:.2f} tok/s"
+        f" | LR: {r['lr']:.3f} | Net: {net:.2f} MB/s"
+        f" (Tx: {_humanize(r['bytes_sent'], 1024, [' B', ' KB', ' MB', ' GB'])},"
+        f" Rx: {_humanize(r['bytes_received'], 1024, [' B', ' KB', ' MB', ' GB'])})"
+    )
 
 
 def _humanize(n: int, base: int, units: list[str]) -> str:
     for power in range(len(units) - 1, 0, -1):
-        if n >= base ** power:
-            return f"{n / base ** power:.2f}{units[power]}"
+        if n >= base**power:
+            return f"{n / base**power:.2f}{units[power]}"
     return f"{n}{units[0]}"
 
 

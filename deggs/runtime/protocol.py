@@ -36,9 +36,9 @@ from __future__ import annotations
 import socket
 import struct
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from enum import IntEnum
-from typing import ClassVar
+from typing import Any, ClassVar, cast
 
 MAGIC = b"JOBS"
 VERSION = 1
@@ -60,9 +60,17 @@ HELLO_REPLY = 5
 CHALLENGE = 6
 AUTH = 7
 GOODBYE = 8
-OPCODE_NAMES = {JOB_REQUEST: "JOB_REQUEST", RESULT: "RESULT", JOB_RESPONSE: "JOB_RESPONSE",
-                LOG_MESSAGE: "LOG_MESSAGE", HELLO: "HELLO", HELLO_REPLY: "HELLO_REPLY",
-                CHALLENGE: "CHALLENGE", AUTH: "AUTH", GOODBYE: "GOODBYE"}
+OPCODE_NAMES = {
+    JOB_REQUEST: "JOB_REQUEST",
+    RESULT: "RESULT",
+    JOB_RESPONSE: "JOB_RESPONSE",
+    LOG_MESSAGE: "LOG_MESSAGE",
+    HELLO: "HELLO",
+    HELLO_REPLY: "HELLO_REPLY",
+    CHALLENGE: "CHALLENGE",
+    AUTH: "AUTH",
+    GOODBYE: "GOODBYE",
+}
 
 _HEADER = struct.Struct(">4sBBI")
 
@@ -78,12 +86,13 @@ class NotOurProtocol(ProtocolError):
 
 class Reason(IntEnum):
     """Why the coordinator says GOODBYE. Codes from 16 up are refusals for good."""
-    FINISHED = 0         # the run reached --max-steps: a worker's work is done
-    SHUTTING_DOWN = 1    # stopped by its operator; it may come back (--load-dir)
-    DISK_FAILURE = 2     # it cannot make its history durable and exits; it may come back
+
+    FINISHED = 0  # the run reached --max-steps: a worker's work is done
+    SHUTTING_DOWN = 1  # stopped by its operator; it may come back (--load-dir)
+    DISK_FAILURE = 2  # it cannot make its history durable and exits; it may come back
     CONFIG_MISMATCH = 16
     PROTOCOL_MISMATCH = 17
-    HISTORY_GONE = 18    # the fitness a worker needs to catch up is no longer kept
+    HISTORY_GONE = 18  # the fitness a worker needs to catch up is no longer kept
     COORDINATOR_BEHIND = 19  # the worker is ahead: a coordinator restarted without history
     SEED_MISMATCH = 20
 
@@ -126,6 +135,7 @@ def printable(text: str) -> str:
 
 # --- messages ------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class JobRequest:
     seed: int
@@ -139,7 +149,7 @@ class JobRequest:
         return frame(self.OPCODE, self._FIELDS.pack(self.seed, self.last_step, self.data_position))
 
     @classmethod
-    def decode(cls, payload: bytes) -> "JobRequest":
+    def decode(cls, payload: bytes) -> JobRequest:
         _need(payload, cls._FIELDS.size, "JOB_REQUEST")
         return cls(*cls._FIELDS.unpack_from(payload))
 
@@ -147,8 +157,11 @@ class JobRequest:
 class _FieldsThenData:
     """A message of fixed fields, the size of `data` (u32), then `data` (its last field)."""
 
+    OPCODE: ClassVar[int]
+    _FIELDS: ClassVar[struct.Struct]
+
     def encode(self) -> bytes:
-        *fixed, data = (getattr(self, f.name) for f in fields(self))
+        *fixed, data = vars(self).values()  # the dataclass fields, in order
         return frame(self.OPCODE, self._FIELDS.pack(*fixed, len(data)) + data)
 
     @classmethod
@@ -156,11 +169,10 @@ class _FieldsThenData:
         name = OPCODE_NAMES[cls.OPCODE]
         _need(payload, cls._FIELDS.size, name)
         *fixed, size = cls._FIELDS.unpack_from(payload)
-        data = bytes(payload[cls._FIELDS.size:cls._FIELDS.size + size])
+        data = bytes(payload[cls._FIELDS.size : cls._FIELDS.size + size])
         if len(data) < size:
-            raise ProtocolError(f"{name} announces {size} bytes of fitness but carries "
-                                f"{len(data)}")
-        return cls(*fixed, data)
+            raise ProtocolError(f"{name} announces {size} bytes of fitness but carries {len(data)}")
+        return cast(Any, cls)(*fixed, data)  # a dataclass's constructor
 
 
 @dataclass(frozen=True)
@@ -201,7 +213,7 @@ class LogMessage:
         return frame(self.OPCODE, self.text.encode("utf-8"))
 
     @classmethod
-    def decode(cls, payload: bytes) -> "LogMessage":
+    def decode(cls, payload: bytes) -> LogMessage:
         return cls(_text(payload))
 
 
@@ -213,9 +225,10 @@ class _Reader:
 
     def take(self, size: int, field: str) -> bytes:
         if self.pos + size > len(self.payload):
-            raise ProtocolError(f"{self.what} payload ends inside {field} "
-                                f"({len(self.payload)} bytes)")
-        out = bytes(self.payload[self.pos:self.pos + size])
+            raise ProtocolError(
+                f"{self.what} payload ends inside {field} ({len(self.payload)} bytes)"
+            )
+        out = bytes(self.payload[self.pos : self.pos + size])
         self.pos += size
         return out
 
@@ -241,12 +254,17 @@ class Hello:
 
     def encode(self) -> bytes:
         config = self.config_json.encode("utf-8")
-        payload = (struct.pack(">H", self.deggs_protocol) + _sized(self.fingerprint, 8)
-                   + struct.pack(">I", len(config)) + config + _sized(self.nonce, NONCE_SIZE))
+        payload = (
+            struct.pack(">H", self.deggs_protocol)
+            + _sized(self.fingerprint, 8)
+            + struct.pack(">I", len(config))
+            + config
+            + _sized(self.nonce, NONCE_SIZE)
+        )
         return frame(self.OPCODE, payload)
 
     @classmethod
-    def decode(cls, payload: bytes) -> "Hello":
+    def decode(cls, payload: bytes) -> Hello:
         r = _Reader(payload, "HELLO")
         version = r.uint(2, "deggs_protocol")
         if version != DEGGS_PROTOCOL:  # the rest may be laid out otherwise
@@ -259,6 +277,7 @@ class Hello:
 @dataclass(frozen=True)
 class HelloReply:
     """The handshake's success: the coordinator's config, for a worker to check or adopt."""
+
     fingerprint: bytes
     config_json: str
 
@@ -266,11 +285,12 @@ class HelloReply:
 
     def encode(self) -> bytes:
         config = self.config_json.encode("utf-8")
-        return frame(self.OPCODE, _sized(self.fingerprint, 8) + struct.pack(">I", len(config))
-                     + config)
+        return frame(
+            self.OPCODE, _sized(self.fingerprint, 8) + struct.pack(">I", len(config)) + config
+        )
 
     @classmethod
-    def decode(cls, payload: bytes) -> "HelloReply":
+    def decode(cls, payload: bytes) -> HelloReply:
         r = _Reader(payload, "HELLO_REPLY")
         fingerprint = r.take(8, "fingerprint")
         return cls(fingerprint, _text(r.blob("config", MAX_CONFIG_JSON)))
@@ -279,6 +299,7 @@ class HelloReply:
 @dataclass(frozen=True)
 class Challenge:
     """The coordinator's nonce and its proof that it knows the secret (auth.py)."""
+
     nonce: bytes
     proof: bytes
 
@@ -288,7 +309,7 @@ class Challenge:
         return frame(self.OPCODE, _sized(self.nonce, NONCE_SIZE) + _sized(self.proof, PROOF_SIZE))
 
     @classmethod
-    def decode(cls, payload: bytes) -> "Challenge":
+    def decode(cls, payload: bytes) -> Challenge:
         r = _Reader(payload, "CHALLENGE")
         return cls(r.take(NONCE_SIZE, "nonce"), r.take(PROOF_SIZE, "proof"))
 
@@ -296,6 +317,7 @@ class Challenge:
 @dataclass(frozen=True)
 class Auth:
     """The worker's proof that it knows the secret."""
+
     proof: bytes
 
     OPCODE: ClassVar[int] = AUTH
@@ -304,7 +326,7 @@ class Auth:
         return frame(self.OPCODE, _sized(self.proof, PROOF_SIZE))
 
     @classmethod
-    def decode(cls, payload: bytes) -> "Auth":
+    def decode(cls, payload: bytes) -> Auth:
         return cls(_Reader(payload, "AUTH").take(PROOF_SIZE, "proof"))
 
 
@@ -319,7 +341,7 @@ class Goodbye:
         return frame(self.OPCODE, bytes([self.reason]) + self.text.encode("utf-8"))
 
     @classmethod
-    def decode(cls, payload: bytes) -> "Goodbye":
+    def decode(cls, payload: bytes) -> Goodbye:
         r = _Reader(payload, "GOODBYE")
         code = r.uint(1, "reason")
         try:
@@ -335,8 +357,20 @@ def _sized(value: bytes, size: int) -> bytes:
     return bytes(value)
 
 
-MESSAGES = {cls.OPCODE: cls for cls in (JobRequest, Result, JobResponse, LogMessage,
-                                         Hello, HelloReply, Challenge, Auth, Goodbye)}
+MESSAGES = {
+    cls.OPCODE: cls
+    for cls in (
+        JobRequest,
+        Result,
+        JobResponse,
+        LogMessage,
+        Hello,
+        HelloReply,
+        Challenge,
+        Auth,
+        Goodbye,
+    )
+}
 
 
 def decode_message(opcode: int, payload: bytes):
@@ -353,22 +387,27 @@ def decode_message(opcode: int, payload: bytes):
 # the largest payload it accepts per opcode and refuses a larger one from the header alone,
 # before anything is allocated. An opcode missing from the table is refused too.
 
+
 def limits_from_worker(chunk_bytes: int) -> dict[int, int]:
     """The largest payload a coordinator accepts of each message a worker sends."""
-    return {JOB_REQUEST: JobRequest._FIELDS.size,
-            RESULT: Result._FIELDS.size + chunk_bytes,
-            LOG_MESSAGE: MAX_LOG_TEXT,
-            HELLO: 2 + 8 + 4 + MAX_CONFIG_JSON + NONCE_SIZE,
-            AUTH: PROOF_SIZE}
+    return {
+        JOB_REQUEST: JobRequest._FIELDS.size,
+        RESULT: Result._FIELDS.size + chunk_bytes,
+        LOG_MESSAGE: MAX_LOG_TEXT,
+        HELLO: 2 + 8 + 4 + MAX_CONFIG_JSON + NONCE_SIZE,
+        AUTH: PROOF_SIZE,
+    }
 
 
 def limits_from_coordinator(population_bytes: int) -> dict[int, int]:
     """The largest payload a worker accepts of each message a coordinator sends."""
-    return {JOB_RESPONSE: JobResponse._FIELDS.size + population_bytes,
-            LOG_MESSAGE: MAX_LOG_TEXT,
-            HELLO_REPLY: 8 + 4 + MAX_CONFIG_JSON,
-            CHALLENGE: NONCE_SIZE + PROOF_SIZE,
-            GOODBYE: 1 + MAX_LOG_TEXT}
+    return {
+        JOB_RESPONSE: JobResponse._FIELDS.size + population_bytes,
+        LOG_MESSAGE: MAX_LOG_TEXT,
+        HELLO_REPLY: 8 + 4 + MAX_CONFIG_JSON,
+        CHALLENGE: NONCE_SIZE + PROOF_SIZE,
+        GOODBYE: 1 + MAX_LOG_TEXT,
+    }
 
 
 def _check_length(opcode: int, length: int, limits: dict[int, int]):
@@ -377,8 +416,9 @@ def _check_length(opcode: int, length: int, limits: dict[int, int]):
         return
     name = OPCODE_NAMES.get(opcode, f"opcode {opcode}")
     if limit is None:
-        raise ProtocolError(f"unexpected {name}" if opcode in OPCODE_NAMES
-                            else f"unknown opcode {opcode}")
+        raise ProtocolError(
+            f"unexpected {name}" if opcode in OPCODE_NAMES else f"unknown opcode {opcode}"
+        )
     if length > limit:
         raise ProtocolError(f"{name} payload of {length} bytes exceeds the limit of {limit}")
 
@@ -406,12 +446,12 @@ class FrameReader:
         while len(buf) - pos >= HEADER_SIZE:
             magic, version, opcode, length = _HEADER.unpack_from(buf, pos)
             if magic != MAGIC or version != VERSION:
-                parse_header(bytes(buf[pos:pos + HEADER_SIZE]))  # raises, saying which
+                parse_header(bytes(buf[pos : pos + HEADER_SIZE]))  # raises, saying which
             _check_length(opcode, length, self.limits)
             end = pos + HEADER_SIZE + length
             if len(buf) < end:
                 break
-            frames.append((opcode, bytes(buf[pos + HEADER_SIZE:end])))
+            frames.append((opcode, bytes(buf[pos + HEADER_SIZE : end])))
             pos = end
         del buf[:pos]
         return frames
@@ -433,8 +473,12 @@ def send_frame(sock: socket.socket, data: bytes) -> None:
     sock.sendall(data)
 
 
-def recv_frame(sock: socket.socket, limits: dict[int, int], wait_s: float | None = None,
-               frame_s: float | None = None) -> tuple[int, bytes] | None:
+def recv_frame(
+    sock: socket.socket,
+    limits: dict[int, int],
+    wait_s: float | None = None,
+    frame_s: float | None = None,
+) -> tuple[int, bytes] | None:
     """Next (opcode, payload) from a blocking socket; None when the peer closed cleanly.
 
     wait_s bounds the wait for a frame's first byte, frame_s the time from its first byte to
@@ -452,8 +496,9 @@ def recv_frame(sock: socket.socket, limits: dict[int, int], wait_s: float | None
     return opcode, _recv_exact(sock, length, "payload", deadline)
 
 
-def _recv_exact(sock: socket.socket, size: int, what: str, deadline: float | None,
-                start: bytes = b"") -> bytes:
+def _recv_exact(
+    sock: socket.socket, size: int, what: str, deadline: float | None, start: bytes = b""
+) -> bytes:
     buf = bytearray(start)
     while len(buf) < size:
         try:
@@ -464,8 +509,9 @@ def _recv_exact(sock: socket.socket, size: int, what: str, deadline: float | Non
                 sock.settimeout(left)
             part = sock.recv(min(size - len(buf), 1 << 20))
         except TimeoutError:
-            raise TimeoutError(f"a frame took too long ({len(buf)} of {size} {what} "
-                               "bytes)") from None
+            raise TimeoutError(
+                f"a frame took too long ({len(buf)} of {size} {what} bytes)"
+            ) from None
         if not part:
             raise ProtocolError(f"disconnected mid-frame ({len(buf)} of {size} {what} bytes)")
         buf += part

@@ -14,8 +14,9 @@ from ..ternary import unpack_trits
 from .checkpoint import CheckpointError, list_checkpoints, read_checkpoint
 
 
-def replay(save_dir: str | Path, trainer: Trainer, until: int | None = None,
-           progress=None) -> Trainer:
+def replay(
+    save_dir: str | Path, trainer: Trainer, until: int | None = None, progress=None
+) -> Trainer:
     """Apply the saved steps trainer.step..N-1 (N: the newest checkpoint, or `until`).
 
     progress(step, last, weights changed) is called after each step."""
@@ -25,13 +26,17 @@ def replay(save_dir: str | Path, trainer: Trainer, until: int | None = None,
     while trainer.step < last:
         path = files.get(trainer.step + 1)
         if path is None:
-            raise CheckpointError(f"{Path(save_dir)}: no checkpoint for step {trainer.step + 1}; "
-                                  f"the history to replay stops at step {trainer.step}")
+            raise CheckpointError(
+                f"{Path(save_dir)}: no checkpoint for step {trainer.step + 1}; "
+                f"the history to replay stops at step {trainer.step}"
+            )
         checkpoint = read_checkpoint(path, cfg.training.n_pairs)
         changed = trainer.apply(unpack_trits(checkpoint.fitness, cfg.training.n_pairs))
         if checkpoint.seed != trainer.seed:
-            raise CheckpointError(f"{path}: seed {checkpoint.seed} does not follow from the "
-                                  f"config's seed (expected {trainer.seed})")
+            raise CheckpointError(
+                f"{path}: seed {checkpoint.seed} does not follow from the "
+                f"config's seed (expected {trainer.seed})"
+            )
         if progress is not None:
             progress(trainer.step, last, changed)
     return trainer

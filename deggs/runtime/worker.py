@@ -35,20 +35,32 @@ from pathlib import Path
 
 import numpy as np
 
-from . import auth
-from . import protocol
 from ..config import Config, ConfigError, WorkerConfig
 from ..data import detokenize, load_decoding, load_tokens
 from ..numerics.backend import BackendError, make_backend
 from ..numerics.es import Trainer
-from .protocol import (Auth, Challenge, Goodbye, Hello, HelloReply, JobRequest, JobResponse,
-                       LogMessage, NotOurProtocol, ProtocolError, Reason, Result, printable,
-                       set_keepalive)
 from ..numerics.sampling import prompt_window
 from ..ternary import packed_size, unpack_trits
+from . import auth, protocol
+from .protocol import (
+    Auth,
+    Challenge,
+    Goodbye,
+    Hello,
+    HelloReply,
+    JobRequest,
+    JobResponse,
+    LogMessage,
+    NotOurProtocol,
+    ProtocolError,
+    Reason,
+    Result,
+    printable,
+    set_keepalive,
+)
 
-WAIT_S = 0.1             # the reference worker's pause after a WAIT
-FIRST_PAUSE_S = 0.5      # the first pause between reconnects; doubles to worker.retry_max_s
+WAIT_S = 0.1  # the reference worker's pause after a WAIT
+FIRST_PAUSE_S = 0.5  # the first pause between reconnects; doubles to worker.retry_max_s
 CONNECT_TIMEOUT_S = 10.0
 
 
@@ -71,6 +83,7 @@ class CoordinatorAway(Exception):
 @dataclass
 class Training:
     """What a worker trains once it knows the config: the data and a model replica."""
+
     cfg: Config
     trainer: Trainer
     tokens: np.ndarray
@@ -85,9 +98,17 @@ class Worker:
     log: called with each line of text the worker reports.
     """
 
-    def __init__(self, host: str, port: int, cfg: Config | None, data_dir: str | Path = ".",
-                 backend: str = "auto", threads: int | None = None, log=print,
-                 secret: bytes | None = None):
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        cfg: Config | None,
+        data_dir: str | Path = ".",
+        backend: str = "auto",
+        threads: int | None = None,
+        log=print,
+        secret: bytes | None = None,
+    ):
         self.host, self.port = host, port
         self.address = f"{host}:{port}"
         self.cfg = cfg
@@ -99,7 +120,7 @@ class Worker:
         self.last_updates = 0
         self.chunks_done = 0
         self._pause = FIRST_PAUSE_S  # before the next reconnect
-        self._heard = False          # has this connection delivered a frame yet?
+        self._heard = False  # has this connection delivered a frame yet?
         if cfg is not None:
             self._prepare(cfg)
 
@@ -121,8 +142,10 @@ class Worker:
             raise WorkerError(str(e)) from None
         self.cfg = cfg
         self.training = Training(cfg, Trainer(backend), tokens, pieces)
-        self.log(f"[worker] {len(tokens)} tokens, backend {backend.name}, "
-                 f"config {cfg.fingerprint().hex()}")
+        self.log(
+            f"[worker] {len(tokens)} tokens, backend {backend.name}, "
+            f"config {cfg.fingerprint().hex()}"
+        )
 
     @property
     def step(self) -> int:
@@ -163,8 +186,9 @@ class Worker:
                 # A lookup can fail for a moment (a DNS server restarting), a typo forever.
                 unresolved += 1
                 if unresolved >= self.settings.resolve_tries:
-                    raise WorkerError(f"cannot resolve host {self.host!r}: "
-                                      f"{e.strerror or e} ({unresolved} tries)") from None
+                    raise WorkerError(
+                        f"cannot resolve host {self.host!r}: {e.strerror or e} ({unresolved} tries)"
+                    ) from None
                 self._retry_later(f"cannot resolve host {self.host!r} ({e.strerror or e})")
                 continue
             except OSError as e:  # refused or unreachable: the coordinator may not be up yet
@@ -247,19 +271,24 @@ class Worker:
         message = self._receive(sock, hint)
         if isinstance(message, Challenge):
             if self.secret is None:
-                raise WorkerError(f"the coordinator requires a shared secret: set "
-                                  f"{auth.SECRET_ENV} or {auth.SECRET_FILE_ENV}")
+                raise WorkerError(
+                    f"the coordinator requires a shared secret: set "
+                    f"{auth.SECRET_ENV} or {auth.SECRET_FILE_ENV}"
+                )
             if not auth.verify(self.secret, "coordinator", ours, message.nonce, message.proof):
-                raise WorkerError("the coordinator proved a different shared secret: "
-                                  f"{auth.SECRET_ENV} differs between it and this worker")
+                raise WorkerError(
+                    "the coordinator proved a different shared secret: "
+                    f"{auth.SECRET_ENV} differs between it and this worker"
+                )
             self._send(sock, Auth(auth.proof(self.secret, "worker", ours, message.nonce)).encode())
             message = self._receive(sock)
             if isinstance(message, Challenge):
                 raise ProtocolError("a second CHALLENGE")
         elif self.secret is not None:
             # Anyone can claim to be the coordinator; only one that knows the secret is.
-            raise WorkerError("the coordinator did not prove the shared secret; is "
-                              f"{auth.SECRET_ENV} set there?")
+            raise WorkerError(
+                f"the coordinator did not prove the shared secret; is {auth.SECRET_ENV} set there?"
+            )
 
         if isinstance(message, HelloReply):
             self._adopt(message)
@@ -276,12 +305,15 @@ class Worker:
         try:
             theirs = Config.from_json(reply.config_json)
         except ConfigError as e:
-            raise WorkerError(f"the coordinator sent a config we cannot use: "
-                              f"{printable(str(e))}") from None
+            raise WorkerError(
+                f"the coordinator sent a config we cannot use: {printable(str(e))}"
+            ) from None
         if theirs.fingerprint() != reply.fingerprint:
-            raise WorkerError(f"the coordinator's fingerprint {reply.fingerprint.hex()} is not "
-                              f"that of its config ({theirs.fingerprint().hex()}): another "
-                              "deggs version?")
+            raise WorkerError(
+                f"the coordinator's fingerprint {reply.fingerprint.hex()} is not "
+                f"that of its config ({theirs.fingerprint().hex()}): another "
+                "deggs version?"
+            )
         if self.cfg is None:
             self.log("[worker] using the coordinator's config")
             self._prepare(theirs)
@@ -318,9 +350,11 @@ class Worker:
         try:
             item = protocol.recv_frame(sock, self._limits(), w.reply_timeout_s, w.frame_timeout_s)
         except TimeoutError as e:
-            raise TimeoutError(f"no complete message from the coordinator in time ({e}; "
-                               f"worker.reply_timeout_s = {w.reply_timeout_s:g}, "
-                               f"frame_timeout_s = {w.frame_timeout_s:g}){hint}") from None
+            raise TimeoutError(
+                f"no complete message from the coordinator in time ({e}; "
+                f"worker.reply_timeout_s = {w.reply_timeout_s:g}, "
+                f"frame_timeout_s = {w.frame_timeout_s:g}){hint}"
+            ) from None
         except NotOurProtocol as e:
             if first:  # later, it is more likely a corrupted stream
                 raise WorkerError(f"{self.address} is not a d-eggs coordinator: {e}") from None
@@ -332,8 +366,9 @@ class Worker:
     def _goodbye(self, goodbye: Goodbye):
         reason = goodbye.reason
         if reason.permanent:  # the CLI prints the error on one line: newlines escaped too
-            raise WorkerError(f"the coordinator refused this worker ({reason.name}): "
-                              f"{printable(goodbye.text)}")
+            raise WorkerError(
+                f"the coordinator refused this worker ({reason.name}): {printable(goodbye.text)}"
+            )
         self._show(f"[coordinator] {reason.name}:", goodbye.text)
         if reason == Reason.FINISHED:
             raise Finished(goodbye.text)
@@ -356,18 +391,24 @@ class Worker:
         if job.is_wait:
             return "wait"
         if self.step > 0 and job == JobResponse(0, 0, 0):
-            raise WorkerError(f"the coordinator no longer has the history this worker needs "
-                              f"to catch up from step {self.step} (a reference coordinator "
-                              "restarted?)")
+            raise WorkerError(
+                f"the coordinator no longer has the history this worker needs "
+                f"to catch up from step {self.step} (a reference coordinator "
+                "restarted?)"
+            )
         if job.last_step < self.step:
-            raise WorkerError(f"the coordinator is behind this worker: it hands out step "
-                              f"{job.last_step}, the worker is at step {self.step} (restarted "
-                              "without --load-dir?)")
+            raise WorkerError(
+                f"the coordinator is behind this worker: it hands out step "
+                f"{job.last_step}, the worker is at step {self.step} (restarted "
+                "without --load-dir?)"
+            )
         settings = self._ready().cfg.training
         c, population = settings.chunk_size, settings.population_size
         if job.last_step > self.step or job.data_position % c or job.data_position >= population:
-            raise ProtocolError(f"bad job: step {job.last_step}, position {job.data_position} "
-                                f"(we are at step {self.step})")
+            raise ProtocolError(
+                f"bad job: step {job.last_step}, position {job.data_position} "
+                f"(we are at step {self.step})"
+            )
         return "chunk"
 
     def _do_job(self, sock: socket.socket, job: JobResponse):
@@ -387,8 +428,10 @@ class Worker:
             raise ProtocolError(f"bad fitness for step {self.step}: {e}") from None
         started = time.perf_counter()
         self.last_updates = training.trainer.apply(fitness)
-        self.log(f"[worker] updated to step {self.step}: {self.last_updates} weights changed "
-                 f"({time.perf_counter() - started:.2f} s)")
+        self.log(
+            f"[worker] updated to step {self.step}: {self.last_updates} weights changed "
+            f"({time.perf_counter() - started:.2f} s)"
+        )
 
     def _run_chunk(self, sock: socket.socket, response: JobResponse):
         training = self._ready()
@@ -400,13 +443,19 @@ class Worker:
             self._send(sock, LogMessage(self.generation_text()).encode())
         started = time.perf_counter()
         result = trainer.score_chunk(training.tokens, chunk)
-        self._send(sock, Result(trainer.seed, trainer.step, start, self.last_updates,
-                                result.sum_loss, result.packed).encode())
+        self._send(
+            sock,
+            Result(
+                trainer.seed, trainer.step, start, self.last_updates, result.sum_loss, result.packed
+            ).encode(),
+        )
         self.last_updates = 0  # counted once, with the first chunk after the update
         self.chunks_done += 1
         seconds = time.perf_counter() - started
-        self.log(f"[worker] step {trainer.step} chunk {chunk}: {seconds:.2f} s, "
-                 f"{c * cfg.model.seq_len / seconds:,.0f} member-tokens/s")
+        self.log(
+            f"[worker] step {trainer.step} chunk {chunk}: {seconds:.2f} s, "
+            f"{c * cfg.model.seq_len / seconds:,.0f} member-tokens/s"
+        )
 
     def generation_text(self) -> str:
         """A sample of the model, in plain text: the coordinator escapes control
@@ -416,6 +465,8 @@ class Worker:
         prompt = prompt_window(cfg, training.tokens, trainer.step)
         tokens = trainer.sample(prompt)
         n = len(prompt)
-        return (f"--- GENERATION at step {trainer.step} ---\n"
-                f"{detokenize(tokens[:n], cfg, training.pieces)} >>> "
-                f"{detokenize(tokens[n:], cfg, training.pieces)}\n")
+        return (
+            f"--- GENERATION at step {trainer.step} ---\n"
+            f"{detokenize(tokens[:n], cfg, training.pieces)} >>> "
+            f"{detokenize(tokens[n:], cfg, training.pieces)}\n"
+        )
