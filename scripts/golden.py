@@ -95,9 +95,10 @@ def golden_steps(golden) -> list[int]:
 
 
 def find(name: str) -> Path | None:
-    """NAME.npz: $DEGGS_GOLDEN, ../shared/golden (complete) or tests/golden (trimmed)."""
+    """NAME.npz in $DEGGS_GOLDEN (DEGGS_GOLDEN=../shared/golden for the complete files),
+    else the trimmed copies in tests/golden, so the tests check what a clone carries."""
     dirs = [Path(os.environ["DEGGS_GOLDEN"])] if os.environ.get("DEGGS_GOLDEN") else []
-    for d in dirs + [SHARED, VENDORED]:
+    for d in dirs + [VENDORED]:
         if (d / f"{name}.npz").exists():
             return d / f"{name}.npz"
     return None

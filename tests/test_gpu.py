@@ -1,20 +1,16 @@
-"""The GPU backend against the CPU backend and the golden vectors (skipped without a GPU)."""
+"""The GPU backend against the CPU backend and the golden vectors.
 
-import importlib.util
-from pathlib import Path
+Every test is marked requires_gpu: conftest.py skips them without CuPy and a CUDA device
+(fails them instead under DEGGS_REQUIRE_GPU=1). The module imports without CuPy.
+"""
 
 import numpy as np
 import pytest
 
 from deggs.numerics.cpu import CpuBackend
 from deggs.config import Config
-from deggs.numerics.gpu import gpu_available
 
-pytestmark = pytest.mark.skipif(not gpu_available(), reason="needs CuPy and a CUDA device")
-
-ROOT = Path(__file__).resolve().parents[1]
-GOLDEN = next((p for p in (ROOT.parent / "shared" / "golden", ROOT / "golden")
-               if (p / "tiny_bytes.npz").exists()), None)
+pytestmark = pytest.mark.requires_gpu
 
 
 def small_config(rng, **switches):
@@ -126,15 +122,10 @@ def test_update_graph_is_captured():
     assert gpu.graph is not None, gpu.graph_error
 
 
-@pytest.mark.skipif(GOLDEN is None, reason="golden vectors not found")
 @pytest.mark.parametrize("name", ["tiny_bytes", "tiny_tok", "tiny_variant"])
-def test_conformance_on_gpu(name, capsys):
-    spec = importlib.util.spec_from_file_location("conformance", ROOT / "scripts" / "conformance.py")
-    conformance = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(conformance)
-    decoding = GOLDEN / f"{name}.decoding.bin"
-    ok = conformance.run(GOLDEN / f"{name}.npz", GOLDEN / f"{name}.input.bin",
-                         decoding if decoding.exists() else None, backend="gpu")
+def test_conformance_on_gpu(name, golden_path, golden_decoding, conformance, capsys):
+    path = golden_path(name)
+    ok = conformance.run(path, golden_decoding(path), backend="gpu")
     out = capsys.readouterr().out
     assert ok, out
     assert out.count("step ") == 8 and "MISMATCH" not in out
