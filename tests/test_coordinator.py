@@ -19,11 +19,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from sync import async_wait_until
 
 from deggs.runtime import checkpoint as ckpt
 from deggs.config import Config, ConfigError
 from deggs.runtime.coordinator import Coordinator
-from deggs.numerics.noise import next_step_seed
+from deggs.seeds import next_step_seed
 from deggs.runtime import auth
 from deggs.runtime.protocol import (LogMessage, NO_FINGERPRINT, OPCODE_NAMES, WAIT, Auth, Challenge, FrameReader,
                             Goodbye, Hello, HelloReply, JobRequest, JobResponse, Reason,
@@ -154,11 +155,8 @@ class Client:
 
 async def settle(coord, step):
     """Wait until the coordinator has reached `step` (results are handled asynchronously)."""
-    for _ in range(500):
-        if coord.state.step >= step:
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"stuck at step {coord.state.step}, wanted {step}")
+    await async_wait_until(lambda: coord.state.step >= step, 10,
+                           lambda: f"step {step} (stuck at step {coord.state.step})")
 
 
 async def train_step(client, step, last=False):
@@ -171,9 +169,11 @@ async def train_step(client, step, last=False):
         await client.result(job)
     if last:
         return
+    deadline = time.monotonic() + 10
     while not (update := await client.request(step)).data:
         assert update.data_position == WAIT
-        await asyncio.sleep(0.005)
+        assert time.monotonic() < deadline, f"step {step} still not durable (WAIT) after 10 s"
+        await asyncio.sleep(0.005)  # WAIT means "ask again": a poll interval, as a worker's
     assert update.last_step == step + 1 and update.data == pack_trits(step_fitness(step))
 
 
@@ -270,12 +270,14 @@ def test_duplicate_results_are_ignored_but_counted(info_logs):
             job = await a.request(0)
             await a.result(job, sum_loss=5, updates=3)
             await a.result(job, fitness=-chunk_fitness(0, 0), sum_loss=500, updates=11)
-            await asyncio.sleep(0.05)
+            # Frames of a connection are handled in order: this reply means both RESULTs were.
+            second = await a.request(0)
             s = coord.state
             assert s.sum_loss == 5 and s.transmissions == 2
             assert (s.updates_total, s.updates_min, s.updates_max) == (14, 3, 11)
             np.testing.assert_array_equal(s.fitness()[:PAIRS], chunk_fitness(0, 0))
-            for _ in range(3):
+            await a.result(second)
+            for _ in range(2):
                 await a.result(await a.request(0))
             await settle(coord, 1)
             assert coord.history[0] == pack_trits(step_fitness(0))
@@ -290,10 +292,12 @@ def test_results_for_another_step_are_ignored():
             job = await a.request(0)
             stale = JobResponse(seed_of(3), 3, 0)
             await a.result(stale, fitness=np.ones(PAIRS, np.int32))
-            await asyncio.sleep(0.05)
+            # Frames of a connection are handled in order: this reply means the stale RESULT was.
+            second = await a.request(0)
             assert coord.state.n_done == 0 and coord.state.transmissions == 0
             await a.result(job)  # the connection is still served
-            for _ in range(3):
+            await a.result(second)
+            for _ in range(2):
                 await a.result(await a.request(0))
             await settle(coord, 1)
             assert coord.history[0] == pack_trits(step_fitness(0))
@@ -575,11 +579,8 @@ def test_a_coordinators_proof_does_not_pass_as_a_workers():
 
 
 async def settle_chunks(coord, n):
-    for _ in range(500):
-        if coord.state.n_done >= n:
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"{coord.state.n_done} chunks done, wanted {n}")
+    await async_wait_until(lambda: coord.state.n_done >= n, 10,
+                           lambda: f"{n} chunks done (only {coord.state.n_done})")
 
 
 # --- checkpoints and restart -----------------------------------------------------------
@@ -832,6 +833,9 @@ QUICK = SMALL.replace(coordinator={"handshake_timeout_s": 0.5, "frame_timeout_s"
 def test_stalled_and_silent_connections_are_closed_within_their_deadlines(info_logs):
     async def go():
         async with coordinator(QUICK) as coord:
+            busy = await Client.connect(coord)  # a worker silent after its handshake stays
+            await busy.hello()
+            job = await busy.request(0)
             started = time.monotonic()
             silent = await Client.connect(coord)  # connects and says nothing
             half_header = await Client.connect(coord)
@@ -842,10 +846,8 @@ def test_stalled_and_silent_connections_are_closed_within_their_deadlines(info_l
             for client in (silent, half_header, trickle):
                 assert await client.closed(timeout=3)
             assert time.monotonic() - started < 3
-            busy = await Client.connect(coord)  # a worker silent after its handshake stays
-            await busy.hello()
-            job = await busy.request(0)
-            await asyncio.sleep(1.2)  # longer than both deadlines
+            # busy has been silent since before those three connected, so longer than both
+            # deadlines: the sweep that closed them looked at busy too, and left it open.
             await busy.result(job)
             assert (await busy.request(0)).data_position == CHUNK
     run(go())
@@ -863,7 +865,7 @@ def test_a_peer_dripping_bytes_cannot_stretch_a_frame():
             with contextlib.suppress(ConnectionError):
                 for byte in JobRequest(SEED0, 0).encode():
                     await dripper.send(bytes([byte]))
-                    await asyncio.sleep(0.1)
+                    await asyncio.sleep(0.1)  # the delay under test, not a wait for anything
             assert await dripper.closed(timeout=3)
             assert time.monotonic() - started < 2
     run(go())
@@ -891,10 +893,9 @@ def test_chunk_of_a_departed_worker_is_handed_out_at_once(info_logs):
             leaver, stayer = await Client.connect(coord), await Client.connect(coord)
             assert (await leaver.request(0)).data_position == 0
             await leaver.close()
-            for _ in range(100):  # the coordinator sees the close at its next read
-                if coord.state.pending[0] == 0:
-                    break
-                await asyncio.sleep(0.01)
+            # the coordinator sees the close at its next read, and requeues the chunk first
+            await async_wait_until(lambda: coord.state.pending and coord.state.pending[0] == 0,
+                                   5, "chunk 0 back at the head of the queue")
             assert (await stayer.request(0)).data_position == 0
     run(go())
     assert any("chunk 0 of step 0 back in the queue" in r.getMessage() for r in info_logs.records)
@@ -914,12 +915,11 @@ def test_a_peer_that_does_not_read_its_replies_is_bounded_and_closed():
                 for _ in range(2000):  # 80 MB of replies if they were all queued
                     hog.writer.write(request)
                 await asyncio.wait_for(hog.writer.drain(), 5)
-            for _ in range(300):  # it stops reading the hog, and closes it after the deadline
+            def hog_gone():  # it stops reading the hog, and closes it after the deadline
                 queued = [p.transport.get_write_buffer_size() for p in coord.peers]
                 assert all(size <= 2 * (1 << 16) + 40_100 for size in queued), queued
-                if not queued:
-                    break
-                await asyncio.sleep(0.01)
+                return not queued
+            await async_wait_until(hog_gone, 5, "the coordinator to close the hog")
             assert not coord.peers
     run(go())
 
@@ -927,10 +927,11 @@ def test_a_peer_that_does_not_read_its_replies_is_bounded_and_closed():
 # --- durability ----------------------------------------------------------------------------
 
 def test_no_catch_up_and_no_next_step_before_the_checkpoint_is_durable(tmp_path, monkeypatch):
-    release = threading.Event()
+    release, committing = threading.Event(), threading.Event()
     real_commit = ckpt.commit_step
 
     def slow_commit(*args):
+        committing.set()
         assert release.wait(10)
         real_commit(*args)
     monkeypatch.setattr(ckpt, "commit_step", slow_commit)
@@ -939,10 +940,10 @@ def test_no_catch_up_and_no_next_step_before_the_checkpoint_is_durable(tmp_path,
         async with coordinator(save_dir=tmp_path) as coord:
             a, late = await Client.connect(coord), await Client.connect(coord)
             await train_step(a, 0, last=True)
+            await async_wait_until(committing.is_set, 5, "the checkpoint write to begin")
             for _ in range(5):  # while the fsync is pending: WAIT, no update
                 reply = await a.request(0)
                 assert reply.data_position == WAIT and reply.data == b""
-                await asyncio.sleep(0.02)
             assert not ckpt.list_checkpoints(tmp_path) and coord.state.step == 0
             release.set()
             await settle(coord, 1)

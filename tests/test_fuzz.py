@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from sync import async_wait_until
 
 from deggs.runtime import protocol
 from deggs.runtime.checkpoint import Checkpoint, CheckpointError, decode_checkpoint, encode_checkpoint
@@ -806,7 +807,7 @@ async def play(port: int, script: Script, coord) -> Outcome:
             except ConnectionError:
                 break
             if script.drip:
-                await asyncio.sleep(DRIP_S)
+                await asyncio.sleep(DRIP_S)  # the slow peer under test, not a wait for anything
         if script.ending in ("half_close", "await_close"):
             if script.ending == "half_close" and not drained.done():
                 with contextlib.suppress(OSError):
@@ -867,11 +868,7 @@ async def barrage(coord, seed: int, step: int, n_connections: int, parallel: int
 
 
 async def until(condition, what: str, timeout: float = 10.0):
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.01)
+    await async_wait_until(condition, timeout, what)
 
 
 async def finish_step(client: Client, coord, step: int, held: list) -> None:
@@ -887,8 +884,9 @@ async def finish_step(client: Client, coord, step: int, held: list) -> None:
         await client.result(job)
     deadline = time.monotonic() + 10
     while not (update := await client.request(step)).data:  # WAIT while the step is sealed
-        assert update.data_position == protocol.WAIT and time.monotonic() < deadline
-        await asyncio.sleep(0.005)
+        assert update.data_position == protocol.WAIT, update
+        assert time.monotonic() < deadline, f"step {step} still not sealed (WAIT) after 10 s"
+        await asyncio.sleep(0.005)  # WAIT means "ask again": a poll interval, as a worker's
     assert update.last_step == step + 1 and update.data == pack_trits(step_fitness(step))
     await until(lambda: coord.state.step == step + 1, f"step {step + 1}")
     assert coord.history[step] == pack_trits(step_fitness(step))

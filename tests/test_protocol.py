@@ -202,7 +202,7 @@ def test_recv_frame_deadlines_are_per_frame_not_per_read():
                     a.send(bytes([byte]))
                 except OSError:
                     return
-                time.sleep(0.05)
+                time.sleep(0.05)  # the slow peer under test, not a wait for anything
         threading.Thread(target=drip, daemon=True).start()
         started = time.monotonic()
         with pytest.raises(TimeoutError, match="took too long"):

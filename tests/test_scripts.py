@@ -1,14 +1,17 @@
 """run-workers.sh and the small command-line tools."""
 
+import contextlib
 import os
+import queue
 import signal
 import subprocess
 import sys
-import time
+import threading
 from pathlib import Path
 
 import numpy as np
 import pytest
+from sync import wait_until
 
 from deggs.config import Config
 from deggs.data import DataError, load_decoding, load_tokens, save_decoding
@@ -18,15 +21,42 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_run_workers_starts_one_worker_per_gpu_and_stops_them(tmp_path):
     fake = tmp_path / "fake-worker"
-    fake.write_text('#!/usr/bin/env bash\necho "gpu=$CUDA_VISIBLE_DEVICES args=$*"\n'
-                    'trap "echo stopped; exit 0" TERM\nwhile true; do sleep 0.1; done\n')
+    # It says it is up once its TERM trap is set; then it runs until it is stopped (the
+    # `sleep 0.1` is its idle loop, which lets the trap run within 0.1 s of a TERM).
+    fake.write_text('#!/usr/bin/env bash\ntrap "echo stopped; exit 0" TERM\n'
+                    'echo "gpu=$CUDA_VISIBLE_DEVICES args=$*"\nwhile true; do sleep 0.1; done\n')
     fake.chmod(0o755)
     env = {**os.environ, "DEGGS_WORKER": str(fake)}
     proc = subprocess.Popen(["bash", ROOT / "run-workers.sh", "10.0.0.7", "3", "--", "--port", "999"],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    time.sleep(1.5)
-    proc.send_signal(signal.SIGINT)
-    out, _ = proc.communicate(timeout=20)
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)  # a group of its own, to clean up on failure
+    lines: queue.Queue = queue.Queue()
+
+    def pump():
+        for line in proc.stdout:
+            lines.put(line)
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+    seen = []
+
+    def all_up():  # every worker has said it is up (and has its trap), and the script too
+        while not lines.empty():
+            seen.append(lines.get())
+        return (sum("] gpu=" in line for line in seen) == 3
+                and any(line.startswith("started 3 workers") for line in seen))
+    try:
+        wait_until(all_up, 20, lambda: f"3 workers up; output so far: {seen}")
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=20)
+        reader.join(timeout=20)  # to the end of the output: its sed stages may outlive it
+        assert not reader.is_alive(), "run-workers.sh's output never ended"
+    except BaseException:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # no fake worker outlives a failed test
+        raise
+    while not lines.empty():
+        seen.append(lines.get())
+    out = "".join(seen)
     for gpu in range(3):
         assert f"[gpu {gpu}] gpu={gpu} args=10.0.0.7 --port 999" in out
     assert out.count("stopped") == 3

@@ -104,27 +104,10 @@ def _load_cublas():
     lib.cublasCreate_v2.argtypes = [ctypes.POINTER(c_void)]
     lib.cublasSetStream_v2.argtypes = [c_void, c_void]
     lib.cublasSetWorkspace_v2.argtypes = [c_void, c_void, ctypes.c_size_t]
-    lib.cublasGemmEx.argtypes = [
-        c_void,
-        c_int,
-        c_int,
-        c_int,
-        c_int,
-        c_int,
-        c_void,
-        c_void,
-        c_int,
-        c_int,
-        c_void,
-        c_int,
-        c_int,
-        c_void,
-        c_void,
-        c_int,
-        c_int,
-        c_int,
-        c_int,
-    ]
+    # handle, transa, transb, m, n, k, alpha, A, Atype, lda, B, Btype, ldb, beta, C, Ctype,
+    # ldc, computeType, algo: p a pointer, i an int
+    kinds = {"p": c_void, "i": c_int}
+    lib.cublasGemmEx.argtypes = [kinds[k] for k in "piiiiippiipiippiiii"]
     return lib
 
 
