@@ -44,25 +44,35 @@ def median_time(fn, runs):
 def device_name(backend):
     if backend == "gpu":
         import cupy as cp
+
         return cp.cuda.runtime.getDeviceProperties(0)["name"].decode()
     return f"{platform.machine()} CPU, {os.cpu_count()} cores"
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False))
-@click.option("--golden", type=click.Path(exists=True, dir_okay=False),
-              help="take the config of a golden .npz instead")
+@click.option(
+    "--golden",
+    type=click.Path(exists=True, dir_okay=False),
+    help="take the config of a golden .npz instead",
+)
 @click.option("--backend", type=click.Choice(sorted(BACKENDS)), default="cpu", show_default=True)
 @click.option("--members", type=click.IntRange(min=2), help="members per timed forward run")
 @click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True)
 @click.option("--updates", type=click.IntRange(min=0), default=1, show_default=True)
-@click.option("--steps", type=click.IntRange(min=0), default=0, show_default=True,
-              help="whole steps to time (0: project from the forward and the update)")
+@click.option(
+    "--steps",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="whole steps to time (0: project from the forward and the update)",
+)
 @click.option("--batch", type=click.IntRange(min=2), help="GPU: members per forward sub-batch")
 @click.option("--profile", is_flag=True, help="GPU: also time each kernel of one forward run")
 def main(config_path, golden, backend, members, repeats, updates, steps, batch, profile):
     if golden:
         from golden import golden_config
+
         cfg = golden_config(np.load(golden))
     else:
         cfg = load_config(config_path)
@@ -70,6 +80,7 @@ def main(config_path, golden, backend, members, repeats, updates, steps, batch, 
     start = time.perf_counter()
     if backend == "gpu":
         from deggs.numerics.gpu import GpuBackend
+
         engine = GpuBackend(cfg, batch=batch)
     else:
         engine = CpuBackend(cfg)
@@ -86,17 +97,30 @@ def main(config_path, golden, backend, members, repeats, updates, steps, batch, 
     if updates or steps:
         engine.update(fitness(), 0, seed)
     forward_s, forward_runs = median_time(
-        lambda i: engine.losses(data, 1 + i, seed + i, batch_members), repeats)
+        lambda i: engine.losses(data, 1 + i, seed + i, batch_members), repeats
+    )
     record = {
-        "date": time.strftime("%Y-%m-%d"), "backend": backend, "device": device_name(backend),
-        "config": {"hidden": m.hidden_dim, "layers": m.n_layers, "seq": m.seq_len,
-                   "vocab": m.vocab_size, "population": t.population_size, "chunk": t.chunk_size},
-        "init_s": round(init_s, 3), "members": n,
-        "forward_s": round(forward_s, 4), "forward_runs": [round(x, 4) for x in forward_runs],
+        "date": time.strftime("%Y-%m-%d"),
+        "backend": backend,
+        "device": device_name(backend),
+        "config": {
+            "hidden": m.hidden_dim,
+            "layers": m.n_layers,
+            "seq": m.seq_len,
+            "vocab": m.vocab_size,
+            "population": t.population_size,
+            "chunk": t.chunk_size,
+        },
+        "init_s": round(init_s, 3),
+        "members": n,
+        "forward_s": round(forward_s, 4),
+        "forward_runs": [round(x, 4) for x in forward_runs],
         "member_tokens_per_s": round(n * m.seq_len / forward_s),
     }
     if updates:
-        update_s, update_runs = median_time(lambda i: engine.update(fitness(), 1 + i, seed + i), updates)
+        update_s, update_runs = median_time(
+            lambda i: engine.update(fitness(), 1 + i, seed + i), updates
+        )
         record.update(update_s=round(update_s, 4), update_runs=[round(x, 4) for x in update_runs])
 
     def whole_step(i):
@@ -108,9 +132,13 @@ def main(config_path, golden, backend, members, repeats, updates, steps, batch, 
     else:
         step_s = t.population_size / n * forward_s + record.get("update_s", 0.0)
         record["extrapolated"] = True
-    record.update(step_s=round(step_s, 4), tokens_per_s=round(t.population_size * m.seq_len / step_s))
+    record.update(
+        step_s=round(step_s, 4), tokens_per_s=round(t.population_size * m.seq_len / step_s)
+    )
     if backend == "gpu":
-        record.update(batch=engine.batch, graph=engine.graph is not None, graph_error=engine.graph_error)
+        record.update(
+            batch=engine.batch, graph=engine.graph is not None, graph_error=engine.graph_error
+        )
         if profile:
             engine.profile = {}
             engine.losses(data, 2, seed, batch_members)

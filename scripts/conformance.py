@@ -96,7 +96,7 @@ def compare_chunks(report, cfg, golden, step, chunks, tolerant=False):
     shift = (losses - theirs).reshape(-1, c).sum(1)
     sums = np.array([r.sum_loss for r in chunks])
     report.check("sum_loss", np.array_equal(sums, golden[f"{g}/sum_loss"] + shift))
-    if np.array_equal(fitness[:c // 2], golden[f"{g}/fitness"][:c // 2]):
+    if np.array_equal(fitness[: c // 2], golden[f"{g}/fitness"][: c // 2]):
         report.check("packed", chunks[0].packed == golden[f"{g}/packed_chunk0"].tobytes())
     else:
         report.note("packed not compared (chunk 0's fitness differs)")
@@ -106,8 +106,9 @@ def compare_chunks(report, cfg, golden, step, chunks, tolerant=False):
 def compare_init(report, backend, golden):
     """Our initial weights against the reference's (before any step)."""
     if "model_init/embedding" in golden.files:
-        bad = [k for k, v in backend.params.items()
-               if not np.array_equal(v, golden[f"model_init/{k}"])]
+        bad = [
+            k for k, v in backend.params.items() if not np.array_equal(v, golden[f"model_init/{k}"])
+        ]
         report.check("init", not bad, ",".join(bad))
 
 
@@ -115,12 +116,17 @@ def compare_after(report, backend, golden, after):
     a = f"after{after}"
     bad = [k for k, v in backend.params.items() if not np.array_equal(v, golden[f"{a}/model/{k}"])]
     report.check("weights", not bad, ",".join(bad))
-    bad = [k for k, v in backend.overlays.items() if not np.array_equal(v, golden[f"{a}/scales/{k}"])]
+    bad = [
+        k for k, v in backend.overlays.items() if not np.array_equal(v, golden[f"{a}/scales/{k}"])
+    ]
     report.check("overlays", not bad, ",".join(bad))
     state = backend.state
-    moments = [(f"{n}/{k}", v, golden[f"{a}/adam_{n}/{k}"])
-               for n, d in (("m", state.m), ("v", state.v), ("acc", state.acc))
-               for k, v in d.items() if f"{a}/adam_{n}/{k}" in golden.files]
+    moments = [
+        (f"{n}/{k}", v, golden[f"{a}/adam_{n}/{k}"])
+        for n, d in (("m", state.m), ("v", state.v), ("acc", state.acc))
+        for k, v in d.items()
+        if f"{a}/adam_{n}/{k}" in golden.files
+    ]
     if moments:  # the trimmed copies keep some parameters' optimizer state
         bad = [name for name, ours, theirs in moments if not np.array_equal(ours, theirs)]
         report.check("adam", not bad, f"{len(moments)} arrays " + ",".join(bad[:4]))
@@ -152,9 +158,13 @@ def run_full(trainer, golden, data, steps, tolerant, decoding):
             if tolerant:  # our fitness may differ where the reference raced: use its own
                 fitness = golden[f"after{step + 1}/fitness_used"]
             else:
-                report.check("fitness_used", np.array_equal(fitness, golden[f"after{step + 1}/fitness_used"]))
+                report.check(
+                    "fitness_used", np.array_equal(fitness, golden[f"after{step + 1}/fitness_used"])
+                )
             updates = trainer.apply(fitness)
-            report.check("updates", updates == int(golden[f"after{step + 1}/updates"][0]), str(updates))
+            report.check(
+                "updates", updates == int(golden[f"after{step + 1}/updates"][0]), str(updates)
+            )
             if f"after{step + 1}/model/embedding" in golden.files:
                 compare_after(report, trainer.backend, golden, step + 1)
         print(report.line(), flush=True)
@@ -175,16 +185,25 @@ def run_slice(trainer, golden, data, steps, tolerant, members_per_chunk, size, d
             compare_init(report, backend, golden)
             compare_generation(report, trainer, golden, data, decoding)
             if members_per_chunk:
-                pick = (np.arange(cfg.training.n_chunks)[:, None] * c
-                        + np.arange(min(members_per_chunk, c))[None, :]).ravel()
+                pick = (
+                    np.arange(cfg.training.n_chunks)[:, None] * c
+                    + np.arange(min(members_per_chunk, c))[None, :]
+                ).ravel()
                 losses = backend.losses(data, step, seed, pick)
                 compare_losses(report, losses, golden[f"step{step}/losses"][pick], tolerant)
         else:
             report.note("forward skipped (needs the whole update)")
         theirs = golden[f"step{step}/losses"]
-        compare_chunks(report, cfg, golden, step,
-                       [chunk_result(cfg, i, theirs[i * c:(i + 1) * c])
-                        for i in range(cfg.training.n_chunks)])
+        compare_chunks(
+            report,
+            cfg,
+            golden,
+            step,
+            [
+                chunk_result(cfg, i, theirs[i * c : (i + 1) * c])
+                for i in range(cfg.training.n_chunks)
+            ],
+        )
         if size and f"after{step + 1}/model/embedding" in golden.files:
             sliced_update(report, cfg, backend, golden, step, seed, size, known)
         print(report.line(), flush=True)
@@ -205,15 +224,19 @@ def sliced_update(report, cfg, backend, golden, step, seed, size, known):
         rows = np.arange(min(size, w.shape[0]))
         cols = np.arange(min(size, w.shape[1])) if matrix else None
         region = np.ix_(rows, cols) if matrix else (rows,)
-        changed = update_region(cfg, backend.params, backend.state, s, fitness, step, seed, rows, cols)
+        changed = update_region(
+            cfg, backend.params, backend.state, s, fitness, step, seed, rows, cols
+        )
         changes += int(changed.sum())
         # (trimmed golden files keep only the slice's corner of each parameter)
         if not np.array_equal(w[region], golden[f"{a}/model/{s.name}"][sel][region]):
             bad_w.append(s.name if s.layer is None else f"{s.name}[{s.layer}]")
         overlays = s.param.overlays
         if matrix:  # (overlay, its entries in the slice, their counts, slice spans them)
-            overlay_counts += [(overlays[0], sel, rows, changed.sum(1), len(cols) == w.shape[1]),
-                               (overlays[1], sel, cols, changed.sum(0), len(rows) == w.shape[0])]
+            overlay_counts += [
+                (overlays[0], sel, rows, changed.sum(1), len(cols) == w.shape[1]),
+                (overlays[1], sel, cols, changed.sum(0), len(rows) == w.shape[0]),
+            ]
         else:
             overlay_counts.append((overlays[0], sel, rows, changed, True))
     report.check("slice weights", not bad_w, ",".join(bad_w[:4]))
@@ -234,11 +257,15 @@ def sliced_update(report, cfg, backend, golden, step, seed, size, known):
         mask &= decided
         current[...] = expected
         stored = golden[f"{a}/scales/{name}"][sel]  # trimmed copies: the first entries
-        seen = mask[:len(stored)]
+        seen = mask[: len(stored)]
         checked += int(seen.sum())
-        if not np.array_equal(current[:len(stored)][seen], stored[seen]):
+        if not np.array_equal(current[: len(stored)][seen], stored[seen]):
             bad_ov.append(name)
-    report.check("overlays", not bad_ov, f"{checked} entries" + (" " + ",".join(bad_ov[:4]) if bad_ov else ""))
+    report.check(
+        "overlays",
+        not bad_ov,
+        f"{checked} entries" + (" " + ",".join(bad_ov[:4]) if bad_ov else ""),
+    )
     report.note(f"slice {size}: {changes} changes")
 
 
@@ -252,46 +279,75 @@ def text_of(path, cfg):
     return lambda tokens: detokenize(tokens, cfg, pieces)
 
 
-def run(golden_path, decoding_path=None, steps=None, backend="cpu", members=None,
-        update_slice=None, tolerant=None, input_path=None) -> bool:
+def run(
+    golden_path,
+    decoding_path=None,
+    steps=None,
+    backend="cpu",
+    members=None,
+    update_slice=None,
+    tolerant=None,
+    input_path=None,
+) -> bool:
     """Check `backend` against a golden file; prints a line per step, returns success."""
     golden_path = Path(golden_path)
     golden = np.load(golden_path)
     cfg = goldens.golden_config(golden)
-    data = (goldens.tokens(golden, golden_path, cfg) if input_path is None
-            else np.fromfile(input_path, dtype=cfg.token_dtype))
+    data = (
+        goldens.tokens(golden, golden_path, cfg)
+        if input_path is None
+        else np.fromfile(input_path, dtype=cfg.token_dtype)
+    )
     available = goldens.golden_steps(golden)
     chosen = available if steps is None else available[:steps]
     if tolerant is None:
         tolerant = cfg.model.hidden_dim >= 256
-    print(f"{golden_path.name}: hidden {cfg.model.hidden_dim}, layers {cfg.model.n_layers}, "
-          f"vocab {cfg.model.vocab_size}, population {cfg.training.population_size}, "
-          f"steps {chosen[0]}..{chosen[-1]}, backend {backend}, "
-          f"losses {'within tolerance' if tolerant else 'exact'}", flush=True)
+    print(
+        f"{golden_path.name}: hidden {cfg.model.hidden_dim}, layers {cfg.model.n_layers}, "
+        f"vocab {cfg.model.vocab_size}, population {cfg.training.population_size}, "
+        f"steps {chosen[0]}..{chosen[-1]}, backend {backend}, "
+        f"losses {'within tolerance' if tolerant else 'exact'}",
+        flush=True,
+    )
     trainer = Trainer(make_backend(cfg, backend))
     decoding = text_of(decoding_path, cfg)
     if members is None and update_slice is None:
         return run_full(trainer, golden, data, chosen, tolerant, decoding)
     if backend != "cpu":
         # the slice edits the backend's weights in place: host arrays only
-        raise click.UsageError("slice mode (--members, --update-slice) runs on the cpu backend; "
-                               "the gpu backend checks the whole config")
+        raise click.UsageError(
+            "slice mode (--members, --update-slice) runs on the cpu backend; "
+            "the gpu backend checks the whole config"
+        )
     return run_slice(trainer, golden, data, chosen, tolerant, members, update_slice, decoding)
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("golden", type=click.Path(exists=True, dir_okay=False))
-@click.option("--input", "input_path", type=click.Path(exists=True, dir_okay=False),
-              help="input.bin the golden run trained on (default: inside GOLDEN, or beside "
-                   "it as NAME.input.bin)")
-@click.option("--decoding", type=click.Path(exists=True, dir_okay=False),
-              help="decoding.bin, to print generations as text")
+@click.option(
+    "--input",
+    "input_path",
+    type=click.Path(exists=True, dir_okay=False),
+    help="input.bin the golden run trained on (default: inside GOLDEN, or beside "
+    "it as NAME.input.bin)",
+)
+@click.option(
+    "--decoding",
+    type=click.Path(exists=True, dir_okay=False),
+    help="decoding.bin, to print generations as text",
+)
 @click.option("--steps", type=click.IntRange(min=1), help="check only the first N steps")
 @click.option("--backend", type=click.Choice(sorted(BACKENDS)), default="cpu", show_default=True)
-@click.option("--members", type=click.IntRange(min=0),
-              help="slice mode: check step 0's loss of K members of each chunk")
-@click.option("--update-slice", type=click.IntRange(min=1),
-              help="slice mode: update only the first R rows/columns of each parameter")
+@click.option(
+    "--members",
+    type=click.IntRange(min=0),
+    help="slice mode: check step 0's loss of K members of each chunk",
+)
+@click.option(
+    "--update-slice",
+    type=click.IntRange(min=1),
+    help="slice mode: update only the first R rows/columns of each parameter",
+)
 def main(golden, input_path, decoding, steps, backend, members, update_slice):
     ok = run(golden, decoding, steps, backend, members, update_slice, input_path=input_path)
     print("PASS" if ok else "FAIL")

@@ -82,7 +82,8 @@ def golden_config(golden) -> Config:
     h, hd, layers, seq, vocab, chunk, population = (int(v) for v in golden["config"])
     cfg = Config().replace(
         model=dict(hidden_dim=h, head_dim=hd, n_layers=layers, seq_len=seq, vocab_size=vocab),
-        training=dict(chunk_size=chunk, population_size=population))
+        training=dict(chunk_size=chunk, population_size=population),
+    )
     if "switches" in golden.files:
         cfg = apply_switches(cfg, golden["switches"])
     return cfg
@@ -90,8 +91,11 @@ def golden_config(golden) -> Config:
 
 def golden_steps(golden) -> list[int]:
     """The steps whose member losses the file holds."""
-    return sorted(int(k[4:].split("/")[0]) for k in golden.files
-                  if k.startswith("step") and k.endswith("/losses"))
+    return sorted(
+        int(k[4:].split("/")[0])
+        for k in golden.files
+        if k.startswith("step") and k.endswith("/losses")
+    )
 
 
 def find(name: str) -> Path | None:

@@ -69,12 +69,25 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from deggs.runtime import auth  # noqa: E402
 from deggs.config import Config  # noqa: E402
+from deggs.runtime import auth  # noqa: E402
+from deggs.runtime.protocol import (  # noqa: E402
+    CHALLENGE,
+    GOODBYE,
+    HELLO_REPLY,
+    JOB_RESPONSE,  # noqa: E402
+    LOG_MESSAGE,
+    WAIT,
+    Auth,
+    Challenge,
+    Goodbye,
+    Hello,
+    HelloReply,
+    JobRequest,
+    ProtocolError,
+    Result,
+)
 from deggs.seeds import next_step_seed  # noqa: E402
-from deggs.runtime.protocol import (CHALLENGE, GOODBYE, HELLO_REPLY, JOB_RESPONSE,  # noqa: E402
-                            LOG_MESSAGE, WAIT, Auth, Challenge, Goodbye, Hello, HelloReply,
-                            JobRequest, ProtocolError, Result)
 from deggs.ternary import pack_trits, packed_size  # noqa: E402
 
 HOST = "127.0.0.1"
@@ -100,6 +113,7 @@ def log(text: str):
 
 
 # --- the coordinator process ---------------------------------------------------------
+
 
 def write_config(path: Path, population: int, chunk: int, connections: int):
     path.write_text(f"""\
@@ -130,21 +144,48 @@ def _die_with_parent():
 
 
 class CoordinatorProcess:
-    def __init__(self, config_path: Path, save_dir: Path, workdir: Path, secret: str | None,
-                 profile: str | None):
+    def __init__(
+        self,
+        config_path: Path,
+        save_dir: Path,
+        workdir: Path,
+        secret: str | None,
+        profile: str | None,
+    ):
         self.log_path = workdir / "coordinator.log"
-        env = {k: v for k, v in os.environ.items()
-               if k not in (auth.SECRET_ENV, auth.SECRET_FILE_ENV)}
+        env = {
+            k: v for k, v in os.environ.items() if k not in (auth.SECRET_ENV, auth.SECRET_FILE_ENV)
+        }
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
         if secret is not None:
             env[auth.SECRET_ENV] = secret
         prefix = ["-m", "cProfile", "-o", str(Path(profile).resolve())] if profile else []
-        cmd = [sys.executable, *prefix, "-m", "deggs", "coordinator", "--config",
-               str(config_path), "--host", HOST, "--port", "0", "--save-dir", str(save_dir)]
+        cmd = [
+            sys.executable,
+            *prefix,
+            "-m",
+            "deggs",
+            "coordinator",
+            "--config",
+            str(config_path),
+            "--host",
+            HOST,
+            "--port",
+            "0",
+            "--save-dir",
+            str(save_dir),
+        ]
         self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=self._log,
-                                     stderr=subprocess.STDOUT, env=env, cwd=workdir,
-                                     start_new_session=True, preexec_fn=_die_with_parent)
+        self.proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.DEVNULL,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=workdir,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
+        )
         self.pid = self.proc.pid
 
     def wait_listening(self, timeout: float) -> int:
@@ -155,23 +196,29 @@ class CoordinatorProcess:
             if found:
                 return int(found.group(1))
             if self.proc.poll() is not None:
-                raise CoordinatorDied(f"the coordinator exited with code "
-                                      f"{self.proc.returncode} before listening: {self.tail()}")
+                raise CoordinatorDied(
+                    f"the coordinator exited with code "
+                    f"{self.proc.returncode} before listening: {self.tail()}"
+                )
             time.sleep(0.05)
         raise LoadError(f"the coordinator did not listen within {timeout:g} s: {self.tail()}")
 
     def tail(self, lines: int = 3) -> str:
         try:
-            text = [line for line in self.log_path.read_text(errors="replace").splitlines()
-                    if line.strip()]
+            text = [
+                line
+                for line in self.log_path.read_text(errors="replace").splitlines()
+                if line.strip()
+            ]
         except OSError:
             return "(no log)"
         return " | ".join(text[-lines:]) or "(no output)"
 
     def check_alive(self):
         if self.proc.poll() is not None:
-            raise CoordinatorDied(f"the coordinator died (exit code {self.proc.returncode}): "
-                                  f"{self.tail()}")
+            raise CoordinatorDied(
+                f"the coordinator died (exit code {self.proc.returncode}): {self.tail()}"
+            )
 
     def sample(self) -> dict:
         """CPU seconds (all threads), current and peak RSS in MB."""
@@ -185,9 +232,12 @@ class CoordinatorProcess:
                 key, _, value = line.partition(":")
                 if key in ("VmRSS", "VmHWM"):
                     mem[key] = int(value.split()[0]) / 1024  # kB -> MB
-        return {"cpu_s": (utime + stime) / hz, "sys_s": stime / hz,
-                "rss_mb": mem.get("VmRSS", 0.0),
-                "peak_rss_mb": mem.get("VmHWM", 0.0)}
+        return {
+            "cpu_s": (utime + stime) / hz,
+            "sys_s": stime / hz,
+            "rss_mb": mem.get("VmRSS", 0.0),
+            "peak_rss_mb": mem.get("VmHWM", 0.0),
+        }
 
     def stop(self):
         if self.proc.poll() is None:
@@ -226,9 +276,9 @@ def metrics_lines(save_dir: Path) -> list[dict]:
 
 # --- the fake workers ----------------------------------------------------------------
 
+
 class Conn:
-    __slots__ = ("sock", "fd", "send", "recv", "buf", "out", "seed", "step", "nonce",
-                 "ready")
+    __slots__ = ("sock", "fd", "send", "recv", "buf", "out", "seed", "step", "nonce", "ready")
 
     def __init__(self, sock: socket.socket, seed: int):
         self.sock, self.fd = sock, sock.fileno()
@@ -269,8 +319,9 @@ class Load:
         deadline = time.monotonic() + 30
         try:
             for _ in range(n):
-                sock = socket.create_connection((HOST, port),
-                                                timeout=max(0.1, deadline - time.monotonic()))
+                sock = socket.create_connection(
+                    (HOST, port), timeout=max(0.1, deadline - time.monotonic())
+                )
                 conn = Conn(sock, opts["seed"])
                 self.conns[conn.fd] = conn
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -354,8 +405,9 @@ class Load:
         if opcode == JOB_RESPONSE:
             seed, step, position, size = _RESPONSE.unpack_from(payload)
             if len(payload) - _RESPONSE.size != size:
-                raise LoadError(f"JOB_RESPONSE announces {size} bytes, carries "
-                                f"{len(payload) - _RESPONSE.size}")
+                raise LoadError(
+                    f"JOB_RESPONSE announces {size} bytes, carries {len(payload) - _RESPONSE.size}"
+                )
             self._response(c, seed, step, position, size)
         elif opcode == CHALLENGE and self.secret is not None and not c.ready:
             ch = Challenge.decode(payload)
@@ -389,8 +441,10 @@ class Load:
             self.waiting.append((time.monotonic() + self.wait_s, c))
         else:
             if step != c.step or seed != c.seed:
-                raise LoadError(f"chunk of step {step} (seed {seed}) for a worker at step "
-                                f"{c.step} (seed {c.seed})")
+                raise LoadError(
+                    f"chunk of step {step} (seed {seed}) for a worker at step "
+                    f"{c.step} (seed {c.seed})"
+                )
             pair = self.pair
             _SEED_STEP_POS.pack_into(pair, 10, seed, step, position)
             _SEED_STEP_POS.pack_into(pair, self.request_at, seed, step, 0)
@@ -451,10 +505,15 @@ class Load:
                         c.buf += data
                         self._frames(c)
             times = os.times()
-            snapshots.append({"t": clock(), "cpu_s": times.user + times.system,
-                              "counts": list(counts),
-                              "max_step": max((c.step for c in conns.values()), default=0),
-                              "ready": sum(c.ready for c in conns.values())})
+            snapshots.append(
+                {
+                    "t": clock(),
+                    "cpu_s": times.user + times.system,
+                    "counts": list(counts),
+                    "max_step": max((c.step for c in conns.values()), default=0),
+                    "ready": sum(c.ready for c in conns.values()),
+                }
+            )
             if on_mark is not None:
                 on_mark(len(snapshots) - 1)
         return snapshots
@@ -484,6 +543,7 @@ def child_main(index: int, port: int, n: int, opts: dict, pipe):
 
 # --- the measurement -----------------------------------------------------------------
 
+
 def split(total: int, parts: int) -> list[int]:
     return [total // parts + (i < total % parts) for i in range(parts)]
 
@@ -499,8 +559,10 @@ def measure(args, coord: CoordinatorProcess, port: int, save_dir: Path, opts: di
     if args.processes == 1:
         load = Load(port, args.connections, opts)
         try:
-            log(f"{args.connections} connections open; warm-up {args.warmup:g} s, "
-                f"then {args.seconds:g} s measured")
+            log(
+                f"{args.connections} connections open; warm-up {args.warmup:g} s, "
+                f"then {args.seconds:g} s measured"
+            )
             t0 = time.monotonic() + args.warmup
             snaps = [load.run([t0, t0 + args.seconds], on_mark)]
         finally:
@@ -521,8 +583,10 @@ def measure(args, coord: CoordinatorProcess, port: int, save_dir: Path, opts: di
                 kind, detail = pipe.recv()
                 if kind != "ready":
                     raise LoadError(detail)
-            log(f"{args.connections} connections open in {args.processes} processes; warm-up "
-                f"{args.warmup:g} s, then {args.seconds:g} s measured")
+            log(
+                f"{args.connections} connections open in {args.processes} processes; warm-up "
+                f"{args.warmup:g} s, then {args.seconds:g} s measured"
+            )
             t0 = time.monotonic() + args.warmup
             marks = [t0, t0 + args.seconds]
             for pipe in pipes:
@@ -551,11 +615,12 @@ def measure(args, coord: CoordinatorProcess, port: int, save_dir: Path, opts: di
                     p.join()
 
     window = max(s[1]["t"] - s[0]["t"] for s in snaps)
-    delta = [sum(s[1]["counts"][k] - s[0]["counts"][k] for s in snaps)
-             for k in range(len(COUNTER_NAMES))]
+    delta = [
+        sum(s[1]["counts"][k] - s[0]["counts"][k] for s in snaps) for k in range(len(COUNTER_NAMES))
+    ]
     loadgen_cpu = sum(s[1]["cpu_s"] - s[0]["cpu_s"] for s in snaps)
     c0, c1 = coord_samples[0], coord_samples[1]
-    records = metric_counts[1][len(metric_counts[0]):]
+    records = metric_counts[1][len(metric_counts[0]) :]
     steps = len(records)
     n_chunks = args.population // args.chunk
     short = [r["step"] for r in records if r.get("transmissions") != n_chunks]
@@ -565,8 +630,11 @@ def measure(args, coord: CoordinatorProcess, port: int, save_dir: Path, opts: di
     # A record is written when a step's last RESULT is in; its step_time_s runs from the
     # end of the step before's sealing. So the gap between two records, less the later
     # one's step_time_s, is the sealing (pack, fsync, rename) during which all wait.
-    seals = sorted(b["time"] - a["time"] - b["step_time_s"]
-                   for a, b in zip(records, records[1:]) if b["step"] == a["step"] + 1)
+    seals = sorted(
+        b["time"] - a["time"] - b["step_time_s"]
+        for a, b in zip(records, records[1:], strict=False)
+        if b["step"] == a["step"] + 1
+    )
     busy = c1["machine"][0] - c0["machine"][0]
     jiffies = c1["machine"][1] - c0["machine"][1]
     machine_busy = 100 * (os.cpu_count() or 1) * busy / max(jiffies, 1)
@@ -589,12 +657,12 @@ def measure(args, coord: CoordinatorProcess, port: int, save_dir: Path, opts: di
         "seconds": round(window, 3),
         "warmup_s": args.warmup,
         "steps_in_window": steps,
-        "step_time_median_s": (round(step_times[len(step_times) // 2], 4)
-                               if step_times else None),
+        "step_time_median_s": (round(step_times[len(step_times) // 2], 4) if step_times else None),
         "coordinator_cpu_pct": round(coordinator_cpu, 1),
         "coordinator_sys_pct": round(100 * (c1["sys_s"] - c0["sys_s"]) / window, 1),
-        "coordinator_us_per_result": (round(coordinator_cpu * 1e4 * window / delta[RESULTS], 1)
-                                      if delta[RESULTS] else None),
+        "coordinator_us_per_result": (
+            round(coordinator_cpu * 1e4 * window / delta[RESULTS], 1) if delta[RESULTS] else None
+        ),
         "coordinator_rss_mb": round(c1["rss_mb"], 1),
         "coordinator_peak_rss_mb": round(c1["peak_rss_mb"], 1),
         "loadgen_cpu_pct": round(100 * loadgen_cpu / window, 1),
@@ -616,18 +684,31 @@ def parse_args(argv):
     p.add_argument("--connections", type=int, default=200, help="fake workers")
     p.add_argument("--seconds", type=float, default=20.0, help="the measured window")
     p.add_argument("--warmup", type=float, default=2.0, help="seconds before the window")
-    p.add_argument("--processes", type=int, default=1,
-                   help="load processes, the connections split among them")
+    p.add_argument(
+        "--processes", type=int, default=1, help="load processes, the connections split among them"
+    )
     p.add_argument("--wait-ms", type=float, default=5.0, help="pause after a WAIT")
-    p.add_argument("--secret", action="store_true",
-                   help="give the coordinator a random DEGGS_SECRET; workers prove it")
+    p.add_argument(
+        "--secret",
+        action="store_true",
+        help="give the coordinator a random DEGGS_SECRET; workers prove it",
+    )
     p.add_argument("--hello", action="store_true", help="send HELLO first without a secret too")
-    p.add_argument("--save-dir", help="the coordinator's save dir (default: a temporary one, "
-                   "removed afterwards)")
-    p.add_argument("--coordinator-profile", metavar="FILE",
-                   help="run the coordinator under cProfile, writing FILE when it stops")
-    p.add_argument("--start-timeout", type=float, default=60.0,
-                   help="seconds the coordinator may take to listen")
+    p.add_argument(
+        "--save-dir",
+        help="the coordinator's save dir (default: a temporary one, removed afterwards)",
+    )
+    p.add_argument(
+        "--coordinator-profile",
+        metavar="FILE",
+        help="run the coordinator under cProfile, writing FILE when it stops",
+    )
+    p.add_argument(
+        "--start-timeout",
+        type=float,
+        default=60.0,
+        help="seconds the coordinator may take to listen",
+    )
     args = p.parse_args(argv)
     for name in ("population", "chunk", "connections", "processes"):
         if getattr(args, name) < 1:
@@ -647,28 +728,43 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
-        config = Config.from_dict({
-            "model": {"hidden_dim": 32, "head_dim": 32, "n_layers": 1, "seq_len": 8,
-                      "vocab_size": 256},
-            "training": {"population_size": args.population, "chunk_size": args.chunk}})
+        config = Config.from_dict(
+            {
+                "model": {
+                    "hidden_dim": 32,
+                    "head_dim": 32,
+                    "n_layers": 1,
+                    "seq_len": 8,
+                    "vocab_size": 256,
+                },
+                "training": {"population_size": args.population, "chunk_size": args.chunk},
+            }
+        )
     except ValueError as e:
         print(f"loadtest: error: {e}", file=sys.stderr)
         return 2
     workdir = Path(tempfile.mkdtemp(prefix="deggs-loadtest-"))
     save_dir = Path(args.save_dir) if args.save_dir else workdir / "save"
     secret = auth.new_nonce().hex() if args.secret else None
-    opts = {"secret": secret, "hello": args.hello, "fingerprint": config.fingerprint().hex(),
-            "seed": config.training.seed, "wait_ms": args.wait_ms,
-            "population": args.population, "chunk": args.chunk}
+    opts = {
+        "secret": secret,
+        "hello": args.hello,
+        "fingerprint": config.fingerprint().hex(),
+        "seed": config.training.seed,
+        "wait_ms": args.wait_ms,
+        "population": args.population,
+        "chunk": args.chunk,
+    }
     coord = None
     try:
         config_path = workdir / "loadtest.toml"
         write_config(config_path, args.population, args.chunk, args.connections)
-        coord = CoordinatorProcess(config_path, save_dir, workdir, secret,
-                                   args.coordinator_profile)
+        coord = CoordinatorProcess(config_path, save_dir, workdir, secret, args.coordinator_profile)
         port = coord.wait_listening(args.start_timeout)
-        log(f"coordinator pid {coord.pid} listening on {HOST}:{port}: population "
-            f"{args.population} in {args.population // args.chunk} chunks of {args.chunk}")
+        log(
+            f"coordinator pid {coord.pid} listening on {HOST}:{port}: population "
+            f"{args.population} in {args.population // args.chunk} chunks of {args.chunk}"
+        )
         result = measure(args, coord, port, save_dir, opts)
         coord.check_alive()
     except (LoadError, ProtocolError, OSError) as e:

@@ -42,9 +42,9 @@ from deggs.numerics.params import PARAM  # noqa: E402
 from deggs.numerics.sampling import prompt_window  # noqa: E402
 
 TINY_AFTER_STATE = (1, 4, 8)  # after-update weights and overlays kept at these steps
-TINY_ADAM = 4                 # optimizer state kept after this update
-SLICE = 8                     # default: corner of each parameter / overlay kept
-SLICE_MEMBERS = 1             # default: members of each chunk whose windows are kept
+TINY_ADAM = 4  # optimizer state kept after this update
+SLICE = 8  # default: corner of each parameter / overlay kept
+SLICE_MEMBERS = 1  # default: members of each chunk whose windows are kept
 
 
 def trim_tiny(golden) -> dict[str, np.ndarray]:
@@ -77,8 +77,9 @@ def needed_positions(cfg, n: int) -> np.ndarray:
     """Token positions the slice check reads at step 0: member windows and the prompt."""
     positions = np.arange(n, dtype=np.int64)  # a stream whose tokens are their positions
     c = cfg.training.chunk_size
-    members = (np.arange(cfg.training.n_chunks)[:, None] * c
-               + np.arange(min(SLICE_MEMBERS, c))[None, :]).ravel()
+    members = (
+        np.arange(cfg.training.n_chunks)[:, None] * c + np.arange(min(SLICE_MEMBERS, c))[None, :]
+    ).ravel()
     windows = member_tokens(cfg, positions, 0, members).ravel()
     prompt = prompt_window(cfg, positions, 0)
     return np.unique(np.concatenate([windows, prompt]))
@@ -104,10 +105,20 @@ def trim_default(golden, data: np.ndarray, cfg) -> dict[str, np.ndarray]:
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--source", type=click.Path(exists=True, file_okay=False, path_type=Path),
-              default=goldens.SHARED, show_default=True, help="the complete golden files")
-@click.option("--dest", type=click.Path(file_okay=False, path_type=Path),
-              default=goldens.VENDORED, show_default=True, help="where the trimmed copies go")
+@click.option(
+    "--source",
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    default=goldens.SHARED,
+    show_default=True,
+    help="the complete golden files",
+)
+@click.option(
+    "--dest",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=goldens.VENDORED,
+    show_default=True,
+    help="where the trimmed copies go",
+)
 def main(source: Path, dest: Path):
     dest.mkdir(parents=True, exist_ok=True)
     for name in (*goldens.TINY, "default"):

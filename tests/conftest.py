@@ -35,10 +35,13 @@ def find_golden(name: str) -> Path:
     """NAME.npz as scripts/golden.py finds it; fails the test when there is none."""
     path = goldens.find(name)
     if path is None:
-        pytest.fail(f"golden file {name}.npz not found in $DEGGS_GOLDEN "
-                    f"({os.environ.get('DEGGS_GOLDEN') or 'unset'}) or {goldens.VENDORED}: "
-                    f"the trimmed copies belong to the repository "
-                    f"(rebuild them with scripts/vendor_golden.py)", pytrace=False)
+        pytest.fail(
+            f"golden file {name}.npz not found in $DEGGS_GOLDEN "
+            f"({os.environ.get('DEGGS_GOLDEN') or 'unset'}) or {goldens.VENDORED}: "
+            f"the trimmed copies belong to the repository "
+            f"(rebuild them with scripts/vendor_golden.py)",
+            pytrace=False,
+        )
     return path
 
 
@@ -69,6 +72,7 @@ def conformance():
 @functools.cache
 def gpu_present() -> bool:
     from deggs.numerics.backend import gpu_present as present
+
     return present()
 
 
@@ -78,8 +82,9 @@ def gpu_required() -> bool:
 
 def pytest_configure(config):
     config.addinivalue_line(
-        "markers", f"requires_gpu: {GPU_REASON}; skipped without one "
-                   "(fails instead when DEGGS_REQUIRE_GPU=1)")
+        "markers",
+        f"requires_gpu: {GPU_REASON}; skipped without one (fails instead when DEGGS_REQUIRE_GPU=1)",
+    )
 
 
 def pytest_collection_modifyitems(config, items):
@@ -95,5 +100,8 @@ def pytest_collection_modifyitems(config, items):
 def pytest_runtest_call(item):
     # (in the call phase rather than setup, so that it reports FAILED, not ERROR)
     if item.get_closest_marker("requires_gpu") and gpu_required() and not gpu_present():
-        pytest.fail(f"DEGGS_REQUIRE_GPU=1 but no GPU is usable here ({GPU_REASON}: "
-                    "deggs.numerics.backend.gpu_present() is false)", pytrace=False)
+        pytest.fail(
+            f"DEGGS_REQUIRE_GPU=1 but no GPU is usable here ({GPU_REASON}: "
+            "deggs.numerics.backend.gpu_present() is false)",
+            pytrace=False,
+        )

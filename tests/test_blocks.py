@@ -13,7 +13,14 @@ import numpy as np
 
 from deggs.config import Config
 from deggs.numerics.model import (
-    KVCache, Perturbation, Weights, embed, forward, init_overlays, init_params, logits,
+    KVCache,
+    Perturbation,
+    Weights,
+    embed,
+    forward,
+    init_overlays,
+    init_params,
+    logits,
     make_tables,
 )
 from deggs.numerics.optimizer import fma32, optimizer_step
@@ -23,7 +30,8 @@ from deggs.seeds import hash_rng
 
 SMALL = Config().replace(
     model=dict(hidden_dim=32, head_dim=32, n_layers=1, seq_len=8, vocab_size=70),
-    training=dict(population_size=16, chunk_size=8))
+    training=dict(population_size=16, chunk_size=8),
+)
 
 f32 = np.float32
 U32 = 0xFFFFFFFF
@@ -31,6 +39,7 @@ INF = f32(np.inf)
 
 
 # --- plain-Python float32 and C helpers -------------------------------------------------
+
 
 def round_f32(q: Fraction) -> np.float32:
     """The float32 nearest to the exact rational q, ties to even: one IEEE rounding.
@@ -55,7 +64,7 @@ def bits(x) -> int:
 
 def to_int32(x) -> int:
     """(int)x for a float: truncate toward zero, saturate (as the GPU's cvt.rzi does)."""
-    return max(-2**31, min(2**31 - 1, math.trunc(float(x))))
+    return max(-(2**31), min(2**31 - 1, math.trunc(float(x))))
 
 
 def wrap_i32(n: int) -> int:
@@ -95,6 +104,7 @@ def factor_of(mode: int, ov: int, seed: int, idx: int) -> np.float32:
 
 
 # --- 1. AdamW ----------------------------------------------------------------------------
+
 
 def adamw_by_hand(w, m, v, acc, vote, lr, fused=True):
     """One AdamW step of the reference (include/optimizer/adam.cuh), one weight:
@@ -154,9 +164,11 @@ def test_adamw_steps_match_a_float32_emulation_with_fused_multiply_adds():
     m0 = [0.0, 0.0, 0.0, -2.0, 2.0, 0.0, 0.37]
     v0 = [0.0, 0.0, 0.0, 0.25, 0.25, 0.0, 1234.5]
     acc0 = [0.0, 0.75, -0.9, 0.0, 0.0, 0.0, 0.3]
-    votes = [[37, 200, -50, 1, -1, 0, 12345],
-             [37, 180, -50, 1, -1, 0, -9876],
-             [37, -3, -50, 1, -1, 0, 4]]
+    votes = [
+        [37, 200, -50, 1, -1, 0, 12345],
+        [37, 180, -50, 1, -1, 0, -9876],
+        [37, -3, -50, 1, -1, 0, 4],
+    ]
     lr = f32(0.5)
 
     w = np.array(w0, np.int8)
@@ -170,7 +182,9 @@ def test_adamw_steps_match_a_float32_emulation_with_fused_multiply_adds():
             before = state[i][0]
             state[i] = adamw_by_hand(*state[i], vote, lr)
             unfused[i] = adamw_by_hand(*unfused[i], vote, lr, fused=False)
-            unfused_differs |= any(bits(a) != bits(b) for a, b in zip(state[i][1:], unfused[i][1:]))
+            unfused_differs |= any(
+                bits(a) != bits(b) for a, b in zip(state[i][1:], unfused[i][1:], strict=True)
+            )
             assert int(w[i]) == state[i][0], (i, step_votes)
             assert bits(m[i]) == bits(state[i][1]), (i, float(m[i]), float(state[i][1]))
             assert bits(v[i]) == bits(state[i][2]), (i, float(v[i]), float(state[i][2]))
@@ -205,9 +219,15 @@ def test_adamw_fma_by_hand_single_value():
     """
     cfg = SMALL
     m0 = f32(1) / f32(3)
-    w, m, v, acc, _ = optimizer_step(cfg, np.array([0], np.int8), np.array([m0]),
-                                     np.array([0], np.float32), np.array([0], np.float32),
-                                     np.array([3]), f32(0.5))
+    w, m, v, acc, _ = optimizer_step(
+        cfg,
+        np.array([0], np.int8),
+        np.array([m0]),
+        np.array([0], np.float32),
+        np.array([0], np.float32),
+        np.array([3]),
+        f32(0.5),
+    )
     b1 = f32(0.9)
     g = f32(-3)
     exact = Fraction(float(b1)) * Fraction(float(m0)) + Fraction(float((f32(1) - b1) * g))
@@ -218,6 +238,7 @@ def test_adamw_fma_by_hand_single_value():
 
 
 # --- 2. embedding ------------------------------------------------------------------------
+
 
 def test_fma32_rounds_once_where_float64_would_round_twice():
     """a b + c whose float64 sum lands exactly on a float32 tie: 3 (1 + 2^-23) - 2^-60.
@@ -278,14 +299,19 @@ def test_embed_equals_a_per_member_brute_force():
                 s_row = factor_of(mode, int(overlays["embedding_row"][tok]), seed + 0, tok)
                 for d in range(32):
                     f_bias = factor_of(mode, int(overlays["emb_bias"][d]), seed + 50, d)
-                    bias_noise = (to_int32(f32(noise(seed + 50, d) * noise(seed + 51, d)) * f_bias)
-                                  * sign) >> 4
+                    bias_noise = (
+                        to_int32(f32(noise(seed + 50, d) * noise(seed + 51, d)) * f_bias) * sign
+                    ) >> 4
                     b_dim = noise(seed + 32, d)
                     s_col = factor_of(mode, int(overlays["embedding_col"][d]), seed + 32, d)
                     prod = f32(f32(f32(a_tok * b_dim) * s_row) * s_col)
                     emb_noise = (to_int32(prod) * sign) >> 7
-                    x = (int(params["embedding"][d, tok]) + int(params["emb_bias"][d])
-                         + bias_noise + emb_noise)
+                    x = (
+                        int(params["embedding"][d, tok])
+                        + int(params["emb_bias"][d])
+                        + bias_noise
+                        + emb_noise
+                    )
                     clipped += abs(x) > 127
                     assert got[mem, t, d] == max(-127, min(127, x)), (mode, mem, t, d)
         assert clipped > 0  # the clip is exercised
@@ -329,6 +355,7 @@ def test_embed_without_perturbation_is_the_plain_lookup():
 
 
 # --- 3. the down-projection's input dot, thread by thread -----------------------------------
+
 
 def threads_dot_by_hand(x_row, b, fac, d, fused=True):
     """Thread j adds inputs j, j+d, j+2d, j+3d into an int32 pb through float32:
@@ -382,8 +409,10 @@ def test_input_dot_by_threads_equals_the_thread_brute_force():
                 expected = threads_dot_by_hand(x[mem, p], b, fac, d)
                 assert got[mem, p] == expected, (mode, mem, p)
                 # what the thread structure changes, for the record
-                terms = [Fraction(int(x[mem, p, i]) * b[i]) * Fraction(float(fac[i]))
-                         for i in range(4 * d)]
+                terms = [
+                    Fraction(int(x[mem, p, i]) * b[i]) * Fraction(float(fac[i]))
+                    for i in range(4 * d)
+                ]
                 differs_from_exact += expected != wrap_i32(math.trunc(sum(terms)))
                 differs_from_term_sum += expected != int(plain[mem, p])
     # the test has teeth: the truncation after each addition matters on these inputs
@@ -438,6 +467,7 @@ def test_input_dot_by_threads_fuses_the_multiply_add():
 
 # --- 4. adaptive noise factors -------------------------------------------------------------------
 
+
 def test_adaptive_factor_modes():
     """Mode 0: 1 everywhere. Mode 1: 0 for ov < 0, ov / 64 below 64, 1 from 64 up.
     Mode 2: ((ov + 127) / 255) / sqrt(u), u = ((float)r + 1) / 2^32, r the gate hash at
@@ -481,7 +511,9 @@ def test_adaptive_factor_modes():
     for row, mem in enumerate(members):
         for col in range(2):
             i = int(idx2[row, col])
-            assert bits(f2b[row, col]) == bits(factor_mode2(int(ov[i]), step_seed + mem // 2 + offset, i))
+            assert bits(f2b[row, col]) == bits(
+                factor_mode2(int(ov[i]), step_seed + mem // 2 + offset, i)
+            )
 
 
 def test_mode2_factor_one_value_by_hand():
@@ -504,6 +536,7 @@ def test_mode2_factor_one_value_by_hand():
 
 
 # --- 5. sampling and generation -----------------------------------------------------------------
+
 
 def test_sampler_limits_at_the_default_config():
     """penalty: (int)(0.2f * 256) = (int)51.2000008 = 51; min-p:
@@ -531,14 +564,21 @@ def test_choose_token_temperature_and_min_p_by_hand():
     (weights exp[0], exp[4], exp[14], exp[1]: total 644054, r 499938 -> token 4), and
     dividing by an exact 0.6 gives -5 and -15 (total 619489, r 237783 -> token 0).
     """
-    cfg = Config().replace(model=dict(hidden_dim=32, head_dim=32, n_layers=1, seq_len=8,
-                                      vocab_size=6),
-                           training=dict(population_size=16, chunk_size=8))
+    cfg = Config().replace(
+        model=dict(hidden_dim=32, head_dim=32, n_layers=1, seq_len=8, vocab_size=6),
+        training=dict(population_size=16, chunk_size=8),
+    )
     tables = make_tables(cfg, 8)
     e = lambda i: int(math.floor(math.exp(-i / 6) * 2**18 + 0.5))
     assert [e(0), e(1), e(5), e(14), e(15)] == [262144, 221900, 113927, 25421, 21518]
     assert [int(tables.exp[i]) for i in (0, 1, 5, 14)] == [262144, 221900, 113927, 25421]
-    assert [math.trunc(float(f32(s) / f32(0.6))) for s in (-3, -9, -10, -1, -60)] == [-5, -14, -16, -1, -99]
+    assert [math.trunc(float(f32(s) / f32(0.6))) for s in (-3, -9, -10, -1, -60)] == [
+        -5,
+        -14,
+        -16,
+        -1,
+        -99,
+    ]
     lgt = np.array([100, 97, 91, 90, 150, 40])
     history = np.array([4])
     order = scan_order(cfg)
@@ -579,10 +619,12 @@ def test_generate_equals_recomputing_the_whole_prefix_without_a_cache():
     order = scan_order(cfg)
     buffer = [int(tok) for tok in prompt]
     for t in range(len(prompt) - 1, len(prompt) + n_new - 1):
-        tokens = np.array(buffer[:t + 1])[None, :]
+        tokens = np.array(buffer[: t + 1])[None, :]
         cache = KVCache.empty(cfg, 1, t + 1)
         normed = forward(cfg, tables, weights, tokens, cache, np.arange(t + 1))
         lgt = logits(cfg, weights, normed)[0, t]
-        buffer.append(choose_token(cfg, tables, lgt, np.array(buffer[:t + 1]), seed & U32, t, order))
+        buffer.append(
+            choose_token(cfg, tables, lgt, np.array(buffer[: t + 1]), seed & U32, t, order)
+        )
     assert got.tolist() == buffer
-    assert len(set(buffer[len(prompt):])) > 1  # the sampler did not collapse to one token
+    assert len(set(buffer[len(prompt) :])) > 1  # the sampler did not collapse to one token

@@ -17,10 +17,14 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import sync
 
 from deggs.runtime import checkpoint as ckpt
+from deggs.ternary import pack_trits
+from golden import golden_config
+from golden import tokens as golden_tokens
 
 TINY = """
 [model]
@@ -53,9 +57,14 @@ for _name in ("DEGGS_SECRET", "DEGGS_SECRET_FILE"):
 def deggs(*args, log, env=None, **kwargs):
     """A deggs command in the background, its output going to a log file."""
     with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "deggs", *map(str, args)],
-                                env={**ENV, **(env or {})}, stdout=out,
-                                stderr=subprocess.STDOUT, text=True, **kwargs)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "deggs", *map(str, args)],
+            env={**ENV, **(env or {})},
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            text=True,
+            **kwargs,
+        )
     proc.log = log
     return proc
 
@@ -72,31 +81,63 @@ def free_port() -> int:
 
 def wait_until(condition, what: str, watch=(), timeout=TIMEOUT_S):
     """Poll `condition` until it holds; fail early if a process in `watch` died."""
+
     def holds():
         if condition():
             return True
         for proc in watch:
             assert proc.poll() is None, f"{what}: a process exited:\n{log_of(proc)}"
         return False
+
     sync.wait_until(holds, timeout, what, interval=0.02)
 
 
 class Cluster:
-    def __init__(self, root: Path):
+    """Processes of one run: a config file, a data directory, and what was started."""
+
+    def __init__(self, root: Path, config_text: str = TINY, tokens=None):
         self.root = root
         self.config = root / "tiny.toml"
-        self.config.write_text(TINY)
+        self.config.write_text(config_text)
         self.data = root / "data"
-        subprocess.run([sys.executable, "-m", "deggs", "prepare", "--vocab-size", "256",
-                        "--out", self.data], check=True, env=ENV, capture_output=True)
+        if tokens is None:
+            subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "deggs",
+                    "prepare",
+                    "--vocab-size",
+                    "256",
+                    "--out",
+                    self.data,
+                ],
+                check=True,
+                env=ENV,
+                capture_output=True,
+            )
+        else:
+            self.data.mkdir()
+            tokens.tofile(self.data / "input.bin")
         self.procs = []
 
     def _log(self, kind):
         return self.root / f"{kind}{len(self.procs)}.log"
 
     def coordinator(self, save_dir, max_steps, load_dir=None, port=0, env=None):
-        args = ["coordinator", "--config", self.config, "--host", "127.0.0.1", "--port", port,
-                "--save-dir", save_dir, "--max-steps", max_steps]
+        args = [
+            "coordinator",
+            "--config",
+            self.config,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            port,
+            "--save-dir",
+            save_dir,
+            "--max-steps",
+            max_steps,
+        ]
         if load_dir:
             args += ["--load-dir", load_dir]
         proc = deggs(*args, log=self._log("coordinator"), env=env)
@@ -105,6 +146,7 @@ class Cluster:
         def listening():
             proc.port_match = re.search(r"listening on [\d.]+:(\d+)", log_of(proc))
             return proc.port_match is not None
+
         wait_until(listening, "the coordinator to listen", [proc])
         proc.port = int(proc.port_match.group(1))
         return proc
@@ -186,8 +228,12 @@ def test_killed_and_late_workers_give_the_same_losses(cluster, baseline):
     coord = cluster.coordinator(cluster.root / "save", STEPS)
     # a process that takes a chunk and is stopped (not killed: its connection stays open)
     # before it answers, so the chunk is re-assigned after the straggler timeout
-    grabber = subprocess.Popen([sys.executable, "-c", GRAB_A_CHUNK, str(coord.port)], env=ENV,
-                               stdout=subprocess.PIPE, text=True)
+    grabber = subprocess.Popen(
+        [sys.executable, "-c", GRAB_A_CHUNK, str(coord.port)],
+        env=ENV,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     cluster.procs.append(grabber)
     grabber.log = os.devnull
     assert grabber.stdout.readline().startswith("got chunk")
@@ -228,7 +274,9 @@ def test_chaos_gives_the_undisturbed_losses(cluster, baseline):
     workers = [cluster.worker(port) for _ in range(3)]
     plan = ["kill worker", "kill worker", "stop worker", "kill coordinator", "kill coordinator"]
     rng.shuffle(plan)
-    for step, action in zip(sorted(rng.sample(range(2, CHAOS_STEPS - 2), len(plan))), plan):
+    for step, action in zip(
+        sorted(rng.sample(range(2, CHAOS_STEPS - 2), len(plan))), plan, strict=True
+    ):
         wait_until(checkpoint_exists(save, step), f"step {step}", [coord])
         # chaos, not synchronisation: a random delay to strike somewhere inside the step
         time.sleep(rng.uniform(0, 0.3))
@@ -258,8 +306,9 @@ def test_chaos_gives_the_undisturbed_losses(cluster, baseline):
 def test_full_disk_ends_with_a_clear_exit_and_a_history_that_resumes(cluster, baseline):
     disk = cluster.root / "disk"
     disk.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=40k", "tmpfs", str(disk)],
-                             capture_output=True)
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=40k", "tmpfs", str(disk)], capture_output=True
+    )
     if mounted.returncode != 0:  # test_coordinator's ENOSPC test covers the logic without
         pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
     try:
@@ -270,7 +319,7 @@ def test_full_disk_ends_with_a_clear_exit_and_a_history_that_resumes(cluster, ba
         assert "No space left on device" in out.splitlines()[-1], out
         reached = sorted(ckpt.list_checkpoints(save))
         assert 2 <= len(reached) < CHAOS_STEPS and reached == list(range(1, len(reached) + 1))
-        assert sorted(losses(save))[:len(reached)] == list(range(len(reached)))
+        assert sorted(losses(save))[: len(reached)] == list(range(len(reached)))
         subprocess.run(["mount", "-o", "remount,size=4m", str(disk)], check=True)
         coord = cluster.coordinator(save, CHAOS_STEPS, load_dir=save, port=port)
         cluster.finish(coord)  # the same worker waited, and goes on where it was
@@ -298,11 +347,15 @@ def test_worker_refused_for_good_exits_2(cluster):
 def test_a_run_with_a_secret_equals_one_without(cluster, baseline):
     secret = {"DEGGS_SECRET": SECRET}
     coord = cluster.coordinator(cluster.root / "save", STEPS, env=secret)
-    workers = [cluster.worker(coord.port, env=secret),
-               cluster.worker(coord.port, with_config=False, env=secret)]
-    strangers = [cluster.worker(coord.port),  # no secret
-                 cluster.worker(coord.port, env={"DEGGS_SECRET": "a guess"})]
-    for stranger, why in zip(strangers, ["requires a shared secret", "secret"]):
+    workers = [
+        cluster.worker(coord.port, env=secret),
+        cluster.worker(coord.port, with_config=False, env=secret),
+    ]
+    strangers = [
+        cluster.worker(coord.port),  # no secret
+        cluster.worker(coord.port, env={"DEGGS_SECRET": "a guess"}),
+    ]
+    for stranger, why in zip(strangers, ["requires a shared secret", "secret"], strict=True):
         assert stranger.wait(timeout=60) == 2, log_of(stranger)
         assert why in log_of(stranger).strip().splitlines()[-1]
     cluster.finish(coord)
@@ -330,3 +383,41 @@ def test_metrics_lines_are_json(cluster):
     cluster.finish(coord)
     lines = (cluster.root / "save" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in lines] == [0]
+
+
+def toml_of(cfg) -> str:
+    """A config as config.toml text (JSON arrays and numbers are valid TOML)."""
+    lines = []
+    for table, values in cfg.to_dict().items():
+        lines.append(f"[{table}]")
+        lines += [f"{key} = {json.dumps(value)}" for key, value in values.items()]
+    return "\n".join(lines) + "\n"
+
+
+def test_a_cluster_trains_as_the_reference_did(tmp_path, golden_path):
+    """A coordinator and two worker processes on the reference's tiny_bytes run: each
+    step's sum_loss, fitness (the checkpoints) and update count are the golden ones, so
+    the runtime is checked against the reference, not only against itself."""
+    steps = 4  # the third update is the first that moves weights (3965 of them)
+    path = golden_path("tiny_bytes")
+    with np.load(path) as golden:
+        cfg = golden_config(golden)
+        tokens = golden_tokens(golden, path, cfg)
+        sums = {s: int(golden[f"step{s}/sum_loss"].sum()) for s in range(steps)}
+        fitness = {s: pack_trits(golden[f"after{s}/fitness_used"]) for s in range(1, steps + 1)}
+        updates = {s: int(golden[f"after{s}/updates"][0]) for s in range(1, steps)}
+    cfg = cfg.replace(coordinator=dict(straggler_timeout_s=30), worker=dict(retry_max_s=0.5))
+    cluster = Cluster(tmp_path, toml_of(cfg), tokens)
+    try:
+        coord = cluster.coordinator(tmp_path / "save", steps)
+        workers = [cluster.worker(coord.port) for _ in range(2)]
+        cluster.finish(coord)
+        for worker in workers:
+            assert worker.wait(timeout=30) == 0, log_of(worker)
+    finally:
+        cluster.stop_all()
+    assert losses(tmp_path / "save") == sums
+    for s, packed in fitness.items():
+        assert ckpt.read_checkpoint(ckpt.checkpoint_path(tmp_path / "save", s)).fitness == packed
+    records = {r["step"]: r for r in ckpt.read_metrics(tmp_path / "save")}
+    assert {s: records[s]["updates_max"] for s in updates} == updates

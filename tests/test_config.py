@@ -18,22 +18,25 @@ def test_default_config_toml_equals_built_in_defaults():
     assert load_config(None) == Config()
 
 
-@pytest.mark.parametrize("toml, key", [
-    ("[model]\nhidden_dim = 96\nhead_dim = 64\n", "model.hidden_dim"),  # not a multiple of head
-    ("[model]\nhidden_dim = 80\nhead_dim = 40\n", "model.hidden_dim"),  # not a multiple of 32
-    ("[training]\npopulation_size = 100\nchunk_size = 40\n", "training.population_size"),
-    ("[training]\npopulation_size = 99\nchunk_size = 33\n", "training.chunk_size"),  # odd
-    ("[model]\nhiden_dim = 256\n", "model.hiden_dim"),  # unknown key
-    ("[modle]\nhidden_dim = 256\n", "[modle]"),  # unknown table
-    ("[model]\nhidden_dim = \"256\"\n", "model.hidden_dim"),  # wrong type
-    ("[training]\nsame_data = 1\n", "training.same_data"),
-    ("[softmax]\nexp_scale = \"six\"\n", "softmax.exp_scale"),
-    ("[optimizer]\nkind = 3\n", "optimizer.kind"),
-    ("[optimizer]\nkind = \"adam\"\n", "optimizer.kind"),
-    ("[optimizer]\nlr_schedule = [[0, \"fast\"]]\n", "optimizer.lr_schedule"),
-    ("[coordinator]\nport = 70000\n", "coordinator.port"),
-    ("model = 3\n", "[model]"),
-])
+@pytest.mark.parametrize(
+    "toml, key",
+    [
+        ("[model]\nhidden_dim = 96\nhead_dim = 64\n", "model.hidden_dim"),  # not a multiple of head
+        ("[model]\nhidden_dim = 80\nhead_dim = 40\n", "model.hidden_dim"),  # not a multiple of 32
+        ("[training]\npopulation_size = 100\nchunk_size = 40\n", "training.population_size"),
+        ("[training]\npopulation_size = 99\nchunk_size = 33\n", "training.chunk_size"),  # odd
+        ("[model]\nhiden_dim = 256\n", "model.hiden_dim"),  # unknown key
+        ("[modle]\nhidden_dim = 256\n", "[modle]"),  # unknown table
+        ('[model]\nhidden_dim = "256"\n', "model.hidden_dim"),  # wrong type
+        ("[training]\nsame_data = 1\n", "training.same_data"),
+        ('[softmax]\nexp_scale = "six"\n', "softmax.exp_scale"),
+        ("[optimizer]\nkind = 3\n", "optimizer.kind"),
+        ('[optimizer]\nkind = "adam"\n', "optimizer.kind"),
+        ('[optimizer]\nlr_schedule = [[0, "fast"]]\n', "optimizer.lr_schedule"),
+        ("[coordinator]\nport = 70000\n", "coordinator.port"),
+        ("model = 3\n", "[model]"),
+    ],
+)
 def test_invalid_configs_name_the_key(tmp_path, toml, key):
     with pytest.raises(ConfigError) as err:
         load_config(write(tmp_path, toml))

@@ -16,13 +16,17 @@ TINY = ["tiny_bytes", "tiny_tok", "tiny_variant"]
 def after_steps(path, part):
     """The updates after which a golden file holds `part` (model/embedding, adam_m/...)."""
     with np.load(path) as golden:
-        return {k.split("/")[0] for k in golden.files
-                if k.startswith("after") and k.endswith(f"/{part}/embedding")}
+        return {
+            k.split("/")[0]
+            for k in golden.files
+            if k.startswith("after") and k.endswith(f"/{part}/embedding")
+        }
 
 
 @pytest.mark.parametrize("name", TINY)
-def test_tiny_configs_are_bit_exact_for_every_step(name, golden_path, golden_decoding,
-                                                    conformance, capsys):
+def test_tiny_configs_are_bit_exact_for_every_step(
+    name, golden_path, golden_decoding, conformance, capsys
+):
     path = golden_path(name)
     ok = conformance.run(path, golden_decoding(path))
     out = capsys.readouterr().out

@@ -21,14 +21,30 @@ import numpy as np
 import pytest
 from sync import async_wait_until
 
-from deggs.runtime import checkpoint as ckpt
 from deggs.config import Config, ConfigError
-from deggs.runtime.coordinator import Coordinator
-from deggs.seeds import next_step_seed
 from deggs.runtime import auth
-from deggs.runtime.protocol import (LogMessage, NO_FINGERPRINT, OPCODE_NAMES, WAIT, Auth, Challenge, FrameReader,
-                            Goodbye, Hello, HelloReply, JobRequest, JobResponse, Reason,
-                            Result, decode_message, recv_frame, send_frame)
+from deggs.runtime import checkpoint as ckpt
+from deggs.runtime.coordinator import Coordinator
+from deggs.runtime.protocol import (
+    NO_FINGERPRINT,
+    OPCODE_NAMES,
+    WAIT,
+    Auth,
+    Challenge,
+    FrameReader,
+    Goodbye,
+    Hello,
+    HelloReply,
+    JobRequest,
+    JobResponse,
+    LogMessage,
+    Reason,
+    Result,
+    decode_message,
+    recv_frame,
+    send_frame,
+)
+from deggs.seeds import next_step_seed
 from deggs.ternary import pack_trits
 
 # 4 chunks of 10 members: 5 pairs (1 packed byte) a chunk, 20 pairs (4 bytes) a step.
@@ -126,10 +142,16 @@ class Client:
     async def result(self, job, fitness=None, sum_loss=None, updates=7, data_position=None):
         chunk = job.data_position // CHUNK
         fitness = chunk_fitness(job.last_step, chunk) if fitness is None else fitness
-        await self.send(Result(job.seed, job.last_step,
-                               job.data_position if data_position is None else data_position,
-                               updates, chunk + 1 if sum_loss is None else sum_loss,
-                               pack_trits(fitness)))
+        await self.send(
+            Result(
+                job.seed,
+                job.last_step,
+                job.data_position if data_position is None else data_position,
+                updates,
+                chunk + 1 if sum_loss is None else sum_loss,
+                pack_trits(fitness),
+            )
+        )
 
     async def closed(self, timeout=5) -> bool:
         """True once the coordinator has closed this connection (after reading the rest)."""
@@ -155,8 +177,11 @@ class Client:
 
 async def settle(coord, step):
     """Wait until the coordinator has reached `step` (results are handled asynchronously)."""
-    await async_wait_until(lambda: coord.state.step >= step, 10,
-                           lambda: f"step {step} (stuck at step {coord.state.step})")
+    await async_wait_until(
+        lambda: coord.state.step >= step,
+        10,
+        lambda: f"step {step} (stuck at step {coord.state.step})",
+    )
 
 
 async def train_step(client, step, last=False):
@@ -181,8 +206,11 @@ async def train_step(client, step, last=False):
 def no_asyncio_errors(caplog):
     """Unhandled errors in the event loop's callbacks fail the test that caused them."""
     yield
-    errors = [r.getMessage() for r in caplog.get_records("call")
-              if r.name == "asyncio" and r.levelno >= logging.ERROR]
+    errors = [
+        r.getMessage()
+        for r in caplog.get_records("call")
+        if r.name == "asyncio" and r.levelno >= logging.ERROR
+    ]
     assert not errors, errors
 
 
@@ -193,6 +221,7 @@ def info_logs(caplog):
 
 
 # --- whole steps -----------------------------------------------------------------------
+
 
 def test_whole_steps(info_logs):
     async def go():
@@ -212,6 +241,7 @@ def test_whole_steps(info_logs):
             await settle(coord, 2)
             assert coord.history[1] == pack_trits(step_fitness(1))
             await a.close(), await b.close()
+
     run(go())
     lines = [r.getMessage() for r in info_logs.records if r.getMessage().startswith("Step ")]
     assert len(lines) == 2
@@ -236,6 +266,7 @@ def test_catch_up_replays_every_step():
             assert second.last_step == 2 and second.data == pack_trits(step_fitness(1))
             job = await late.request(2)
             assert (job.last_step, job.data_position, job.data) == (2, 0, b"")
+
     run(go())
 
 
@@ -259,6 +290,7 @@ def test_straggler_chunk_is_reassigned(info_logs):
                 await slow.result(job)
             await settle(coord, 1)
             assert coord.history[0] == pack_trits(step_fitness(0))
+
     run(go())
     assert any("re-assigning chunk 0 after 35.0 s" in r.getMessage() for r in info_logs.records)
 
@@ -281,6 +313,7 @@ def test_duplicate_results_are_ignored_but_counted(info_logs):
                 await a.result(await a.request(0))
             await settle(coord, 1)
             assert coord.history[0] == pack_trits(step_fitness(0))
+
     run(go())
     assert any("duplicate RESULT for chunk 0" in r.getMessage() for r in info_logs.records)
 
@@ -301,18 +334,21 @@ def test_results_for_another_step_are_ignored():
                 await a.result(await a.request(0))
             await settle(coord, 1)
             assert coord.history[0] == pack_trits(step_fitness(0))
+
     run(go())
 
 
 # --- bad input ---------------------------------------------------------------------------
+
 
 def _header(opcode, length, magic=b"JOBS", version=1):
     return magic + bytes([version, opcode]) + length.to_bytes(4, "big")
 
 
 def _result_bytes(data_position=CHUNK, data=b"\x00", size=None, step=0):
-    head = struct.pack(">QQQQqI", seed_of(step), step, data_position, 0, 0,
-                       len(data) if size is None else size)
+    head = struct.pack(
+        ">QQQQqI", seed_of(step), step, data_position, 0, 0, len(data) if size is None else size
+    )
     return _header(1, len(head) + len(data)) + head + data
 
 
@@ -324,16 +360,22 @@ BAD_INPUTS = {
     "oversized payload": (_header(1, 1 << 30), "exceeds the limit"),
     "short JOB_REQUEST": (_header(0, 8) + bytes(8), "needs at least 24"),
     "RESULT shorter than its header": (_header(1, 20) + bytes(20), "needs at least 44"),
-    "RESULT shorter than it announces": (_result_bytes(data=b"", size=1),
-                                         "announces 1 bytes of fitness but carries 0"),
+    "RESULT shorter than it announces": (
+        _result_bytes(data=b"", size=1),
+        "announces 1 bytes of fitness but carries 0",
+    ),
     "RESULT with too little fitness": (_result_bytes(data=b""), "a chunk packs into 1"),
     "RESULT off a chunk boundary": (_result_bytes(data_position=5), "data_position 5"),
     "RESULT past the population": (_result_bytes(data_position=40), "data_position 40"),
     "RESULT with invalid trits": (_result_bytes(data=b"\xf3"), "243"),
-    "RESULT for a chunk it was not handed": (_result_bytes(data_position=2 * CHUNK),
-                                             "chunk 2 of step 0, which was not handed"),
-    "RESULT with a foreign seed": (_result_bytes()[:10] + bytes(8) + _result_bytes()[18:],
-                                   "carries seed 0"),
+    "RESULT for a chunk it was not handed": (
+        _result_bytes(data_position=2 * CHUNK),
+        "chunk 2 of step 0, which was not handed",
+    ),
+    "RESULT with a foreign seed": (
+        _result_bytes()[:10] + bytes(8) + _result_bytes()[18:],
+        "carries seed 0",
+    ),
     "disconnect mid-frame": (_header(0, 24) + bytes(10), "disconnected mid-frame"),
 }
 
@@ -364,8 +406,11 @@ def test_bad_input_drops_only_that_connection(info_logs, name):
             return bad.port
 
     port = asyncio.run(asyncio.wait_for(go(), 20))
-    about_bad = [r for r in info_logs.records
-                 if r.levelno >= logging.WARNING and f"127.0.0.1:{port}" in r.getMessage()]
+    about_bad = [
+        r
+        for r in info_logs.records
+        if r.levelno >= logging.WARNING and f"127.0.0.1:{port}" in r.getMessage()
+    ]
     assert len(about_bad) == 1, [r.getMessage() for r in about_bad]
     assert problem in about_bad[0].getMessage()
 
@@ -381,16 +426,19 @@ def test_worker_ahead_of_coordinator_is_told_and_closed():
             assert "--load-dir" in bye.text
             b = await Client.connect(coord)
             assert (await b.request(0)).data_position == 0
+
     run(go())
 
 
 def test_reference_worker_is_refused_with_a_close_alone(info_logs):
     """A reference worker cannot read GOODBYE: it gets the close, the log says why."""
+
     async def go():
         async with coordinator() as coord:
             a = await Client.connect(coord)
             await a.send(JobRequest(7, 0))
             assert await a.closed() and not a.received
+
     run(go())
     assert any("seed 7" in r.getMessage() for r in info_logs.records)
 
@@ -403,6 +451,7 @@ def test_worker_with_another_seed_is_told_and_closed():
             await a.send(JobRequest(7, 0))
             bye = await a.goodbye()
             assert bye.reason == Reason.SEED_MISMATCH and "seed 7" in bye.text
+
     run(go())
 
 
@@ -422,22 +471,26 @@ def test_catch_up_beyond_kept_history_is_refused():
             bye = await late.goodbye()
             assert bye.reason == Reason.HISTORY_GONE and "step 0 is no longer kept" in bye.text
             assert (await (await Client.connect(coord)).request(1)).last_step == 2
+
     run(go())
 
 
 # --- HELLO -----------------------------------------------------------------------------
+
 
 def test_hello_with_matching_config_then_job():
     async def go():
         async with coordinator() as coord:
             a = await Client.connect(coord)
             # Sent back to back, as our worker does without a secret.
-            await a.send(Hello(SMALL.fingerprint(), SMALL.to_json()).encode()
-                         + JobRequest(SEED0, 0).encode())
+            await a.send(
+                Hello(SMALL.fingerprint(), SMALL.to_json()).encode() + JobRequest(SEED0, 0).encode()
+            )
             reply = await a.recv()
             assert isinstance(reply, HelloReply) and reply.fingerprint == SMALL.fingerprint()
             job = await a.recv()
             assert isinstance(job, JobResponse) and job.data_position == 0
+
     run(go())
 
 
@@ -449,6 +502,7 @@ def test_hello_without_config_gets_the_config():
             reply = await a.recv()
             assert Config.from_json(reply.config_json) == coord.config
             assert (await a.request(0)).data_position == 0
+
     run(go())
 
 
@@ -458,8 +512,10 @@ def test_hello_with_another_config_is_refused(info_logs):
     async def go():
         async with coordinator() as coord:
             a = await Client.connect(coord)
-            await a.send(Hello(theirs.fingerprint(), theirs.to_json()).encode()
-                         + JobRequest(SEED0, 0).encode())
+            await a.send(
+                Hello(theirs.fingerprint(), theirs.to_json()).encode()
+                + JobRequest(SEED0, 0).encode()
+            )
             bye = await a.goodbye()
             assert bye.reason == Reason.CONFIG_MISMATCH and "model.seq_len: 32 != 64" in bye.text
             assert coord.state.pending == deque(range(N_CHUNKS))  # nothing was handed out
@@ -474,9 +530,11 @@ def test_hello_with_another_config_is_refused(info_logs):
             d = await Client.connect(coord)
             await d.send(Hello(b"\x01" * 8, '{"model": {"seq_len": ' + "9" * 5000 + "}}"))
             assert "a number of 5000 characters" in (await d.goodbye()).text
+
     run(go())
-    assert any("closing" in r.getMessage() and "model.seq_len" in r.getMessage()
-               for r in info_logs.records)
+    assert any(
+        "closing" in r.getMessage() and "model.seq_len" in r.getMessage() for r in info_logs.records
+    )
 
 
 def test_hello_of_another_protocol_version_is_refused():
@@ -486,6 +544,7 @@ def test_hello_of_another_protocol_version_is_refused():
             await a.send(Hello(SMALL.fingerprint(), deggs_protocol=1))
             bye = await a.goodbye()
             assert bye.reason == Reason.PROTOCOL_MISMATCH and "protocol 1" in bye.text
+
     run(go())
 
 
@@ -496,6 +555,7 @@ def test_log_messages_cannot_forge_lines(info_logs):
             await a.send(LogMessage("hi\nStep 99 | Loss: 0.0001\x1b[2J\r"))
             await a.send(JobRequest(SEED0, 0))
             await a.recv()
+
     run(go())
     lines = [r.getMessage() for r in info_logs.records]
     assert not any(line.startswith("Step 99") for line in lines)
@@ -503,6 +563,7 @@ def test_log_messages_cannot_forge_lines(info_logs):
 
 
 # --- the shared secret -----------------------------------------------------------------
+
 
 def test_secret_handshake_then_training():
     async def go():
@@ -512,6 +573,7 @@ def test_secret_handshake_then_training():
             assert Config.from_json(reply.config_json) == coord.config
             await train_step(a, 0)
             await settle(coord, 1)
+
     run(go())
 
 
@@ -536,15 +598,22 @@ def test_unauthenticated_peers_learn_nothing_and_count_for_nothing(name, info_lo
             bad = await Client.connect(coord)
             await bad.send(FORGERIES[name])
             assert await bad.closed()
-            told = [m for m in map(lambda f: decode_message(*f), bad.received)
-                    if not isinstance(m, Challenge)]
+            told = [
+                m
+                for m in map(lambda f: decode_message(*f), bad.received)
+                if not isinstance(m, Challenge)
+            ]
             assert told == []  # no step, seed, config, not even a refusal
             assert coord.state.n_done == 0 and coord.state.transmissions == 0
             await honest.result(job)
             await settle_chunks(coord, 1)
+
     run(go())
-    assert any("closing" in r.getMessage() or "dropping" in r.getMessage()
-               for r in info_logs.records if r.levelno >= logging.WARNING)
+    assert any(
+        "closing" in r.getMessage() or "dropping" in r.getMessage()
+        for r in info_logs.records
+        if r.levelno >= logging.WARNING
+    )
 
 
 def test_a_recorded_handshake_cannot_be_replayed():
@@ -563,6 +632,7 @@ def test_a_recorded_handshake_cannot_be_replayed():
             assert second.nonce != challenge.nonce
             await replay.send(recorded)
             assert await replay.closed() and not replay.received
+
     run(go())
 
 
@@ -575,15 +645,18 @@ def test_a_coordinators_proof_does_not_pass_as_a_workers():
             challenge = await a.recv()
             await a.send(Auth(challenge.proof))  # reflect the coordinator's own proof
             assert await a.closed() and not a.received
+
     run(go())
 
 
 async def settle_chunks(coord, n):
-    await async_wait_until(lambda: coord.state.n_done >= n, 10,
-                           lambda: f"{n} chunks done (only {coord.state.n_done})")
+    await async_wait_until(
+        lambda: coord.state.n_done >= n, 10, lambda: f"{n} chunks done (only {coord.state.n_done})"
+    )
 
 
 # --- checkpoints and restart -----------------------------------------------------------
+
 
 def test_checkpoint_files_have_the_reference_layout(tmp_path):
     async def go():
@@ -594,21 +667,45 @@ def test_checkpoint_files_have_the_reference_layout(tmp_path):
             await asyncio.wait_for(coord.finished.wait(), 5)
             await a.send(JobRequest(seed_of(2), 2))  # --max-steps reached: nothing more to do
             assert await a.closed() and not a.received
+
     run(go())
     for step in (1, 2):
         raw = (tmp_path / f"checkpoint_{step:08d}.bin").read_bytes()
         packed = pack_trits(step_fitness(step - 1))
-        expected = (b"CGGE" + b"\x01\x00\x00\x00" + step.to_bytes(8, "little")
-                    + seed_of(step).to_bytes(8, "little") + (4).to_bytes(8, "little") + packed)
+        expected = (
+            b"CGGE"
+            + b"\x01\x00\x00\x00"
+            + step.to_bytes(8, "little")
+            + seed_of(step).to_bytes(8, "little")
+            + (4).to_bytes(8, "little")
+            + packed
+        )
         assert raw == expected
     assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "checkpoint_00000001.bin", "checkpoint_00000002.bin", "config.json", "metrics.jsonl"]
+        "checkpoint_00000001.bin",
+        "checkpoint_00000002.bin",
+        "config.json",
+        "metrics.jsonl",
+    ]
     assert Config.from_json((tmp_path / "config.json").read_text()) == SMALL
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [0, 1]
-    assert set(records[0]) == {"step", "tokens", "loss", "sum_loss", "step_time_s", "updates_total",
-                               "updates_min", "updates_max", "transmissions", "tokens_per_s",
-                               "lr", "bytes_sent", "bytes_received", "time"}
+    assert set(records[0]) == {
+        "step",
+        "tokens",
+        "loss",
+        "sum_loss",
+        "step_time_s",
+        "updates_total",
+        "updates_min",
+        "updates_max",
+        "transmissions",
+        "tokens_per_s",
+        "lr",
+        "bytes_sent",
+        "bytes_received",
+        "time",
+    }
     assert records[1]["tokens"] == 2 * 40 * 64 and records[0]["transmissions"] == 4
 
 
@@ -629,6 +726,7 @@ def test_restart_from_load_dir_restores_state_and_history(tmp_path):
                 assert update.data == pack_trits(step_fitness(step))
             await train_step(fresh, 2)
             await settle(coord, 3)
+
     run(go())
     assert ckpt.load_latest(tmp_path).step == 3
 
@@ -643,6 +741,7 @@ def test_load_dir_into_another_save_dir_copies_the_history(tmp_path):
         async with coordinator(save_dir=second, load_dir=first) as coord:
             await train_step(await Client.connect(coord), 1)
             await settle(coord, 2)
+
     run(go())
     assert sorted(ckpt.list_checkpoints(second)) == [1, 2]
 
@@ -659,6 +758,7 @@ def test_save_dir_of_another_run_is_refused(tmp_path):
     async def go():
         with pytest.raises(ckpt.CheckpointError, match="--load-dir"):
             await Coordinator(SMALL, save_dir=tmp_path, port=0).start()
+
     run(go())
 
 
@@ -682,17 +782,23 @@ def test_corrupt_older_checkpoint_fails_only_that_catch_up(tmp_path, info_logs):
             await a.send(JobRequest(SEED0, 0))
             assert "no longer kept" in (await a.goodbye()).text
             assert (await (await Client.connect(coord)).request(1)).data == b"\x01" * 4
+
     run(go())
     assert any("checkpoint_00000001.bin: bad magic" in r.getMessage() for r in info_logs.records)
 
 
 # --- checkpoint module -------------------------------------------------------------------
 
+
 def test_decode_checkpoint_errors():
     good = ckpt.encode_checkpoint(ckpt.Checkpoint(1, 2, b"ab"))
     assert ckpt.decode_checkpoint(good, "f") == ckpt.Checkpoint(1, 2, b"ab")
-    cases = {good[:20]: "truncated", b"X" + good[1:]: "bad magic",
-             good[:4] + b"\x02" + good[5:]: "version 2", good + b"c": "the file holds 3"}
+    cases = {
+        good[:20]: "truncated",
+        b"X" + good[1:]: "bad magic",
+        good[:4] + b"\x02" + good[5:]: "version 2",
+        good + b"c": "the file holds 3",
+    }
     for data, message in cases.items():
         with pytest.raises(ckpt.CheckpointError, match=f"f: .*{message}"):
             ckpt.decode_checkpoint(data, "f")
@@ -716,6 +822,7 @@ def test_write_atomic_leaves_the_old_file_when_interrupted(tmp_path, monkeypatch
 
     def crash(fd):
         raise OSError("disk on fire")
+
     monkeypatch.setattr(ckpt.os, "fsync", crash)
     with pytest.raises(OSError, match="disk on fire"):
         ckpt.write_atomic(path, b"new contents")
@@ -727,8 +834,12 @@ def test_write_atomic_leaves_the_old_file_when_interrupted(tmp_path, monkeypatch
 
 CLI = [sys.executable, "-c", "from deggs.cli import coordinator_main; coordinator_main()"]
 # The package is importable from the checkout even when it is not installed.
-CLI_ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(
-    [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")])}
+CLI_ENV = {
+    **os.environ,
+    "PYTHONPATH": os.pathsep.join(
+        [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]
+    ),
+}
 SMALL_TOML = "[training]\npopulation_size = 40\nchunk_size = 10\n"
 
 
@@ -738,9 +849,23 @@ class CliProcess:
     def __init__(self, tmp_path, *args):
         (tmp_path / "small.toml").write_text(SMALL_TOML)
         self.proc = subprocess.Popen(
-            CLI + ["--config", str(tmp_path / "small.toml"), "--host", "127.0.0.1",
-                   "--port", "0", "--save-dir", str(tmp_path / "run"), *args],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=CLI_ENV)
+            CLI
+            + [
+                "--config",
+                str(tmp_path / "small.toml"),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                "0",
+                "--save-dir",
+                str(tmp_path / "run"),
+                *args,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=CLI_ENV,
+        )
         self.lines: queue.Queue = queue.Queue()
         self.output: list[str] = []
         threading.Thread(target=self._pump, daemon=True).start()
@@ -776,8 +901,12 @@ def blocking_step(port: int, step: int):
             send_frame(sock, JobRequest(seed_of(step), step).encode())
             job = JobResponse.decode(recv_frame(sock, ANY_FRAME)[1])
             assert job.data_position == chunk * CHUNK
-            send_frame(sock, Result(job.seed, step, job.data_position, 1, 16,
-                                    pack_trits(chunk_fitness(step, chunk))).encode())
+            send_frame(
+                sock,
+                Result(
+                    job.seed, step, job.data_position, 1, 16, pack_trits(chunk_fitness(step, chunk))
+                ).encode(),
+            )
         send_frame(sock, JobRequest(seed_of(step), step).encode())
         recv_frame(sock, ANY_FRAME)  # WAIT, the next step or the end: all results were read
 
@@ -806,20 +935,32 @@ def test_cli_exits_cleanly_on_sigterm_with_files_flushed(tmp_path):
     assert (tmp_path / "run" / "config.json").exists()
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--config", "{bad}"], "unknown key training.chunk_sise"),
-    (["--config", "{missing}"], "config file not found"),
-    (["--load-dir", "{load}"], "model.seq_len"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--config", "{bad}"], "unknown key training.chunk_sise"),
+        (["--config", "{missing}"], "config file not found"),
+        (["--load-dir", "{load}"], "model.seq_len"),
+    ],
+)
 def test_cli_bad_input_is_one_line_and_exit_code_2(tmp_path, args, message):
     (tmp_path / "bad.toml").write_text("[training]\nchunk_sise = 10\n")
     (tmp_path / "load").mkdir()
     ckpt.save_config(tmp_path / "load", Config().replace(model={"seq_len": 16}))
-    paths = {"bad": tmp_path / "bad.toml", "missing": tmp_path / "nope.toml",
-             "load": tmp_path / "load"}
+    paths = {
+        "bad": tmp_path / "bad.toml",
+        "missing": tmp_path / "nope.toml",
+        "load": tmp_path / "load",
+    }
     args = [a.format(**paths) for a in args]
-    proc = subprocess.run(CLI + ["--port", "0", "--save-dir", str(tmp_path / "run"), *args],
-                          capture_output=True, text=True, timeout=60, cwd=tmp_path, env=CLI_ENV)
+    proc = subprocess.run(
+        CLI + ["--port", "0", "--save-dir", str(tmp_path / "run"), *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+        env=CLI_ENV,
+    )
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert message in proc.stderr and "Traceback" not in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
@@ -850,6 +991,7 @@ def test_stalled_and_silent_connections_are_closed_within_their_deadlines(info_l
             # deadlines: the sweep that closed them looked at busy too, and left it open.
             await busy.result(job)
             assert (await busy.request(0)).data_position == CHUNK
+
     run(go())
     messages = " ".join(r.getMessage() for r in info_logs.records)
     assert "no handshake within 0.5 s" in messages
@@ -868,6 +1010,7 @@ def test_a_peer_dripping_bytes_cannot_stretch_a_frame():
                     await asyncio.sleep(0.1)  # the delay under test, not a wait for anything
             assert await dripper.closed(timeout=3)
             assert time.monotonic() - started < 2
+
     run(go())
 
 
@@ -882,6 +1025,7 @@ def test_connections_over_the_limit_are_closed_at_once_and_logged_once(info_logs
             for client in extra:
                 assert await client.closed(timeout=3)
             assert (await kept[0].request(0)).data_position == 0
+
     run(go())
     refusals = [r for r in info_logs.records if "over the limit of 3" in r.getMessage()]
     assert len(refusals) == 1
@@ -894,16 +1038,22 @@ def test_chunk_of_a_departed_worker_is_handed_out_at_once(info_logs):
             assert (await leaver.request(0)).data_position == 0
             await leaver.close()
             # the coordinator sees the close at its next read, and requeues the chunk first
-            await async_wait_until(lambda: coord.state.pending and coord.state.pending[0] == 0,
-                                   5, "chunk 0 back at the head of the queue")
+            await async_wait_until(
+                lambda: coord.state.pending and coord.state.pending[0] == 0,
+                5,
+                "chunk 0 back at the head of the queue",
+            )
             assert (await stayer.request(0)).data_position == 0
+
     run(go())
     assert any("chunk 0 of step 0 back in the queue" in r.getMessage() for r in info_logs.records)
 
 
 def test_a_peer_that_does_not_read_its_replies_is_bounded_and_closed():
-    config = QUICK.replace(coordinator={"max_send_buffer": 1 << 16},
-                           training={"population_size": 400_000, "chunk_size": 10})
+    config = QUICK.replace(
+        coordinator={"max_send_buffer": 1 << 16},
+        training={"population_size": 400_000, "chunk_size": 10},
+    )
 
     async def go():
         async with coordinator(config) as coord:
@@ -915,16 +1065,20 @@ def test_a_peer_that_does_not_read_its_replies_is_bounded_and_closed():
                 for _ in range(2000):  # 80 MB of replies if they were all queued
                     hog.writer.write(request)
                 await asyncio.wait_for(hog.writer.drain(), 5)
+
             def hog_gone():  # it stops reading the hog, and closes it after the deadline
                 queued = [p.transport.get_write_buffer_size() for p in coord.peers]
                 assert all(size <= 2 * (1 << 16) + 40_100 for size in queued), queued
                 return not queued
+
             await async_wait_until(hog_gone, 5, "the coordinator to close the hog")
             assert not coord.peers
+
     run(go())
 
 
 # --- durability ----------------------------------------------------------------------------
+
 
 def test_no_catch_up_and_no_next_step_before_the_checkpoint_is_durable(tmp_path, monkeypatch):
     release, committing = threading.Event(), threading.Event()
@@ -934,6 +1088,7 @@ def test_no_catch_up_and_no_next_step_before_the_checkpoint_is_durable(tmp_path,
         committing.set()
         assert release.wait(10)
         real_commit(*args)
+
     monkeypatch.setattr(ckpt, "commit_step", slow_commit)
 
     async def go():
@@ -949,11 +1104,11 @@ def test_no_catch_up_and_no_next_step_before_the_checkpoint_is_durable(tmp_path,
             await settle(coord, 1)
             assert ckpt.load_latest(tmp_path).step == 1
             assert (await late.request(0)).data == pack_trits(step_fitness(0))
+
     run(go())
 
 
-def test_a_failing_disk_stops_the_run_with_no_hole_in_the_history(tmp_path, monkeypatch,
-                                                                  info_logs):
+def test_a_failing_disk_stops_the_run_with_no_hole_in_the_history(tmp_path, monkeypatch, info_logs):
     config = SMALL.replace(coordinator={"disk_retry_s": 0.3})
     real_commit = ckpt.commit_step
     calls = []
@@ -965,6 +1120,7 @@ def test_a_failing_disk_stops_the_run_with_no_hole_in_the_history(tmp_path, monk
                 f.write(b'{"step": 2, "tor')  # a torn line, as a full disk leaves
             raise OSError(28, "No space left on device")
         real_commit(directory, checkpoint, record)
+
     monkeypatch.setattr(ckpt, "commit_step", commit_until_full)
 
     async def go():
@@ -978,6 +1134,7 @@ def test_a_failing_disk_stops_the_run_with_no_hole_in_the_history(tmp_path, monk
             assert coord.failure and "No space left on device" in coord.failure
             assert coord.state.step == 2  # never moved past what is on disk
             return calls
+
     assert len(run_value(go())) > 1  # retried before giving up
     assert sorted(ckpt.list_checkpoints(tmp_path)) == [1, 2]
     assert [r["step"] for r in ckpt.read_metrics(tmp_path)] == [0, 1]  # 2 torn: skipped
@@ -990,6 +1147,7 @@ def test_a_failing_disk_stops_the_run_with_no_hole_in_the_history(tmp_path, monk
             for step in (0, 1):  # a fresh worker replays from disk...
                 assert (await a.request(step)).data == pack_trits(step_fitness(step))
             await train_step(a, 2)  # ...and trains the step that failed
+
     run(resume())
     assert [r["step"] for r in ckpt.read_metrics(tmp_path)] == [0, 1, 2]
     assert sorted(ckpt.list_checkpoints(tmp_path)) == [1, 2, 3]

@@ -15,7 +15,8 @@ from deggs.ternary import pack_trits, unpack_trits
 CFG = Config().replace(
     model=dict(hidden_dim=32, head_dim=32, n_layers=1, seq_len=8, vocab_size=256),
     training=dict(population_size=32, chunk_size=8),
-    sampling=dict(prompt_tokens=4, generate_tokens=4))
+    sampling=dict(prompt_tokens=4, generate_tokens=4),
+)
 DATA = np.random.default_rng(0).integers(0, 256, 4000).astype(np.uint8)
 
 
@@ -38,7 +39,10 @@ def test_apply_moves_to_the_next_step_and_seed():
     assert (trainer.step, trainer.seed) == (1, hash_rng(42, 1))
     # AdamW's first steps move each accumulator by lr * |m / sqrt(v)| < 1: no weight yet
     changed += sum(trainer.apply(fitness) for _ in range(3))
-    assert (trainer.step, trainer.seed) == (4, hash_rng(hash_rng(hash_rng(hash_rng(42, 1), 2), 3), 4))
+    assert (trainer.step, trainer.seed) == (
+        4,
+        hash_rng(hash_rng(hash_rng(hash_rng(42, 1), 2), 3), 4),
+    )
     assert changed == sum(int((trainer.backend.params[k] != v).sum()) for k, v in before.items())
     assert changed > 0
 
@@ -50,8 +54,11 @@ def test_replay_rebuilds_the_trained_model(tmp_path):
         fitness = np.concatenate([r.fitness for r in results])
         save_checkpoint(tmp_path, Checkpoint(trained.step, trained.seed, pack_trits(fitness)))
     seen = []
-    rebuilt = replay(tmp_path, Trainer(CpuBackend(CFG, threads=1)),
-                     progress=lambda step, last, changed: seen.append((step, last)))
+    rebuilt = replay(
+        tmp_path,
+        Trainer(CpuBackend(CFG, threads=1)),
+        progress=lambda step, last, changed: seen.append((step, last)),
+    )
     assert seen == [(1, 3), (2, 3), (3, 3)]
     assert (rebuilt.step, rebuilt.seed) == (trained.step, trained.seed)
     for k, v in trained.backend.params.items():

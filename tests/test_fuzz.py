@@ -22,23 +22,68 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sync import async_wait_until
+from test_coordinator import (
+    CHUNK,
+    N_CHUNKS,
+    SECRET,
+    SMALL,
+    Client,
+    chunk_fitness,
+    coordinator,
+    seed_of,
+    step_fitness,
+)
 
-from deggs.runtime import protocol
-from deggs.runtime.checkpoint import Checkpoint, CheckpointError, decode_checkpoint, encode_checkpoint
 from deggs.config import Config, ConfigError
-from deggs.runtime.protocol import (AUTH, CHALLENGE, GOODBYE, HEADER_SIZE, HELLO, HELLO_REPLY,
-                            JOB_RESPONSE, LOG_MESSAGE, MAGIC, MAX_CONFIG_JSON, MESSAGES,
-                            NO_FINGERPRINT, NONCE_SIZE, OPCODE_NAMES, PROOF_SIZE, Auth, Challenge,
-                            FrameReader, Goodbye, Hello, HelloReply, JobRequest, JobResponse,
-                            LogMessage, ProtocolError, Reason, Result, decode_message, frame,
-                            parse_header, recv_frame)
+from deggs.runtime import protocol
+from deggs.runtime.checkpoint import (
+    Checkpoint,
+    CheckpointError,
+    decode_checkpoint,
+    encode_checkpoint,
+)
+from deggs.runtime.protocol import (
+    AUTH,
+    CHALLENGE,
+    GOODBYE,
+    HEADER_SIZE,
+    HELLO,
+    HELLO_REPLY,
+    JOB_RESPONSE,
+    LOG_MESSAGE,
+    MAGIC,
+    MAX_CONFIG_JSON,
+    MESSAGES,
+    NO_FINGERPRINT,
+    NONCE_SIZE,
+    OPCODE_NAMES,
+    PROOF_SIZE,
+    Auth,
+    Challenge,
+    FrameReader,
+    Goodbye,
+    Hello,
+    HelloReply,
+    JobRequest,
+    JobResponse,
+    LogMessage,
+    ProtocolError,
+    Reason,
+    Result,
+    decode_message,
+    frame,
+    parse_header,
+    recv_frame,
+)
 from deggs.ternary import pack_trits, packed_size, unpack_trits
 
-from test_coordinator import (CHUNK, N_CHUNKS, SECRET, SMALL, Client, chunk_fitness, coordinator,
-                              seed_of, step_fitness)
-
-FUZZ = settings(database=None, derandomize=True, deadline=None, max_examples=200,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+FUZZ = settings(
+    database=None,
+    derandomize=True,
+    deadline=None,
+    max_examples=200,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 ANY = dict.fromkeys(OPCODE_NAMES, 1 << 24)  # a reader that accepts every known opcode
 
 
@@ -46,16 +91,18 @@ ANY = dict.fromkeys(OPCODE_NAMES, 1 << 24)  # a reader that accepts every known 
 def no_logged_errors(caplog):
     """An error that reached asyncio's default handler, or that deggs logged, fails the test."""
     yield
-    errors = [f"{r.name}: {r.getMessage()}" for r in caplog.get_records("call")
-              if (r.name == "asyncio" or r.name.startswith("deggs"))
-              and r.levelno >= logging.ERROR]
+    errors = [
+        f"{r.name}: {r.getMessage()}"
+        for r in caplog.get_records("call")
+        if (r.name == "asyncio" or r.name.startswith("deggs")) and r.levelno >= logging.ERROR
+    ]
     assert not errors, errors
 
 
 # --- strategies --------------------------------------------------------------------------
 
 u64 = st.integers(0, 2**64 - 1)
-i64 = st.integers(-2**63, 2**63 - 1)
+i64 = st.integers(-(2**63), 2**63 - 1)
 text = st.text(max_size=200)  # no lone surrogates: those cannot be sent as UTF-8
 
 
@@ -89,32 +136,49 @@ def mutated(draw, base):
             at = min(at, len(data) - 1)
             data[at] ^= 1 << draw(st.integers(0, 7))
         elif kind == "cut":
-            del data[at:at + draw(st.integers(1, 16))]
+            del data[at : at + draw(st.integers(1, 16))]
         elif kind == "insert":
             data[at:at] = draw(st.binary(min_size=1, max_size=16))
         elif kind == "overwrite":
             chunk = draw(st.binary(min_size=1, max_size=8))
-            data[at:at + len(chunk)] = chunk
+            data[at : at + len(chunk)] = chunk
         else:  # a length field, as likely as not, made absurd
-            data[at:at + 4] = draw(st.sampled_from(
-                [b"\xff\xff\xff\xff", b"\x7f\xff\xff\xff", b"\x00\x01\x00\x01", b"\x00\x00\x00\x00"]))
+            data[at : at + 4] = draw(
+                st.sampled_from(
+                    [
+                        b"\xff\xff\xff\xff",
+                        b"\x7f\xff\xff\xff",
+                        b"\x00\x01\x00\x01",
+                        b"\x00\x00\x00\x00",
+                    ]
+                )
+            )
     return bytes(data)
 
 
 def payloads():
     """Payloads for any decoder: random bytes, other messages' payloads, and those mutated."""
     valid = any_message.map(lambda m: m.encode()[HEADER_SIZE:])
-    hello_like = st.builds(lambda fp, n, rest: b"\x00\x02" + fp + n.to_bytes(4, "big") + rest,
-                           _bytes(8), st.integers(0, 2**32 - 1), st.binary(max_size=64))
-    return st.one_of(st.binary(max_size=300), valid, hello_like,
-                     mutated(st.one_of(valid, hello_like)))
+    hello_like = st.builds(
+        lambda fp, n, rest: b"\x00\x02" + fp + n.to_bytes(4, "big") + rest,
+        _bytes(8),
+        st.integers(0, 2**32 - 1),
+        st.binary(max_size=64),
+    )
+    return st.one_of(
+        st.binary(max_size=300), valid, hello_like, mutated(st.one_of(valid, hello_like))
+    )
 
 
 def streams():
     """A byte stream as a peer might send it: frames, garbage, and frames mutated."""
     frames = st.lists(any_message.map(lambda m: m.encode()), max_size=6).map(b"".join)
-    return st.one_of(st.binary(max_size=400), frames, mutated(frames),
-                     st.tuples(frames, st.binary(max_size=40)).map(b"".join))
+    return st.one_of(
+        st.binary(max_size=400),
+        frames,
+        mutated(frames),
+        st.tuples(frames, st.binary(max_size=40)).map(b"".join),
+    )
 
 
 def split(data: bytes, cuts: list[int]) -> list[bytes]:
@@ -127,19 +191,20 @@ def reference_frames(stream: bytes, limits: dict) -> tuple[list, bool]:
     out, pos = [], 0
     while len(stream) - pos >= HEADER_SIZE:
         try:
-            opcode, length = parse_header(stream[pos:pos + HEADER_SIZE])
+            opcode, length = parse_header(stream[pos : pos + HEADER_SIZE])
         except ProtocolError:
             return out, True
         if opcode not in limits or length > limits[opcode]:
             return out, True
         if len(stream) - pos - HEADER_SIZE < length:
             break
-        out.append((opcode, stream[pos + HEADER_SIZE:pos + HEADER_SIZE + length]))
+        out.append((opcode, stream[pos + HEADER_SIZE : pos + HEADER_SIZE + length]))
         pos += HEADER_SIZE + length
     return out, False
 
 
 # --- decoders ----------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("cls", MESSAGE_STRATEGIES, ids=lambda c: c.__name__)
 @FUZZ
@@ -180,8 +245,10 @@ def test_every_message_round_trips(cls, data):
 
 
 @FUZZ
-@given(version=st.integers(0, 2**16 - 1).filter(lambda v: v != protocol.DEGGS_PROTOCOL),
-       rest=st.binary(max_size=64))
+@given(
+    version=st.integers(0, 2**16 - 1).filter(lambda v: v != protocol.DEGGS_PROTOCOL),
+    rest=st.binary(max_size=64),
+)
 def test_a_hello_of_another_version_decodes_to_its_version_alone(version, rest):
     message = Hello.decode(version.to_bytes(2, "big") + rest)
     assert message == Hello(NO_FINGERPRINT, "", bytes(NONCE_SIZE), version)
@@ -189,13 +256,22 @@ def test_a_hello_of_another_version_decodes_to_its_version_alone(version, rest):
 
 
 @FUZZ
-@given(stream=streams(), cuts=st.lists(st.integers(0, 500), max_size=12),
-       small_limits=st.booleans())
+@given(
+    stream=streams(), cuts=st.lists(st.integers(0, 500), max_size=12), small_limits=st.booleans()
+)
 def test_frame_reader_finds_the_same_frames_however_the_bytes_arrive(stream, cuts, small_limits):
     # The coordinator's table (only what a worker sends, RESULT of one chunk) or every opcode.
-    limits = ({protocol.JOB_REQUEST: 24, protocol.RESULT: 45, LOG_MESSAGE: 1 << 16,
-               HELLO: 2 + 8 + 4 + MAX_CONFIG_JSON + NONCE_SIZE, AUTH: PROOF_SIZE}
-              if small_limits else ANY)
+    limits = (
+        {
+            protocol.JOB_REQUEST: 24,
+            protocol.RESULT: 45,
+            LOG_MESSAGE: 1 << 16,
+            HELLO: 2 + 8 + 4 + MAX_CONFIG_JSON + NONCE_SIZE,
+            AUTH: PROOF_SIZE,
+        }
+        if small_limits
+        else ANY
+    )
     expected, fails = reference_frames(stream, limits)
     reader, got, failed = FrameReader(limits), [], False
     try:
@@ -204,7 +280,7 @@ def test_frame_reader_finds_the_same_frames_however_the_bytes_arrive(stream, cut
     except ProtocolError:
         failed = True
     assert failed == fails
-    assert got == expected[:len(got)]  # frames completed with the bad header's bytes are lost
+    assert got == expected[: len(got)]  # frames completed with the bad header's bytes are lost
     if not failed:
         assert got == expected
         consumed = sum(HEADER_SIZE + len(p) for _, p in got)
@@ -252,11 +328,20 @@ def test_printable_leaves_no_control_characters(text):
 
 # --- config, ternary, checkpoint -----------------------------------------------------------
 
-json_scalars = st.one_of(st.none(), st.booleans(), st.integers(-10**50, 10**50),
-                         st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=20))
-json_values = st.recursive(json_scalars, lambda inner: st.one_of(
-    st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=8), inner, max_size=4)),
-    max_leaves=20)
+json_scalars = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(10**50), 10**50),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=20),
+)
+json_values = st.recursive(
+    json_scalars,
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=8), inner, max_size=4)
+    ),
+    max_leaves=20,
+)
 DEFAULTS = Config().to_dict()
 
 
@@ -269,11 +354,16 @@ def config_like(draw):
         values = {}
         for key in keys:
             default = DEFAULTS[table][key]
-            values[key] = draw(st.one_of(
-                st.just(default), json_values,
-                st.integers(-2**40, 2**40), st.floats(-1e9, 1e9),
-                st.lists(st.tuples(st.integers(-5, 500), st.floats(-2, 2)), max_size=4),
-                st.lists(st.lists(json_scalars, max_size=3), max_size=3)))
+            values[key] = draw(
+                st.one_of(
+                    st.just(default),
+                    json_values,
+                    st.integers(-(2**40), 2**40),
+                    st.floats(-1e9, 1e9),
+                    st.lists(st.tuples(st.integers(-5, 500), st.floats(-2, 2)), max_size=4),
+                    st.lists(st.lists(json_scalars, max_size=3), max_size=3),
+                )
+            )
         out[table] = values
     if draw(st.integers(0, 9)) == 0:
         out[draw(st.text(max_size=8))] = draw(json_values)
@@ -292,8 +382,12 @@ def check_from_json(text: str):
 
 
 @FUZZ
-@given(text=st.one_of(st.text(max_size=300),
-                      st.text(alphabet='[]{}":,.-+eE0123456789 \\ntrufalsNIy', max_size=300)))
+@given(
+    text=st.one_of(
+        st.text(max_size=300),
+        st.text(alphabet='[]{}":,.-+eE0123456789 \\ntrufalsNIy', max_size=300),
+    )
+)
 def test_config_from_random_text(text):
     check_from_json(text)
 
@@ -307,42 +401,48 @@ def test_config_from_random_json(value):
 @settings(FUZZ, max_examples=100)
 @given(value=config_like())
 def test_config_from_a_config_with_some_values_changed(value):
-    merged = {t: {**DEFAULTS.get(t, {}), **v} if isinstance(v, dict) else v
-              for t, v in value.items()}
+    merged = {
+        t: {**DEFAULTS.get(t, {}), **v} if isinstance(v, dict) else v for t, v in value.items()
+    }
     check_from_json(json.dumps({**DEFAULTS, **merged}))
 
 
-@pytest.mark.parametrize("text", [
-    "[" * 100_000 + "]" * 100_000,
-    '{"a":' * 50_000 + "1" + "}" * 50_000,
-    '{"model":' * 5 + "{}" + "}" * 5,
-    '{"optimizer":{"lr_schedule":[[[[[0]]]]]}}',
-    "9" * 100_000,
-    '{"model":{"hidden_dim":' + "9" * 5000 + "}}",
-    '{"model":{"hidden_dim":1' + "0" * 40 + "}}",
-    '{"softmax":{"exp_scale":NaN}}',
-    '{"softmax":{"exp_scale":-Infinity}}',
-    '{"training":{"seed":-1}}',
-    '{"training":{"population_size":1e3}}',
-    '{"optimizer":{"lr_schedule":[]}}',
-    '{"optimizer":{"lr_schedule":[[0,0.5],[0,0.5]]}}',
-    '{"optimizer":{"lr_schedule":[[true,0.5]]}}',
-    '{"noise":{"init_distribution":"\\ud800"}}',
-    "\ufffd" * 1000,
-    b'{"model":{\xff\xfe}}'.decode("utf-8", "replace"),
-    '"' + "\\\\" * 1000,
-    "",
-    "null",
-    "[]",
-    '{"model":[]}',
-    "x" * (64 * 1024 + 1),
-], ids=lambda t: repr(t[:30]))
+@pytest.mark.parametrize(
+    "text",
+    [
+        "[" * 100_000 + "]" * 100_000,
+        '{"a":' * 50_000 + "1" + "}" * 50_000,
+        '{"model":' * 5 + "{}" + "}" * 5,
+        '{"optimizer":{"lr_schedule":[[[[[0]]]]]}}',
+        "9" * 100_000,
+        '{"model":{"hidden_dim":' + "9" * 5000 + "}}",
+        '{"model":{"hidden_dim":1' + "0" * 40 + "}}",
+        '{"softmax":{"exp_scale":NaN}}',
+        '{"softmax":{"exp_scale":-Infinity}}',
+        '{"training":{"seed":-1}}',
+        '{"training":{"population_size":1e3}}',
+        '{"optimizer":{"lr_schedule":[]}}',
+        '{"optimizer":{"lr_schedule":[[0,0.5],[0,0.5]]}}',
+        '{"optimizer":{"lr_schedule":[[true,0.5]]}}',
+        '{"noise":{"init_distribution":"\\ud800"}}',
+        "\ufffd" * 1000,
+        b'{"model":{\xff\xfe}}'.decode("utf-8", "replace"),
+        '"' + "\\\\" * 1000,
+        "",
+        "null",
+        "[]",
+        '{"model":[]}',
+        "x" * (64 * 1024 + 1),
+    ],
+    ids=lambda t: repr(t[:30]),
+)
 def test_config_from_adversarial_text(text):
     assert check_from_json(text) is None
 
 
-@pytest.mark.parametrize("text", ['{"softmax":{"exp_scale":1e999}}',
-                                  '{"optimizer":{"lr_schedule":[[0,1e400]]}}'])
+@pytest.mark.parametrize(
+    "text", ['{"softmax":{"exp_scale":1e999}}', '{"optimizer":{"lr_schedule":[[0,1e400]]}}']
+)
 def test_config_from_json_refuses_an_overflowing_number(text):
     with pytest.raises(ConfigError):
         Config.from_json(text)
@@ -357,10 +457,14 @@ def test_config_from_json_scans_escaped_quotes_in_one_pass():
 
 
 @FUZZ
-@given(data=st.one_of(st.binary(max_size=64),
-                      st.lists(st.sampled_from([-1, 0, 1]), max_size=200).map(pack_trits),
-                      mutated(st.lists(st.sampled_from([-1, 0, 1]), max_size=200).map(pack_trits))),
-       count=st.integers(0, 400))
+@given(
+    data=st.one_of(
+        st.binary(max_size=64),
+        st.lists(st.sampled_from([-1, 0, 1]), max_size=200).map(pack_trits),
+        mutated(st.lists(st.sampled_from([-1, 0, 1]), max_size=200).map(pack_trits)),
+    ),
+    count=st.integers(0, 400),
+)
 def test_unpack_trits_raises_only_value_error(data, count):
     try:
         values = unpack_trits(data, count)
@@ -379,12 +483,17 @@ def test_trits_round_trip(values):
 
 checkpoints = st.builds(
     lambda step, seed, values: encode_checkpoint(Checkpoint(step, seed, pack_trits(values))),
-    u64, u64, st.lists(st.sampled_from([-1, 0, 1]), max_size=50))
+    u64,
+    u64,
+    st.lists(st.sampled_from([-1, 0, 1]), max_size=50),
+)
 
 
 @FUZZ
-@given(data=st.one_of(st.binary(max_size=100), checkpoints, mutated(checkpoints)),
-       n_pairs=st.one_of(st.none(), st.integers(0, 60)))
+@given(
+    data=st.one_of(st.binary(max_size=100), checkpoints, mutated(checkpoints)),
+    n_pairs=st.one_of(st.none(), st.integers(0, 60)),
+)
 def test_decode_checkpoint_raises_only_checkpoint_error(data, n_pairs):
     try:
         checkpoint = decode_checkpoint(data, "fuzz.bin", n_pairs)
@@ -445,7 +554,7 @@ class Fuzzer:
     def text(self, n: int | None = None) -> str:
         r = self.r
         n = r.randrange(0, 300) if n is None else n
-        alphabet = "abc xyz|0123456789.:-" + CONTROL + "é中\U0001F600\ufffd"
+        alphabet = "abc xyz|0123456789.:-" + CONTROL + "é中\U0001f600\ufffd"
         return "".join(r.choice(alphabet) for _ in range(n))
 
     def job_request(self, right=False) -> bytes:
@@ -462,18 +571,31 @@ class Fuzzer:
         r = self.r
         if r.random() < 0.6:  # plausible: only holding the chunk is missing
             chunk = r.randrange(N_CHUNKS)
-            return Result(seed_of(self.step), self.step, chunk * CHUNK, r.randrange(100),
-                          r.randrange(-2**40, 2**40),
-                          pack_trits(chunk_fitness(self.step, chunk))).encode()
-        step = r.choice([self.step, self.step, self.step + 1, max(self.step - 1, 0),
-                         r.getrandbits(64)])
+            return Result(
+                seed_of(self.step),
+                self.step,
+                chunk * CHUNK,
+                r.randrange(100),
+                r.randrange(-(2**40), 2**40),
+                pack_trits(chunk_fitness(self.step, chunk)),
+            ).encode()
+        step = r.choice(
+            [self.step, self.step, self.step + 1, max(self.step - 1, 0), r.getrandbits(64)]
+        )
         seed = r.choice([seed_of(self.step), seed_of(step) if step < 8 else 0, r.getrandbits(64)])
-        position = r.choice([c * CHUNK for c in range(N_CHUNKS)]
-                            + [r.randrange(1, 40), 40, r.getrandbits(64)])
-        fitness = r.choice([pack_trits(chunk_fitness(step % 8, position // CHUNK % N_CHUNKS)),
-                            bytes([r.randrange(243, 256)]), r.randbytes(r.randrange(0, 5))])
-        return Result(seed, step, position, r.getrandbits(64), r.randrange(-2**63, 2**63),
-                      fitness).encode()
+        position = r.choice(
+            [c * CHUNK for c in range(N_CHUNKS)] + [r.randrange(1, 40), 40, r.getrandbits(64)]
+        )
+        fitness = r.choice(
+            [
+                pack_trits(chunk_fitness(step % 8, position // CHUNK % N_CHUNKS)),
+                bytes([r.randrange(243, 256)]),
+                r.randbytes(r.randrange(0, 5)),
+            ]
+        )
+        return Result(
+            seed, step, position, r.getrandbits(64), r.randrange(-(2**63), 2**63), fitness
+        ).encode()
 
     def log_message(self) -> bytes:
         r = self.r
@@ -492,8 +614,14 @@ class Fuzzer:
         if choice == 0:
             return ours.encode()
         if choice == 1:  # another valid config: the refusal lists the differences
-            return self.config.replace(model={"seq_len": r.choice([16, 32, 128])},
-                                       training={"seed": r.randrange(2**32)}).to_json().encode()
+            return (
+                self.config.replace(
+                    model={"seq_len": r.choice([16, 32, 128])},
+                    training={"seed": r.randrange(2**32)},
+                )
+                .to_json()
+                .encode()
+            )
         if choice == 2:
             return b""
         if choice == 3:
@@ -507,13 +635,20 @@ class Fuzzer:
         if choice == 6:
             return b'{"model":{"hidden_dim":' + b"9" * r.choice([39, 41, 5000]) + b"}}"
         if choice == 7:
-            return r.choice([b'{"softmax":{"exp_scale":NaN}}', b'{"softmax":{"exp_scale":Infinity}}',
-                             b'{"optimizer":{"eps":-Infinity}}', b'{"softmax":{"exp_scale":1e999}}',
-                             b"NaN", b'{"model":{"seq_len":1.5e308}}'])
+            return r.choice(
+                [
+                    b'{"softmax":{"exp_scale":NaN}}',
+                    b'{"softmax":{"exp_scale":Infinity}}',
+                    b'{"optimizer":{"eps":-Infinity}}',
+                    b'{"softmax":{"exp_scale":1e999}}',
+                    b"NaN",
+                    b'{"model":{"seq_len":1.5e308}}',
+                ]
+            )
         if choice == 8:  # invalid UTF-8
             raw = bytearray(ours.encode())
             for _ in range(r.randrange(1, 10)):
-                raw[r.randrange(len(raw))] = r.choice([0xff, 0xfe, 0xc3, 0x80, 0xed])
+                raw[r.randrange(len(raw))] = r.choice([0xFF, 0xFE, 0xC3, 0x80, 0xED])
             return bytes(raw)
         if choice == 9:  # JSON with characters swapped
             raw = list(ours)
@@ -541,32 +676,43 @@ class Fuzzer:
         if choice == 1:
             return r.choice([True, False])
         if choice == 2:
-            return r.choice([0, -1, 1, 2**31, 2**63, -2**64, 10**39, r.getrandbits(64)])
+            return r.choice([0, -1, 1, 2**31, 2**63, -(2**64), 10**39, r.getrandbits(64)])
         if choice == 3:
             return r.choice([0.0, -0.0, 1e-320, 1e308, float("nan"), float("inf"), r.random()])
         if choice in (4, 5):
             return self.text(r.randrange(0, 12))
         if choice == 6:
             return [self.json_value(depth - 1) for _ in range(r.randrange(0, 4))]
-        return {self.text(r.randrange(0, 6)): self.json_value(depth - 1)
-                for _ in range(r.randrange(0, 4))}
+        return {
+            self.text(r.randrange(0, 6)): self.json_value(depth - 1)
+            for _ in range(r.randrange(0, 4))
+        }
 
     def hello(self, valid=False) -> bytes:
         r = self.r
         if valid:
             fingerprint = r.choice([self.fingerprint, NO_FINGERPRINT])
-            return Hello(fingerprint, r.choice(["", self.config.to_json()]),
-                         r.randbytes(NONCE_SIZE)).encode()
+            return Hello(
+                fingerprint, r.choice(["", self.config.to_json()]), r.randbytes(NONCE_SIZE)
+            ).encode()
         fingerprint = r.choice([self.fingerprint, NO_FINGERPRINT, r.randbytes(8), r.randbytes(8)])
         config = self.config_json()
         announced, version, nonce = len(config), protocol.DEGGS_PROTOCOL, r.randbytes(NONCE_SIZE)
         if r.random() < 0.3:  # the layout broken too
-            announced = r.choice([announced + 1, max(announced - 1, 0), r.getrandbits(32),
-                                  MAX_CONFIG_JSON + 1, announced])
+            announced = r.choice(
+                [
+                    announced + 1,
+                    max(announced - 1, 0),
+                    r.getrandbits(32),
+                    MAX_CONFIG_JSON + 1,
+                    announced,
+                ]
+            )
             version = r.choice([protocol.DEGGS_PROTOCOL, 1, 3, r.getrandbits(16)])
             nonce = r.randbytes(r.choice([NONCE_SIZE, 0, 15, 17]))
-        payload = (struct.pack(">H", version) + fingerprint + struct.pack(">I", announced)
-                   + config + nonce)
+        payload = (
+            struct.pack(">H", version) + fingerprint + struct.pack(">I", announced) + config + nonce
+        )
         return frame(HELLO, payload)
 
     def auth(self) -> bytes:
@@ -575,26 +721,35 @@ class Fuzzer:
 
     def coordinators_own(self) -> bytes:  # frames only a coordinator sends
         r = self.r
-        return r.choice([
-            JobResponse(seed_of(self.step), self.step, 0).encode(),
-            HelloReply(self.fingerprint, self.config.to_json()).encode(),
-            Challenge(r.randbytes(NONCE_SIZE), r.randbytes(PROOF_SIZE)).encode(),
-            Goodbye(r.choice(list(Reason)), self.text(20)).encode(),
-        ])
+        return r.choice(
+            [
+                JobResponse(seed_of(self.step), self.step, 0).encode(),
+                HelloReply(self.fingerprint, self.config.to_json()).encode(),
+                Challenge(r.randbytes(NONCE_SIZE), r.randbytes(PROOF_SIZE)).encode(),
+                Goodbye(r.choice(list(Reason)), self.text(20)).encode(),
+            ]
+        )
 
     def raw_header(self) -> bytes:
         r = self.r
         magic = r.choice([MAGIC] * 6 + [b"JOBX", b"SSH-", b"GET ", r.randbytes(4)])
         version = r.choice([1] * 6 + [0, 2, 255])
-        length = r.choice([0, 1, 24, 44, 45, 46, 1 << 16, (1 << 16) + 31, 2**31, 2**32 - 1,
-                           r.getrandbits(32)])
+        length = r.choice(
+            [0, 1, 24, 44, 45, 46, 1 << 16, (1 << 16) + 31, 2**31, 2**32 - 1, r.getrandbits(32)]
+        )
         header = struct.pack(">4sBBI", magic, version, r.randrange(256), length)
         return header + r.randbytes(min(length, r.randrange(0, 60)))
 
     def garbage(self) -> bytes:
         r = self.r
-        return r.choice([b"", b"\x00" * 10, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n",
-                         r.randbytes(r.randrange(1, 200))])
+        return r.choice(
+            [
+                b"",
+                b"\x00" * 10,
+                b"GET / HTTP/1.1\r\nHost: x\r\n\r\n",
+                r.randbytes(r.randrange(1, 200)),
+            ]
+        )
 
     def mutate(self, data: bytes) -> bytes:
         r = self.r
@@ -605,10 +760,14 @@ class Fuzzer:
                 for _ in range(r.randrange(1, 9)):
                     data[r.randrange(len(data))] ^= 1 << r.randrange(8)
             elif kind == 1:  # cut
-                data = data[:r.randrange(len(data) + 1)]
+                data = data[: r.randrange(len(data) + 1)]
             elif kind == 2 and len(data) >= HEADER_SIZE:  # announced length
-                data[6:10] = struct.pack(">I", r.choice(
-                    [0, len(data), len(data) - HEADER_SIZE + 1, 2**32 - 1, r.getrandbits(32)]))
+                data[6:10] = struct.pack(
+                    ">I",
+                    r.choice(
+                        [0, len(data), len(data) - HEADER_SIZE + 1, 2**32 - 1, r.getrandbits(32)]
+                    ),
+                )
             elif kind == 3 and len(data) > 5:  # opcode
                 data[5] = r.randrange(256)
             elif kind == 4:  # junk appended or inserted
@@ -630,11 +789,11 @@ class Fuzzer:
                 for _ in range(r.randrange(1, 9)):
                     payload[r.randrange(len(payload))] ^= 1 << r.randrange(8)
             elif kind == 1:
-                del payload[r.randrange(len(payload) + 1):]
+                del payload[r.randrange(len(payload) + 1) :]
             else:
                 at = r.randrange(len(payload) + 1)
                 payload[at:at] = r.randbytes(r.randrange(1, 20))
-        return frame(data[5], bytes(payload[:self.coord.limits.get(data[5], len(payload))]))
+        return frame(data[5], bytes(payload[: self.coord.limits.get(data[5], len(payload))]))
 
     def any_frame(self, clean=False) -> bytes:
         """One hostile frame for a connection that must never be handed a chunk. A clean
@@ -642,13 +801,31 @@ class Fuzzer:
         before it are handled before it ends the connection."""
         r = self.r
         if clean:
-            maker = r.choices([self.job_request, self.result, self.stale_result,
-                               lambda: LogMessage(self.text()).encode(), self.hello, self.auth],
-                              weights=[3, 6, 2, 2, 3, 2])[0]
+            maker = r.choices(
+                [
+                    self.job_request,
+                    self.result,
+                    self.stale_result,
+                    lambda: LogMessage(self.text()).encode(),
+                    self.hello,
+                    self.auth,
+                ],
+                weights=[3, 6, 2, 2, 3, 2],
+            )[0]
         else:
-            maker = r.choices([self.job_request, self.result, self.log_message, self.hello,
-                               self.auth, self.coordinators_own, self.raw_header, self.garbage],
-                              weights=[3, 5, 3, 3, 2, 1, 2, 1])[0]
+            maker = r.choices(
+                [
+                    self.job_request,
+                    self.result,
+                    self.log_message,
+                    self.hello,
+                    self.auth,
+                    self.coordinators_own,
+                    self.raw_header,
+                    self.garbage,
+                ],
+                weights=[3, 5, 3, 3, 2, 1, 2, 1],
+            )[0]
         data = maker()
         # A RESULT with the right seed goes out intact: a mutation could make it a
         # JOB_REQUEST with the right seed, which would hand this connection a chunk.
@@ -659,28 +836,40 @@ class Fuzzer:
     def stale_result(self) -> bytes:
         """A well-formed RESULT for another step: read, checked and ignored, never counted."""
         r = self.r
-        steps = [self.step + 1, self.step + 2, r.getrandbits(64)] + [self.step - 1] * (self.step > 0)
+        steps = [self.step + 1, self.step + 2, r.getrandbits(64)] + [self.step - 1] * (
+            self.step > 0
+        )
         step = r.choice(steps)
-        fitness = r.choice([pack_trits(chunk_fitness(0, r.randrange(N_CHUNKS))),
-                            bytes([r.randrange(243, 256)])])
-        return Result(r.choice([seed_of(self.step), r.getrandbits(64)]), step,
-                      r.randrange(N_CHUNKS) * CHUNK, r.getrandbits(64),
-                      r.randrange(-2**63, 2**63), fitness).encode()
+        fitness = r.choice(
+            [pack_trits(chunk_fitness(0, r.randrange(N_CHUNKS))), bytes([r.randrange(243, 256)])]
+        )
+        return Result(
+            r.choice([seed_of(self.step), r.getrandbits(64)]),
+            step,
+            r.randrange(N_CHUNKS) * CHUNK,
+            r.getrandbits(64),
+            r.randrange(-(2**63), 2**63),
+            fitness,
+        ).encode()
 
     def catch_up(self) -> bytes:
         """A JOB_REQUEST from a step behind (served from the history; no seed is checked)."""
         r = self.r
-        return JobRequest(r.getrandbits(64) | 1 << 63, r.randrange(self.step),
-                          r.getrandbits(64)).encode()
+        return JobRequest(
+            r.getrandbits(64) | 1 << 63, r.randrange(self.step), r.getrandbits(64)
+        ).encode()
 
     def deep_frame(self, maker=None) -> bytes:
         """A frame the coordinator reads, handles and answers without closing: for a
         connection that may hold chunks, so never a RESULT of the current step."""
         r = self.r
         if maker is None:
-            makers = [lambda: self.job_request(right=True), self.stale_result,
-                      lambda: LogMessage(self.text()).encode(),
-                      lambda: frame(LOG_MESSAGE, r.randbytes(r.randrange(0, 200)))]
+            makers = [
+                lambda: self.job_request(right=True),
+                self.stale_result,
+                lambda: LogMessage(self.text()).encode(),
+                lambda: frame(LOG_MESSAGE, r.randbytes(r.randrange(0, 200))),
+            ]
             makers += [self.catch_up] * 2 * (self.step > 0)
             maker = r.choice(makers)
         return maker()
@@ -689,25 +878,43 @@ class Fuzzer:
         """A last frame for a connection that may hold chunks: it gets it dropped (or not),
         and cannot be a RESULT of the current step however it was mutated."""
         r = self.r
-        data = r.choice([self.mutate(self.deep_frame()), self.job_request(), self.hello(),
-                         self.auth(), self.coordinators_own(), self.raw_header(),
-                         self.garbage(), self.truncated(),
-                         frame(LOG_MESSAGE, b"x" * (64 * 1024 + 1))])
+        data = r.choice(
+            [
+                self.mutate(self.deep_frame()),
+                self.job_request(),
+                self.hello(),
+                self.auth(),
+                self.coordinators_own(),
+                self.raw_header(),
+                self.garbage(),
+                self.truncated(),
+                frame(LOG_MESSAGE, b"x" * (64 * 1024 + 1)),
+            ]
+        )
         if len(data) > 5 and data[5] == protocol.RESULT:
             data = data[:5] + bytes([LOG_MESSAGE]) + data[6:]
         return data
 
     def truncated(self) -> bytes:
-        data = self.r.choice([self.job_request(), self.result(), self.hello(valid=True),
-                              self.log_message(), self.auth()])
-        return data[:self.r.randrange(1, len(data))]
+        data = self.r.choice(
+            [
+                self.job_request(),
+                self.result(),
+                self.hello(valid=True),
+                self.log_message(),
+                self.auth(),
+            ]
+        )
+        return data[: self.r.randrange(1, len(data))]
 
     # --- whole connections ---------------------------------------------------------------
 
     def script(self) -> Script:
         r = self.r
-        kind = r.choices(["instant", "silent", "garbage", "handshake", "auth_first", "forger",
-                          "deep", "stall"], weights=[8, 2, 18, 12, 3, 10, 40, 7])[0]
+        kind = r.choices(
+            ["instant", "silent", "garbage", "handshake", "auth_first", "forger", "deep", "stall"],
+            weights=[8, 2, 18, 12, 3, 10, 40, 7],
+        )[0]
         frames, authenticate, clean = [], False, r.random() < 0.6
         if kind == "garbage":
             frames = [self.any_frame(clean) for _ in range(r.randrange(1, 40))]
@@ -731,8 +938,10 @@ class Fuzzer:
                 frames.append(self.hello(valid=True))
             maker = None
             if r.random() < 0.3:
-                maker = r.choice([lambda: self.job_request(right=True), self.stale_result,
-                                  self.log_message] + [self.catch_up] * (self.step > 0))
+                maker = r.choice(
+                    [lambda: self.job_request(right=True), self.stale_result, self.log_message]
+                    + [self.catch_up] * (self.step > 0)
+                )
             n = r.choice([r.randrange(1, 60), r.randrange(100, 400)])
             frames += [self.deep_frame(maker) for _ in range(n)]
             if r.random() < 0.1:
@@ -742,8 +951,9 @@ class Fuzzer:
         elif kind == "stall":
             frames = [self.any_frame() for _ in range(r.randrange(0, 6))] + [self.truncated()]
         stream = b"".join(frames)
-        script = Script(kind, self.fragments(stream, frames), len(frames), "close",
-                        authenticate=authenticate)
+        script = Script(
+            kind, self.fragments(stream, frames), len(frames), "close", authenticate=authenticate
+        )
         script.must_close = self.must_close(stream, authenticated=authenticate)
         endings = ["close", "rst"] + ["half_close"] * 2 + ["await_close"] * 4 * script.must_close
         script.ending = r.choice(endings)
@@ -751,12 +961,21 @@ class Fuzzer:
 
     def drip_script(self) -> Script:
         """A frame sent a byte at a time, slower than frame_timeout_s allows."""
-        data = (self.hello(valid=True) if self.secret is not None
-                else self.r.choice([self.job_request(), self.hello(valid=True)]))
+        data = (
+            self.hello(valid=True)
+            if self.secret is not None
+            else self.r.choice([self.job_request(), self.hello(valid=True)])
+        )
         n = int(1.5 * self.config.coordinator.frame_timeout_s / DRIP_S) + 1
         assert n < len(data)
-        return Script("drip", [data[i:i + 1] for i in range(n)], 1, "await_close",
-                      must_close=True, drip=True)
+        return Script(
+            "drip",
+            [data[i : i + 1] for i in range(n)],
+            1,
+            "await_close",
+            must_close=True,
+            drip=True,
+        )
 
     def fragments(self, stream: bytes, frames: list) -> list:
         r = self.r
@@ -765,8 +984,11 @@ class Fuzzer:
             return [stream] if stream else []
         if how == 1:
             return [f for f in frames if f]
-        return [p for p in split(stream, [r.randrange(len(stream)) for _ in range(r.randrange(1, 20))])
-                if p]
+        return [
+            p
+            for p in split(stream, [r.randrange(len(stream)) for _ in range(r.randrange(1, 20))])
+            if p
+        ]
 
     def must_close(self, stream: bytes, authenticated: bool) -> bool:
         """Whether the coordinator must end this connection on its own: an unproven peer
@@ -844,9 +1066,11 @@ def check_outcome(outcome: Outcome, secret) -> None:
     if secret is not None and not script.authenticate:
         # A CHALLENGE, or the refusal of a HELLO laid out by another deggs version (which
         # could not have carried a proof); never a step, a seed or the config.
-        assert all(isinstance(m, Challenge) or (isinstance(m, Goodbye) and m.reason
-                                                == Reason.PROTOCOL_MISMATCH)
-                   for m in messages), (messages, where)
+        assert all(
+            isinstance(m, Challenge)
+            or (isinstance(m, Goodbye) and m.reason == Reason.PROTOCOL_MISMATCH)
+            for m in messages
+        ), (messages, where)
         assert len(messages) <= 1, where
     assert sum(isinstance(m, HelloReply) for m in messages) <= 1, where
 
@@ -854,8 +1078,9 @@ def check_outcome(outcome: Outcome, secret) -> None:
 async def barrage(coord, seed: int, step: int, n_connections: int, parallel: int = 12) -> int:
     """Play n_connections scripted connections (and two drips); return the frames thrown."""
     fuzzer = Fuzzer(seed, coord, step)
-    scripts = [fuzzer.script() for _ in range(n_connections)] + [fuzzer.drip_script()
-                                                                  for _ in range(2)]
+    scripts = [fuzzer.script() for _ in range(n_connections)] + [
+        fuzzer.drip_script() for _ in range(2)
+    ]
     gate = asyncio.Semaphore(parallel)
 
     async def one(script):
@@ -936,9 +1161,13 @@ def test_coordinator_survives_a_barrage_and_still_trains(secret, caplog):
 
     asyncio.run(asyncio.wait_for(go(), 55))
     assert sum(thrown) >= 1500, thrown
-    dropped = [r for r in caplog.records if r.name == "deggs.runtime.coordinator"
-               and r.levelno == logging.WARNING and ("dropping" in r.getMessage()
-                                                     or "closing" in r.getMessage())]
+    dropped = [
+        r
+        for r in caplog.records
+        if r.name == "deggs.runtime.coordinator"
+        and r.levelno == logging.WARNING
+        and ("dropping" in r.getMessage() or "closing" in r.getMessage())
+    ]
     assert len(dropped) >= 100  # the barrage did reach the coordinator's checks
 
 
@@ -956,6 +1185,7 @@ def test_stop_survives_a_worker_that_just_left():
             worker = await Client.connect(coord)
             await worker.hello()  # welcomed: stop() says GOODBYE to it
             await worker.close()  # gone before the coordinator has read the EOF
+
     asyncio.run(asyncio.wait_for(go(), 10))
 
 
@@ -973,12 +1203,15 @@ def test_a_refusal_to_a_peer_that_left_during_an_async_reply():
             with socket.create_connection(("127.0.0.1", coord.port)) as s:
                 s.sendall(Hello(SMALL.fingerprint()).encode())
                 s.setblocking(False)
-                assert isinstance(decode_message(*FrameReader(ANY).feed(
-                    await loop.sock_recv(s, 1 << 16))[0]), HelloReply)
+                assert isinstance(
+                    decode_message(*FrameReader(ANY).feed(await loop.sock_recv(s, 1 << 16))[0]),
+                    HelloReply,
+                )
                 s.setblocking(True)
                 # The catch-up from step 0 looks for it on disk (a coroutine): HISTORY_GONE.
                 s.sendall(JobRequest(seed_of(0), 0).encode())
             await until(lambda: len(coord.peers) == 1, "the refused peer to be forgotten", 3)
             await trainer.request(2)  # keeps the trainer's connection open until stop()
+
     asyncio.run(asyncio.wait_for(go(), 20))
     assert not unhandled, [ctx.get("message") for ctx in unhandled]

@@ -7,8 +7,8 @@ Every test is marked requires_gpu: conftest.py skips them without CuPy and a CUD
 import numpy as np
 import pytest
 
-from deggs.numerics.cpu import CpuBackend
 from deggs.config import Config
+from deggs.numerics.cpu import CpuBackend
 
 pytestmark = pytest.mark.requires_gpu
 
@@ -18,11 +18,21 @@ def small_config(rng, **switches):
     head = int(rng.choice([h for h in (32, 64) if h <= hidden]))
     vocab = int(rng.choice([256, 512]))
     cfg = Config().replace(
-        model=dict(hidden_dim=hidden, head_dim=head, n_layers=int(rng.integers(1, 3)),
-                   seq_len=int(rng.choice([8, 16, 32])), vocab_size=vocab),
-        training=dict(population_size=64, chunk_size=32, seed=int(rng.integers(2**32)),
-                      init_seed=int(rng.integers(1, 2**31))),
-        sampling=dict(prompt_tokens=8, generate_tokens=8))
+        model=dict(
+            hidden_dim=hidden,
+            head_dim=head,
+            n_layers=int(rng.integers(1, 3)),
+            seq_len=int(rng.choice([8, 16, 32])),
+            vocab_size=vocab,
+        ),
+        training=dict(
+            population_size=64,
+            chunk_size=32,
+            seed=int(rng.integers(2**32)),
+            init_seed=int(rng.integers(1, 2**31)),
+        ),
+        sampling=dict(prompt_tokens=8, generate_tokens=8),
+    )
     return cfg.replace(**switches) if switches else cfg
 
 
@@ -39,8 +49,10 @@ def compare_states(cpu, gpu):
 
 SWITCHES = [
     {},
-    dict(noise=dict(perturb_distribution="three_sample", init_distribution="three_sample"),
-         adaptive_noise=dict(mode=2)),
+    dict(
+        noise=dict(perturb_distribution="three_sample", init_distribution="three_sample"),
+        adaptive_noise=dict(mode=2),
+    ),
     dict(adaptive_noise=dict(mode=0)),
     dict(optimizer=dict(kind="sgd", sgd_vote_scale=0.25)),
 ]
@@ -64,7 +76,7 @@ def test_gpu_matches_cpu_on_random_configs(case):
         assert gpu.update(fitness, step, seed) == cpu.update(fitness, step, seed)
         compare_states(cpu, gpu)
         seed = int(rng.integers(2**32))
-    prompt = data[:cfg.sampling.prompt_tokens]
+    prompt = data[: cfg.sampling.prompt_tokens]
     assert np.array_equal(gpu.generate(prompt, 7), cpu.generate(prompt, 7))
 
 
@@ -72,18 +84,24 @@ def test_gpu_matches_cpu_on_random_configs(case):
 GENERATION = [
     (dict(temperature=0.6, min_p=0.08, presence_penalty=0.2), dict(model=dict(vocab_size=256))),
     (dict(temperature=1.0, min_p=0.01, presence_penalty=0.0), dict(model=dict(vocab_size=512))),
-    (dict(temperature=0.3, min_p=0.5, presence_penalty=1.5),
-     dict(model=dict(vocab_size=2048), adaptive_noise=dict(mode=2))),
-    (dict(temperature=1.7, min_p=0.0001, presence_penalty=0.7),
-     dict(model=dict(vocab_size=256), noise=dict(perturb_distribution="three_sample"))),
+    (
+        dict(temperature=0.3, min_p=0.5, presence_penalty=1.5),
+        dict(model=dict(vocab_size=2048), adaptive_noise=dict(mode=2)),
+    ),
+    (
+        dict(temperature=1.7, min_p=0.0001, presence_penalty=0.7),
+        dict(model=dict(vocab_size=256), noise=dict(perturb_distribution="three_sample")),
+    ),
     (dict(temperature=0.05, min_p=1.0, presence_penalty=3.0), dict(model=dict(vocab_size=1024))),
 ]
 
 
 def shuffled_weights(rng, params, overlays):
     """Weights and overlays moved off their initial values, for livelier logits."""
-    params = {k: np.clip(v.astype(np.int64) + rng.integers(-40, 41, v.shape), -127, 127).astype(np.int8)
-              for k, v in params.items()}
+    params = {
+        k: np.clip(v.astype(np.int64) + rng.integers(-40, 41, v.shape), -127, 127).astype(np.int8)
+        for k, v in params.items()
+    }
     overlays = {k: rng.integers(-127, 128, v.shape).astype(np.int8) for k, v in overlays.items()}
     return params, overlays
 
@@ -99,9 +117,14 @@ def test_generation_matches_cpu(case):
     gpu.load_state(params, overlays)
     t, v = cfg.model.seq_len, cfg.model.vocab_size
     # prompts shorter and longer than a window (and none); generations past the RoPE table
-    for n_prompt, n_tokens in [(8, None), (1, 2 * t + 5), (2 * t + 3, t), (0, 6),
-                               (int(rng.integers(1, 20)), 0),
-                               (int(rng.integers(1, 20)), int(rng.integers(1, 40)))]:
+    for n_prompt, n_tokens in [
+        (8, None),
+        (1, 2 * t + 5),
+        (2 * t + 3, t),
+        (0, 6),
+        (int(rng.integers(1, 20)), 0),
+        (int(rng.integers(1, 20)), int(rng.integers(1, 40))),
+    ]:
         prompt = rng.integers(0, v, n_prompt)
         seed = int(rng.integers(2**32))
         ours, theirs = gpu.generate(prompt, seed, n_tokens), cpu.generate(prompt, seed, n_tokens)
@@ -112,6 +135,7 @@ def test_generation_matches_cpu(case):
 
 def GpuBackend_(cfg, **kw):
     from deggs.numerics.gpu import GpuBackend
+
     return GpuBackend(cfg, **kw)
 
 

@@ -8,18 +8,30 @@ import pytest
 from deggs.config import Config
 from deggs.numerics.fitness import chunk_fitness
 from deggs.numerics.model import (
-    Perturbation, attention_mix, cdiv, init_params, make_tables, max_abs_normalize,
-    project, rope, round_half_away, sequence_loss, standard_norm, trunc_i32, wrap32,
+    Perturbation,
+    attention_mix,
+    cdiv,
+    init_params,
+    make_tables,
+    max_abs_normalize,
+    project,
+    rope,
+    round_half_away,
+    sequence_loss,
+    standard_norm,
+    trunc_i32,
+    wrap32,
 )
-from deggs.numerics.params import param_shapes, parameter_table
 from deggs.numerics.noise import hash_np, hash_u32, noise_np, noise_vector, xorshift_noise
-from deggs.seeds import hash_rng, next_step_seed
 from deggs.numerics.optimizer import matrix_votes, quantize, update_overlay, vector_votes
+from deggs.numerics.params import param_shapes, parameter_table
 from deggs.numerics.sampling import choose_token, scan_order
+from deggs.seeds import hash_rng, next_step_seed
 
 SMALL = Config().replace(
     model=dict(hidden_dim=32, head_dim=32, n_layers=1, seq_len=8, vocab_size=70),
-    training=dict(population_size=16, chunk_size=8))
+    training=dict(population_size=16, chunk_size=8),
+)
 
 
 def fmix32(x):
@@ -32,6 +44,7 @@ def fmix32(x):
 
 
 # --- hash and noise -----------------------------------------------------------------
+
 
 def test_hash_is_fmix32_of_seed_plus_golden_ratio_multiple():
     assert hash_rng(0, 0) == 0
@@ -46,7 +59,7 @@ def test_hash_forms_agree():
     seeds = rng.integers(0, 2**32, 200, dtype=np.uint64)
     idx = rng.integers(0, 2**32, 200, dtype=np.uint64)
     by_numpy = hash_np(seeds.astype(np.uint32), idx.astype(np.uint32))
-    for s, i, h in zip(seeds, idx, by_numpy):
+    for s, i, h in zip(seeds, idx, by_numpy, strict=True):
         assert hash_rng(int(s), int(i)) == int(h) == int(hash_u32(np.uint32(s), np.uint32(i)))
 
 
@@ -55,7 +68,9 @@ def test_step_seed_evolution():
     assert next_step_seed(2**40 + 42, 1) == hash_rng(42, 1)  # truncated to 32 bits
 
 
-@pytest.mark.parametrize("word, expected", [(0b1011, 5), (0b1010, -5), (0, 0), (0b11111, 15), (0b11110, -15)])
+@pytest.mark.parametrize(
+    "word, expected", [(0b1011, 5), (0b1010, -5), (0, 0), (0b11111, 15), (0b11110, -15)]
+)
 def test_uniform_sample_from_bits(word, expected):
     assert int(np.asarray(noise_np_word(word, False))) == expected
 
@@ -67,6 +82,7 @@ def test_three_sample_noise_adds_three_signed_fields():
 
 def noise_np_word(word, three):
     from deggs.numerics.noise import samples_np
+
     return samples_np(np.array([word], np.uint32), 15, three)[0]
 
 
@@ -79,6 +95,7 @@ def test_noise_vector_matches_broadcast_form():
 
 
 # --- initialiser -----------------------------------------------------------------------
+
 
 def test_xorshift_stream_by_hand():
     x = 42
@@ -101,8 +118,10 @@ def test_init_params_layout():
     for name in ("emb_bias", "mlp_bias_up", "mlp_bias_down", "ln_f_bias", "ln_1_bias"):
         assert (params[name] == 0).all()
     stream, _ = xorshift_noise(np.uint32(42), 32 * 70 + 32 * 128, 15, False)
-    assert np.array_equal(params["embedding"].ravel(), stream[:32 * 70])  # W[hidden, vocab] row-major
-    assert np.array_equal(params["w_emb_mlp_up"].ravel(), stream[32 * 70:])
+    assert np.array_equal(
+        params["embedding"].ravel(), stream[: 32 * 70]
+    )  # W[hidden, vocab] row-major
+    assert np.array_equal(params["w_emb_mlp_up"].ravel(), stream[32 * 70 :])
 
 
 def test_parameter_count_at_the_default_config():
@@ -111,14 +130,27 @@ def test_parameter_count_at_the_default_config():
 
 # --- C arithmetic ------------------------------------------------------------------------
 
+
 def test_c_arithmetic_helpers():
     assert cdiv(np.array([-7, 7, 7, -7]), np.array([2, -2, 2, -2])).tolist() == [-3, -3, 3, 3]
-    assert round_half_away(np.array([2.5, -2.5, 0.49999997, 1.4999999], np.float32)).tolist() == [3, -3, 0, 1]
-    assert trunc_i32(np.array([3e10, -3e10, np.nan, -1.7, 1.7])).tolist() == [2**31 - 1, -2**31, 0, -1, 1]
-    assert wrap32(np.array([2**31, -2**31 - 1, 5])).tolist() == [-2**31, 2**31 - 1, 5]
+    assert round_half_away(np.array([2.5, -2.5, 0.49999997, 1.4999999], np.float32)).tolist() == [
+        3,
+        -3,
+        0,
+        1,
+    ]
+    assert trunc_i32(np.array([3e10, -3e10, np.nan, -1.7, 1.7])).tolist() == [
+        2**31 - 1,
+        -(2**31),
+        0,
+        -1,
+        1,
+    ]
+    assert wrap32(np.array([2**31, -(2**31) - 1, 5])).tolist() == [-(2**31), 2**31 - 1, 5]
 
 
 # --- tables -------------------------------------------------------------------------------
+
 
 def test_tables_by_hand():
     t = make_tables(Config(), 96)
@@ -126,8 +158,8 @@ def test_tables_by_hand():
     assert t.exp[6] == round(math.exp(-1) * 2**18) == 96437
     assert t.exp[74] == 1 and t.exp[75] == 0  # values below 1 become 0
     assert t.gelu[0] == 0
-    assert t.gelu[16] == 13          # GELU(1.0) = 0.841 -> 13.46 in Q.4
-    assert t.gelu[256 - 16] == -3    # GELU(-1.0) = -0.159 -> -2.54, halves away from 0
+    assert t.gelu[16] == 13  # GELU(1.0) = 0.841 -> 13.46 in Q.4
+    assert t.gelu[256 - 16] == -3  # GELU(-1.0) = -0.159 -> -2.54, halves away from 0
     assert t.gelu[127] == 127
     assert t.rope.shape == (96, 32, 2)
     assert t.rope[0, 0].tolist() == [2**20, 0]
@@ -135,6 +167,7 @@ def test_tables_by_hand():
 
 
 # --- layer pieces ---------------------------------------------------------------------------
+
 
 def test_max_abs_normalize_scales_the_peak_to_127():
     out = max_abs_normalize(np.array([[[-2, 1, 0, 4]]]))
@@ -144,14 +177,16 @@ def test_max_abs_normalize_scales_the_peak_to_127():
 
 def test_standard_norm_without_noise():
     x = np.zeros((1, 1, 32), np.int64)
-    x[0, 0, :4] = [40, -40, 8, 0]        # sum |x| = 88, mean 88 // 32 = 2
+    x[0, 0, :4] = [40, -40, 8, 0]  # sum |x| = 88, mean 88 // 32 = 2
     w = np.full(32, 16, np.int8)
     b = np.full(32, 3, np.int8)
     out = standard_norm(SMALL, x, w, b)
-    assert out[0, 0, :4].tolist() == [127, -127, 67, 3]   # 320 -> clipped, -320, 64 + 3, 0 + 3
+    assert out[0, 0, :4].tolist() == [127, -127, 67, 3]  # 320 -> clipped, -320, 64 + 3, 0 + 3
     tiny = np.zeros((1, 1, 32), np.int64)
-    tiny[0, 0, 0] = -5                    # mean 0 becomes 1; C division truncates
-    assert standard_norm(SMALL, tiny, np.full(32, 3, np.int8), np.zeros(32, np.int8))[0, 0, 0] == -15
+    tiny[0, 0, 0] = -5  # mean 0 becomes 1; C division truncates
+    assert (
+        standard_norm(SMALL, tiny, np.full(32, 3, np.int8), np.zeros(32, np.int8))[0, 0, 0] == -15
+    )
 
 
 def test_rope_rotates_pairs():
@@ -159,8 +194,8 @@ def test_rope_rotates_pairs():
     x = np.zeros((1, 2, 32), np.int64)
     x[:, :, 0] = 1000
     out = rope(SMALL, t, x, np.arange(2))
-    assert out[0, 0, :2].tolist() == [1000, 0]            # position 0: identity
-    assert out[0, 1, :2].tolist() == [540, 841]           # 1000 (cos 1, sin 1), rounded
+    assert out[0, 0, :2].tolist() == [1000, 0]  # position 0: identity
+    assert out[0, 1, :2].tolist() == [540, 841]  # 1000 (cos 1, sin 1), rounded
 
 
 def test_attention_mix_by_hand():
@@ -169,21 +204,21 @@ def test_attention_mix_by_hand():
     k = np.zeros((1, 2, 32), np.int64)
     v = np.zeros((1, 2, 32), np.int64)
     q[0, :, 0] = 1
-    k[0, 0, 0], k[0, 1, 0] = 256 * 6, 0     # scores >> 8: 6 and 0
+    k[0, 0, 0], k[0, 1, 0] = 256 * 6, 0  # scores >> 8: 6 and 0
     v[0, 0, :] = 100
     v[0, 1, :] = -50
     out = attention_mix(SMALL, t, q, k, v, np.arange(2))
-    assert (out[0, 0] == 100).all()          # one visible key: its value
-    w_far, w_max = 96437, 2**18               # exp index 6 for key 1, 0 for key 0
+    assert (out[0, 0] == 100).all()  # one visible key: its value
+    w_far, w_max = 96437, 2**18  # exp index 6 for key 1, 0 for key 0
     expected = int((w_max * 100 + w_far * -50) / (w_max + w_far))
     assert (out[0, 1] == expected).all()
 
 
 def test_sequence_loss_by_hand():
     t = make_tables(Config(), 8)
-    lgt = np.zeros((1, 1, 4), np.int64)          # sum of exp = 4 * 2^18 = 2^20
+    lgt = np.zeros((1, 1, 4), np.int64)  # sum of exp = 4 * 2^18 = 2^20
     assert sequence_loss(Config(), t, lgt, np.array([[0]])).tolist() == [16]  # 8 * (20 - 18)
-    lgt[0, 0] = [10, 0, 0, 0]                     # max 10; others index 10 in the table
+    lgt[0, 0] = [10, 0, 0, 0]  # max 10; others index 10 in the table
     total = 2**18 + 3 * int(t.exp[10])
     bucket = total.bit_length() - 1
     expected = (((bucket << 4) - (18 << 4)) >> 1) + 10 - 0
@@ -216,6 +251,7 @@ def test_rank_one_projection_equals_a_brute_force_member_loop():
 
 # --- fitness ---------------------------------------------------------------------------------
 
+
 def test_fitness_signs_without_shaping():
     cfg = SMALL.replace(fitness={"chunk_mean_filter": False, "adaptive_threshold": False})
     result = chunk_fitness(cfg, np.array([10, 12, 5, 5, 7, 3]))
@@ -238,9 +274,11 @@ def test_fitness_chunk_mean_filter_and_threshold():
 
 # --- optimizer ---------------------------------------------------------------------------------
 
+
 def test_quantize_steps_and_clamps():
-    w, acc, changed = quantize(np.array([0, 0, 0, 127, -127], np.int8),
-                               np.array([1.25, -1.0, 0.5, 1.5, -2.0], np.float32))
+    w, acc, changed = quantize(
+        np.array([0, 0, 0, 127, -127], np.int8), np.array([1.25, -1.0, 0.5, 1.5, -2.0], np.float32)
+    )
     assert w.tolist() == [1, -1, 0, 127, -127]
     assert acc.tolist() == [0.25, 0.0, 0.5, 1.0, -1.0]
     assert changed.tolist() == [True, True, False, False, False]
@@ -269,6 +307,7 @@ def test_votes_equal_the_per_pair_sum():
 
 # --- sampling ------------------------------------------------------------------------------------
 
+
 def test_scan_order_follows_threads():
     order = scan_order(SMALL)  # 32 threads, 70 tokens
     assert order[:6].tolist() == [0, 32, 64, 1, 33, 65]
@@ -279,11 +318,11 @@ def test_choose_token_picks_by_running_sum():
     cfg = SMALL.replace(sampling={"presence_penalty": 0.0, "temperature": 1.0, "min_p": 1.0})
     t = make_tables(cfg, 8)
     lgt = np.full(70, -1000)
-    lgt[33] = 5   # with min_p = 1 only the maximum survives
+    lgt[33] = 5  # with min_p = 1 only the maximum survives
     assert choose_token(cfg, t, lgt, np.array([0]), 1, 0, scan_order(cfg)) == 33
     cfg = cfg.replace(sampling={"min_p": 0.01})
     lgt = np.full(70, -1000)
-    lgt[[2, 40]] = 7   # two equal weights: the hash decides which half the threshold is in
+    lgt[[2, 40]] = 7  # two equal weights: the hash decides which half the threshold is in
     r = hash_rng(11 + 3 * 555, 0) % (2 * 2**18)
     expected = 2 if r < 2**18 else 40  # token 2 (thread 2) scans before 40 (thread 8)
     assert choose_token(cfg, t, lgt, np.array([0]), 11, 3, scan_order(cfg)) == expected
@@ -300,6 +339,7 @@ def test_presence_penalty_counts_occurrences():
 
 def test_threshold_sgd_moves_weights_with_the_vote():
     from deggs.numerics.optimizer import optimizer_step
+
     cfg = SMALL.replace(optimizer={"kind": "sgd", "sgd_vote_scale": 0.01, "weight_decay": 0.0})
     w = np.zeros(3, np.int8)
     zeros = np.zeros(3, np.float32)

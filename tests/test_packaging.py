@@ -14,8 +14,13 @@ import deggs
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMANDS = ["coordinator", "worker", "prepare", "generate", "print-arch"]
-FUNCTIONS = {"coordinator": "coordinator_main", "worker": "worker_main", "prepare": "prepare_main",
-             "generate": "generate_main", "print-arch": "print_arch_main"}
+FUNCTIONS = {
+    "coordinator": "coordinator_main",
+    "worker": "worker_main",
+    "prepare": "prepare_main",
+    "generate": "generate_main",
+    "print-arch": "print_arch_main",
+}
 
 
 @pytest.fixture(scope="module")
@@ -24,12 +29,27 @@ def wheel(tmp_path_factory) -> Path:
     src = tmp_path_factory.mktemp("src")
     for name in ("pyproject.toml", "README.md", "LICENSE"):
         shutil.copy2(ROOT / name, src / name)
-    shutil.copytree(ROOT / "deggs", src / "deggs",
-                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    shutil.copytree(
+        ROOT / "deggs", src / "deggs", ignore=shutil.ignore_patterns("__pycache__", "*.pyc")
+    )
     out = tmp_path_factory.mktemp("wheel")
-    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
-                            "--no-index", "-w", str(out), str(src)],
-                           capture_output=True, text=True, timeout=600)
+    built = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            "-w",
+            str(out),
+            str(src),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert built.returncode == 0, built.stdout + built.stderr
     wheels = list(out.glob("deggs-*.whl"))
     assert len(wheels) == 1, wheels
@@ -40,9 +60,22 @@ def wheel(tmp_path_factory) -> Path:
 def site(wheel, tmp_path_factory) -> Path:
     """The wheel installed, non-editable, into a directory of its own."""
     target = tmp_path_factory.mktemp("install") / "site"
-    installed = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-index",
-                                "--target", str(target), str(wheel)],
-                               capture_output=True, text=True, timeout=600)
+    installed = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--no-deps",
+            "--no-index",
+            "--target",
+            str(target),
+            str(wheel),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert installed.returncode == 0, installed.stdout + installed.stderr
     return target
 
@@ -50,10 +83,15 @@ def site(wheel, tmp_path_factory) -> Path:
 def run_installed(site: Path, cwd: Path, *args: str) -> subprocess.CompletedProcess:
     """The interpreter with only the installed copy importable: PYTHONPATH is SITE, and the
     working directory is not the repository."""
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "PYTHONSAFEPATH")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("PYTHONPATH", "PYTHONHOME", "PYTHONSAFEPATH")
+    }
     env["PYTHONPATH"] = str(site)
-    return subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=300)
+    return subprocess.run(
+        [sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
+    )
 
 
 def test_the_wheel_holds_the_subpackages_the_kernels_and_the_license(wheel):
@@ -64,7 +102,9 @@ def test_the_wheel_holds_the_subpackages_the_kernels_and_the_license(wheel):
         expected = {p.relative_to(ROOT).as_posix() for p in (ROOT / package).glob("*.py")}
         assert expected and expected <= names, sorted(expected - names)
     dist_info = f"deggs-{deggs.__version__}.dist-info"
-    assert any(n.startswith(dist_info + "/") and n.endswith("/LICENSE") for n in names), sorted(names)
+    assert any(n.startswith(dist_info + "/") and n.endswith("/LICENSE") for n in names), sorted(
+        names
+    )
     with zipfile.ZipFile(wheel) as zf:
         metadata = zf.read(f"{dist_info}/METADATA").decode()
         entry_points = zf.read(f"{dist_info}/entry_points.txt").decode()
@@ -75,8 +115,10 @@ def test_the_wheel_holds_the_subpackages_the_kernels_and_the_license(wheel):
 
 
 def test_the_installed_copy_is_used_and_finds_its_kernels(site, tmp_path):
-    code = ("import deggs, deggs.numerics.gpu as gpu; print(deggs.__file__); "
-            "src = gpu.kernel_source(); print(len(src)); print('__global__' in src)")
+    code = (
+        "import deggs, deggs.numerics.gpu as gpu; print(deggs.__file__); "
+        "src = gpu.kernel_source(); print(len(src)); print('__global__' in src)"
+    )
     result = run_installed(site, tmp_path, "-c", code)
     assert result.returncode == 0, result.stderr
     path, length, has_kernel = result.stdout.split()
@@ -99,7 +141,10 @@ def test_every_command_of_the_installed_copy_answers_help_and_version(site, tmp_
         result = run_installed(site, tmp_path, "-m", "deggs", command, flag)
         assert result.returncode == 0, (command, result.stderr)
         # ... and as the function behind the deggs-COMMAND script
-        call = f"from deggs.cli import {FUNCTIONS[command]} as c; c([{flag!r}], prog_name='deggs-{command}')"
+        call = (
+            f"from deggs.cli import {FUNCTIONS[command]} as c; "
+            f"c([{flag!r}], prog_name='deggs-{command}')"
+        )
         direct = run_installed(site, tmp_path, "-c", call)
         assert direct.returncode == 0, (command, direct.stderr)
         if flag == "--version":
@@ -114,9 +159,11 @@ def test_every_command_of_the_installed_copy_answers_help_and_version(site, tmp_
 @pytest.mark.parametrize("command", ["coordinator", "worker", "prepare"])
 def test_help_does_not_load_the_numerics(site, tmp_path, command):
     """`deggs COMMAND --help` must stay fast: numba (seconds to import) stays unloaded."""
-    code = ("import sys\nfrom deggs.cli import main\n"
-            f"try:\n    main([{command!r}, '--help'], prog_name='deggs', standalone_mode=False)\n"
-            "finally:\n    print('numba loaded:', 'numba' in sys.modules)\n")
+    code = (
+        "import sys\nfrom deggs.cli import main\n"
+        f"try:\n    main([{command!r}, '--help'], prog_name='deggs', standalone_mode=False)\n"
+        "finally:\n    print('numba loaded:', 'numba' in sys.modules)\n"
+    )
     result = run_installed(site, tmp_path, "-c", code)
     assert result.returncode == 0, result.stderr
     assert f"Usage: deggs {command}" in result.stdout

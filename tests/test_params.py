@@ -4,8 +4,18 @@ import pytest
 
 from deggs.config import CHOICES, Config
 from deggs.numerics import backend, optimizer
-from deggs.numerics.params import (EMB_MLP, LAYER_MLP, MATRICES, PARAM, PARAMS, offsets,
-                                   overlay_shapes, param_shapes, param_slices, parameter_table)
+from deggs.numerics.params import (
+    EMB_MLP,
+    LAYER_MLP,
+    MATRICES,
+    PARAM,
+    PARAMS,
+    offsets,
+    overlay_shapes,
+    param_shapes,
+    param_slices,
+    parameter_table,
+)
 
 CFG = Config().replace(model=dict(hidden_dim=64, head_dim=32, n_layers=2, vocab_size=300))
 
@@ -31,7 +41,7 @@ def test_offsets_refuse_a_wrong_layer():
 def test_derived_shapes():
     shapes = param_shapes(CFG)
     assert list(shapes)[:3] == ["embedding", "emb_bias", "ln_init"]
-    assert shapes["embedding"] == (64, 300)              # W[hidden, vocab]: tied head
+    assert shapes["embedding"] == (64, 300)  # W[hidden, vocab]: tied head
     assert shapes["w_up"] == (2, 64, 256) and shapes["w_down"] == (2, 256, 64)
     ov = overlay_shapes(CFG)
     assert ov["embedding_row"] == (300,) and ov["embedding_col"] == (64,)
@@ -52,11 +62,22 @@ def test_slices_run_in_the_reference_order():
 
 
 def test_matrices_and_mlps_name_table_rows():
-    assert MATRICES == ("embedding", "w_emb_mlp_up", "w_emb_mlp_down",
-                        "w_q", "w_k", "w_v", "w_o", "w_up", "w_down")
+    assert MATRICES == (
+        "embedding",
+        "w_emb_mlp_up",
+        "w_emb_mlp_down",
+        "w_q",
+        "w_k",
+        "w_v",
+        "w_o",
+        "w_up",
+        "w_down",
+    )
     for mlp in (EMB_MLP, LAYER_MLP):
         assert PARAM[mlp.up].is_matrix and PARAM[mlp.down].is_matrix
-        assert not any(PARAM[n].is_matrix for n in (mlp.ln, mlp.ln_bias, mlp.bias_up, mlp.bias_down))
+        assert not any(
+            PARAM[n].is_matrix for n in (mlp.ln, mlp.ln_bias, mlp.bias_up, mlp.bias_down)
+        )
     assert all(PARAM[n].per_layer for n in vars(LAYER_MLP).values())
     assert not any(PARAM[n].per_layer for n in vars(EMB_MLP).values())
 

@@ -4,11 +4,31 @@ import time
 
 import pytest
 
-from deggs.runtime.protocol import (HELLO, JOB_REQUEST, LOG_MESSAGE, RESULT, WAIT,
-                            Auth, Challenge, FrameReader, Goodbye, Hello, HelloReply,
-                            JobRequest, JobResponse, LogMessage, NotOurProtocol, ProtocolError,
-                            Reason, Result, decode_message, parse_header, printable,
-                            recv_frame, send_frame)
+from deggs.runtime.protocol import (
+    HELLO,
+    JOB_REQUEST,
+    LOG_MESSAGE,
+    RESULT,
+    WAIT,
+    Auth,
+    Challenge,
+    FrameReader,
+    Goodbye,
+    Hello,
+    HelloReply,
+    JobRequest,
+    JobResponse,
+    LogMessage,
+    NotOurProtocol,
+    ProtocolError,
+    Reason,
+    Result,
+    decode_message,
+    parse_header,
+    printable,
+    recv_frame,
+    send_frame,
+)
 
 LIMITS = {JOB_REQUEST: 24, RESULT: 100, LOG_MESSAGE: 100}
 
@@ -30,11 +50,14 @@ def test_header_bytes():
     assert parse_header(bytes.fromhex("4a4f425301020000001c")) == (2, 28)
 
 
-@pytest.mark.parametrize("raw, message", [
-    (b"JOBX\x01\x00\x00\x00\x00\x18", "bad magic"),
-    (b"JOBS\x02\x00\x00\x00\x00\x18", "version 2"),
-    (b"JOBS\x01\x00\x00\x00", "10 bytes"),
-])
+@pytest.mark.parametrize(
+    "raw, message",
+    [
+        (b"JOBX\x01\x00\x00\x00\x00\x18", "bad magic"),
+        (b"JOBS\x02\x00\x00\x00\x00\x18", "version 2"),
+        (b"JOBS\x01\x00\x00\x00", "10 bytes"),
+    ],
+)
 def test_parse_header_rejects(raw, message):
     with pytest.raises(ProtocolError, match=message):
         parse_header(raw)
@@ -55,8 +78,16 @@ def test_job_request():
 
 def test_result_with_negative_sum_loss():
     data = b"\x01\xf2\x00"
-    raw = (header(1, 44 + 3) + u64(0xDEADBEEF) + u64(3) + u64(40) + u64(1234)
-           + (2**64 - 5).to_bytes(8, "big") + u32(3) + data)
+    raw = (
+        header(1, 44 + 3)
+        + u64(0xDEADBEEF)
+        + u64(3)
+        + u64(40)
+        + u64(1234)
+        + (2**64 - 5).to_bytes(8, "big")
+        + u32(3)
+        + data
+    )
     msg = Result(0xDEADBEEF, 3, 40, 1234, -5, data)
     assert msg.encode() == raw
     assert Result.decode(raw[10:]) == msg
@@ -148,6 +179,7 @@ def test_decode_message_dispatches_and_rejects_unknown_opcodes():
 
 # --- framing over streams and sockets ----------------------------------------------------
 
+
 def test_frame_reader_cuts_frames_wherever_the_bytes_split():
     two = JobRequest(1, 2, 3).encode() + LogMessage("x").encode()
     for cut in range(len(two) + 1):
@@ -159,12 +191,15 @@ def test_frame_reader_cuts_frames_wherever_the_bytes_split():
         assert not reader.partial
 
 
-@pytest.mark.parametrize("data, message", [
-    (header(RESULT, 1000), "RESULT payload of 1000 bytes exceeds the limit of 100"),
-    (header(2, 0), "unexpected JOB_RESPONSE"),
-    (header(9, 0), "unknown opcode 9"),
-    (b"GET / HTTP/1.1\r\n", "bad magic"),
-])
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        (header(RESULT, 1000), "RESULT payload of 1000 bytes exceeds the limit of 100"),
+        (header(2, 0), "unexpected JOB_RESPONSE"),
+        (header(9, 0), "unknown opcode 9"),
+        (b"GET / HTTP/1.1\r\n", "bad magic"),
+    ],
+)
 def test_frame_reader_refuses_from_the_header_alone(data, message):
     with pytest.raises(ProtocolError, match=message):
         FrameReader(LIMITS).feed(data)
@@ -203,6 +238,7 @@ def test_recv_frame_deadlines_are_per_frame_not_per_read():
                 except OSError:
                     return
                 time.sleep(0.05)  # the slow peer under test, not a wait for anything
+
         threading.Thread(target=drip, daemon=True).start()
         started = time.monotonic()
         with pytest.raises(TimeoutError, match="took too long"):

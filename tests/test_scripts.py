@@ -23,18 +23,26 @@ def test_run_workers_starts_one_worker_per_gpu_and_stops_them(tmp_path):
     fake = tmp_path / "fake-worker"
     # It says it is up once its TERM trap is set; then it runs until it is stopped (the
     # `sleep 0.1` is its idle loop, which lets the trap run within 0.1 s of a TERM).
-    fake.write_text('#!/usr/bin/env bash\ntrap "echo stopped; exit 0" TERM\n'
-                    'echo "gpu=$CUDA_VISIBLE_DEVICES args=$*"\nwhile true; do sleep 0.1; done\n')
+    fake.write_text(
+        '#!/usr/bin/env bash\ntrap "echo stopped; exit 0" TERM\n'
+        'echo "gpu=$CUDA_VISIBLE_DEVICES args=$*"\nwhile true; do sleep 0.1; done\n'
+    )
     fake.chmod(0o755)
     env = {**os.environ, "DEGGS_WORKER": str(fake)}
-    proc = subprocess.Popen(["bash", ROOT / "run-workers.sh", "10.0.0.7", "3", "--", "--port", "999"],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)  # a group of its own, to clean up on failure
+    proc = subprocess.Popen(
+        ["bash", ROOT / "run-workers.sh", "10.0.0.7", "3", "--", "--port", "999"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )  # a group of its own, to clean up on failure
     lines: queue.Queue = queue.Queue()
 
     def pump():
         for line in proc.stdout:
             lines.put(line)
+
     reader = threading.Thread(target=pump, daemon=True)
     reader.start()
     seen = []
@@ -42,8 +50,10 @@ def test_run_workers_starts_one_worker_per_gpu_and_stops_them(tmp_path):
     def all_up():  # every worker has said it is up (and has its trap), and the script too
         while not lines.empty():
             seen.append(lines.get())
-        return (sum("] gpu=" in line for line in seen) == 3
-                and any(line.startswith("started 3 workers") for line in seen))
+        return sum("] gpu=" in line for line in seen) == 3 and any(
+            line.startswith("started 3 workers") for line in seen
+        )
+
     try:
         wait_until(all_up, 20, lambda: f"3 workers up; output so far: {seen}")
         proc.send_signal(signal.SIGINT)
@@ -63,13 +73,20 @@ def test_run_workers_starts_one_worker_per_gpu_and_stops_them(tmp_path):
 
 
 def test_run_workers_rejects_a_bad_gpu_count():
-    result = subprocess.run(["bash", ROOT / "run-workers.sh", "host", "two"], capture_output=True, text=True)
+    result = subprocess.run(
+        ["bash", ROOT / "run-workers.sh", "host", "two"], capture_output=True, text=True
+    )
     assert result.returncode == 2 and "positive integer" in result.stderr
 
 
 def run_cli(*args, cwd=None):
-    return subprocess.run([sys.executable, "-m", "deggs", *map(str, args)], cwd=cwd,
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "deggs", *map(str, args)],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_print_arch_totals():
@@ -80,6 +97,7 @@ def test_print_arch_totals():
 def test_prepare_bytes_and_bpe(tmp_path):
     text = tmp_path / "text.txt"
     from deggs.prepare import default_corpus
+
     text.write_text(default_corpus()[:30000])
     result = run_cli("prepare", text, "--vocab-size", "256", "--out", tmp_path / "bytes")
     assert result.returncode == 0, result.stderr
@@ -101,15 +119,24 @@ def test_prepare_default_corpus_is_real_text(tmp_path):
     assert len(text) > 100_000 and "statement" in text
 
 
-CFG = Config().replace(model=dict(hidden_dim=32, head_dim=32, n_layers=1, seq_len=8, vocab_size=300),
-                       training=dict(population_size=16, chunk_size=8), sampling=dict(prompt_tokens=4))
+CFG = Config().replace(
+    model=dict(hidden_dim=32, head_dim=32, n_layers=1, seq_len=8, vocab_size=300),
+    training=dict(population_size=16, chunk_size=8),
+    sampling=dict(prompt_tokens=4),
+)
 
 
-@pytest.mark.parametrize("content, message", [
-    (b"\x01\x00\x00", "not a whole number of 4-byte tokens"),
-    (np.arange(20, dtype="<u4").tobytes() + (300).to_bytes(4, "little"), "token 300 at index 20"),
-    (np.arange(8, dtype="<u4").tobytes(), r"8 tokens, fewer than seq_len \+ 1 = 9"),
-])
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (b"\x01\x00\x00", "not a whole number of 4-byte tokens"),
+        (
+            np.arange(20, dtype="<u4").tobytes() + (300).to_bytes(4, "little"),
+            "token 300 at index 20",
+        ),
+        (np.arange(8, dtype="<u4").tobytes(), r"8 tokens, fewer than seq_len \+ 1 = 9"),
+    ],
+)
 def test_bad_input_bin_is_refused_with_the_reason(tmp_path, content, message):
     (tmp_path / "input.bin").write_bytes(content)
     with pytest.raises(DataError, match=message):
@@ -121,12 +148,18 @@ def test_missing_input_bin(tmp_path):
         load_tokens(tmp_path / "input.bin", CFG)
 
 
-@pytest.mark.parametrize("content, message", [
-    (b"\x02\x00", "too short"),
-    ((2).to_bytes(4, "little") + (1).to_bytes(4, "little") + b"a", "ends before the length of token 1"),
-    ((1).to_bytes(4, "little") + (5).to_bytes(4, "little") + b"ab", "claims 5 bytes"),
-    ((1).to_bytes(4, "little") + (1).to_bytes(4, "little") + b"ab", "1 bytes left over"),
-])
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (b"\x02\x00", "too short"),
+        (
+            (2).to_bytes(4, "little") + (1).to_bytes(4, "little") + b"a",
+            "ends before the length of token 1",
+        ),
+        ((1).to_bytes(4, "little") + (5).to_bytes(4, "little") + b"ab", "claims 5 bytes"),
+        ((1).to_bytes(4, "little") + (1).to_bytes(4, "little") + b"ab", "1 bytes left over"),
+    ],
+)
 def test_bad_decoding_bin_is_refused_with_the_reason(tmp_path, content, message):
     (tmp_path / "decoding.bin").write_bytes(content)
     with pytest.raises(DataError, match=message):
@@ -140,9 +173,19 @@ def test_decoding_round_trip(tmp_path):
 
 def test_worker_cli_reports_bad_data_without_a_traceback(tmp_path):
     (tmp_path / "input.bin").write_bytes(b"\x01\x02\x03")
-    (tmp_path / "c.toml").write_text('[model]\nvocab_size = 300\n')
-    result = run_cli("worker", "127.0.0.1", "--port", "1", "--config", tmp_path / "c.toml",
-                     "--data-dir", tmp_path, "--backend", "cpu")
+    (tmp_path / "c.toml").write_text("[model]\nvocab_size = 300\n")
+    result = run_cli(
+        "worker",
+        "127.0.0.1",
+        "--port",
+        "1",
+        "--config",
+        tmp_path / "c.toml",
+        "--data-dir",
+        tmp_path,
+        "--backend",
+        "cpu",
+    )
     assert result.returncode == 2
     assert "not a whole number of 4-byte tokens" in result.stderr
     assert "Traceback" not in result.stderr

@@ -19,19 +19,22 @@ def test_round_trip_every_length():
         np.testing.assert_array_equal(out, values)
 
 
-@pytest.mark.parametrize("values, expected", [
-    ([], b""),
-    ([0, 0, 0, 0, 0], b"\x00"),
-    ([1, 0, 0, 0, 0], b"\x01"),
-    ([-1, 0, 0, 0, 0], b"\x02"),
-    ([0, 1, 0, 0, 0], b"\x03"),
-    ([0, 0, 0, 0, 1], bytes([81])),
-    ([-1, -1, -1, -1, -1], bytes([242])),
-    ([1, -1, 0, 1, -1], bytes([1 + 2 * 3 + 0 * 9 + 1 * 27 + 2 * 81])),
-    # A partial last byte holds the remainder, first value least significant.
-    ([1, 1, 1, 1, 1, -1, 1], bytes([121, 2 + 1 * 3])),
-    ([-1], b"\x02"),
-])
+@pytest.mark.parametrize(
+    "values, expected",
+    [
+        ([], b""),
+        ([0, 0, 0, 0, 0], b"\x00"),
+        ([1, 0, 0, 0, 0], b"\x01"),
+        ([-1, 0, 0, 0, 0], b"\x02"),
+        ([0, 1, 0, 0, 0], b"\x03"),
+        ([0, 0, 0, 0, 1], bytes([81])),
+        ([-1, -1, -1, -1, -1], bytes([242])),
+        ([1, -1, 0, 1, -1], bytes([1 + 2 * 3 + 0 * 9 + 1 * 27 + 2 * 81])),
+        # A partial last byte holds the remainder, first value least significant.
+        ([1, 1, 1, 1, 1, -1, 1], bytes([121, 2 + 1 * 3])),
+        ([-1], b"\x02"),
+    ],
+)
 def test_hand_checked_bytes(values, expected):
     assert pack_trits(values) == expected
     assert unpack_trits(expected, len(values)).tolist() == values

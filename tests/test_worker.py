@@ -19,19 +19,32 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from deggs.config import Config
 from deggs.runtime import auth
 from deggs.runtime import worker as worker_module
-from deggs.config import Config
-from deggs.runtime.protocol import (OPCODE_NAMES, Auth, Challenge, Goodbye, Hello, HelloReply,
-                            JobRequest, JobResponse, LogMessage, Reason, Result,
-                            decode_message, recv_frame)
-from deggs.ternary import pack_trits, packed_size
+from deggs.runtime.protocol import (
+    OPCODE_NAMES,
+    Auth,
+    Challenge,
+    Goodbye,
+    Hello,
+    HelloReply,
+    JobRequest,
+    JobResponse,
+    LogMessage,
+    Reason,
+    Result,
+    decode_message,
+    recv_frame,
+)
 from deggs.runtime.worker import Worker, WorkerError
+from deggs.ternary import pack_trits, packed_size
 
 CFG = Config().replace(
     model={"hidden_dim": 32, "head_dim": 32, "n_layers": 1, "seq_len": 8, "vocab_size": 256},
     training={"population_size": 64, "chunk_size": 16},
-    worker={"retry_max_s": 0.2, "reply_timeout_s": 2, "frame_timeout_s": 1})
+    worker={"retry_max_s": 0.2, "reply_timeout_s": 2, "frame_timeout_s": 1},
+)
 TOML = """
 [model]
 hidden_dim = 32
@@ -59,12 +72,14 @@ TIMEOUT_S = 30
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("data")
-    (path / "input.bin").write_bytes(np.random.default_rng(0).integers(0, 256, 4096, np.uint8)
-                                     .tobytes())
+    (path / "input.bin").write_bytes(
+        np.random.default_rng(0).integers(0, 256, 4096, np.uint8).tobytes()
+    )
     return path
 
 
 # --- the fake coordinator ----------------------------------------------------------------
+
 
 class Peer:
     """The coordinator's end of one connection, speaking deggs.runtime.protocol frames."""
@@ -145,8 +160,9 @@ class FakeCoordinator:
 
 def make_worker(port, data_dir, cfg=CFG, secret=None, host="127.0.0.1"):
     lines: list[str] = []
-    worker = Worker(host, port, cfg, data_dir, backend="cpu", threads=1, log=lines.append,
-                    secret=secret)
+    worker = Worker(
+        host, port, cfg, data_dir, backend="cpu", threads=1, log=lines.append, secret=secret
+    )
     worker.lines = lines
     return worker
 
@@ -175,8 +191,9 @@ def run_worker(worker, max_steps=None):
 def pauses(monkeypatch):
     """The worker's sleeps, recorded rather than slept."""
     recorded: list[float] = []
-    fake_time = SimpleNamespace(sleep=recorded.append, perf_counter=time.perf_counter,
-                                monotonic=time.monotonic)
+    fake_time = SimpleNamespace(
+        sleep=recorded.append, perf_counter=time.perf_counter, monotonic=time.monotonic
+    )
     monkeypatch.setattr(worker_module, "time", fake_time)
     return recorded
 
@@ -187,6 +204,7 @@ def finish(peer: Peer):
 
 
 # --- farewells ----------------------------------------------------------------------------
+
 
 def test_goodbye_finished_ends_the_run(data_dir):
     def script(peer):
@@ -217,8 +235,10 @@ def test_permanent_goodbye_is_a_worker_error_on_one_line(data_dir):
 def test_shutting_down_reconnects_and_coordinator_text_is_escaped(data_dir):
     def going_away(peer):
         peer.welcome()
-        peer.send(LogMessage("first line\nsecond \x1b[2J line\n"),
-                  Goodbye(Reason.SHUTTING_DOWN, "the coordinator is shutting down"))
+        peer.send(
+            LogMessage("first line\nsecond \x1b[2J line\n"),
+            Goodbye(Reason.SHUTTING_DOWN, "the coordinator is shutting down"),
+        )
         peer.drain()
 
     def back(peer):
@@ -237,6 +257,7 @@ def test_shutting_down_reconnects_and_coordinator_text_is_escaped(data_dir):
 
 
 # --- the handshake --------------------------------------------------------------------------
+
 
 def challenge(peer, secret=SECRET):
     """A deggs coordinator with a secret: HELLO answered with CHALLENGE; returns the
@@ -280,14 +301,18 @@ def test_a_worker_without_secret_is_told_to_set_one(data_dir):
         peer.drain()
 
     fake = FakeCoordinator(script)
-    with pytest.raises(WorkerError, match="requires a shared secret: set DEGGS_SECRET or "
-                                          "DEGGS_SECRET_FILE"):
+    with pytest.raises(
+        WorkerError, match="requires a shared secret: set DEGGS_SECRET or DEGGS_SECRET_FILE"
+    ):
         run_worker(make_worker(fake.port, data_dir))
     fake.check()
 
 
-@pytest.mark.parametrize("answer", [HelloReply(CFG.fingerprint(), CFG.to_json()),
-                                    JobResponse(SEED, 0, 0)], ids=["HELLO_REPLY", "JOB_RESPONSE"])
+@pytest.mark.parametrize(
+    "answer",
+    [HelloReply(CFG.fingerprint(), CFG.to_json()), JobResponse(SEED, 0, 0)],
+    ids=["HELLO_REPLY", "JOB_RESPONSE"],
+)
 def test_a_coordinator_that_skips_the_challenge_is_refused(data_dir, answer):
     def script(peer):
         peer.expect(Hello)
@@ -295,8 +320,9 @@ def test_a_coordinator_that_skips_the_challenge_is_refused(data_dir, answer):
         peer.drain()
 
     fake = FakeCoordinator(script)
-    with pytest.raises(WorkerError, match="did not prove the shared secret; is DEGGS_SECRET "
-                                          "set there"):
+    with pytest.raises(
+        WorkerError, match="did not prove the shared secret; is DEGGS_SECRET set there"
+    ):
         run_worker(make_worker(fake.port, data_dir, secret=SECRET))
     fake.check()
 
@@ -328,6 +354,7 @@ def test_something_that_is_not_a_coordinator_is_named(data_dir):
 
 # --- work, and the reference coordinator's dead ends ----------------------------------------
 
+
 def test_a_chunk_is_scored_and_the_generation_is_plain_text(data_dir):
     def script(peer):
         peer.welcome()
@@ -350,6 +377,7 @@ def test_a_chunk_is_scored_and_the_generation_is_plain_text(data_dir):
 def reference_at_step_1(then):
     """A reference coordinator (it ignores HELLO) that moves the worker to step 1 with a
     catch-up, then answers its next request with `then`."""
+
     def script(peer):
         peer.expect(Hello)
         assert peer.expect(JobRequest) == JobRequest(SEED, 0)
@@ -357,15 +385,24 @@ def reference_at_step_1(then):
         assert peer.expect(JobRequest).last_step == 1
         peer.send(then)
         peer.drain()
+
     return script
 
 
-@pytest.mark.parametrize("then, message", [
-    (JobResponse(0, 0, 0), "no longer has the history this worker needs to catch up from "
-                           "step 1"),
-    (JobResponse(SEED, 0, 16), "behind this worker: it hands out step 0, the worker is at "
-                               "step 1"),
-], ids=["all-zero response", "stale chunk"])
+@pytest.mark.parametrize(
+    "then, message",
+    [
+        (
+            JobResponse(0, 0, 0),
+            "no longer has the history this worker needs to catch up from step 1",
+        ),
+        (
+            JobResponse(SEED, 0, 16),
+            "behind this worker: it hands out step 0, the worker is at step 1",
+        ),
+    ],
+    ids=["all-zero response", "stale chunk"],
+)
 def test_reference_coordinator_dead_ends_are_worker_errors(data_dir, then, message):
     fake = FakeCoordinator(reference_at_step_1(then))
     worker = make_worker(fake.port, data_dir)
@@ -394,6 +431,7 @@ def test_a_chunk_from_the_future_is_retried(data_dir, pauses):
 
 
 # --- connecting, deadlines and backoff ------------------------------------------------------
+
 
 def test_an_unresolvable_host_is_an_error_after_resolve_tries(data_dir, pauses):
     worker = make_worker(1, data_dir, host="no-such-host.invalid")
@@ -430,8 +468,7 @@ def test_a_dripping_coordinator_is_dropped_by_the_frame_deadline(data_dir):
     fake.check()
     # frame_timeout_s (1 s) after the first byte, though every byte came within 0.3 s
     assert 1.0 <= dropped_after.get_nowait() < 2.0
-    assert any("no complete message from the coordinator in time" in line
-               for line in worker.lines)
+    assert any("no complete message from the coordinator in time" in line for line in worker.lines)
     assert fake.connections.qsize() == 2
 
 
@@ -447,8 +484,15 @@ def test_backoff_is_reset_by_a_handshake_not_by_a_connect(data_dir, pauses):
         peer.welcome()
         finish(peer)
 
-    fake = FakeCoordinator(accept_and_close, accept_and_close, accept_and_close,
-                           joins_then_drops, accept_and_close, accept_and_close, fine)
+    fake = FakeCoordinator(
+        accept_and_close,
+        accept_and_close,
+        accept_and_close,
+        joins_then_drops,
+        accept_and_close,
+        accept_and_close,
+        fine,
+    )
     cfg = CFG.replace(worker={"retry_max_s": 1.5})
     run_worker(make_worker(fake.port, data_dir, cfg=cfg))
     fake.check()
@@ -464,12 +508,14 @@ def test_a_refused_connection_is_retried_until_the_coordinator_is_up(data_dir, m
     def sleep(seconds):
         pauses.append(seconds)
         if len(pauses) == 6:  # the coordinator comes up at last
-            started.append(FakeCoordinator(lambda peer: (peer.welcome(), finish(peer)),
-                                           port=port))
+            started.append(FakeCoordinator(lambda peer: (peer.welcome(), finish(peer)), port=port))
 
     pauses: list[float] = []
-    monkeypatch.setattr(worker_module, "time", SimpleNamespace(
-        sleep=sleep, perf_counter=time.perf_counter, monotonic=time.monotonic))
+    monkeypatch.setattr(
+        worker_module,
+        "time",
+        SimpleNamespace(sleep=sleep, perf_counter=time.perf_counter, monotonic=time.monotonic),
+    )
     worker = make_worker(port, data_dir)
     run_worker(worker)
     started[0].check()
@@ -479,15 +525,33 @@ def test_a_refused_connection_is_retried_until_the_coordinator_is_up(data_dir, m
 
 # --- the command line -------------------------------------------------------------------------
 
+
 def run_cli(tmp_path, data_dir, port, **env):
     (tmp_path / "tiny.toml").write_text(TOML)
     return subprocess.run(
-        [sys.executable, "-m", "deggs", "worker", "127.0.0.1", "--port", str(port),
-         "--config", str(tmp_path / "tiny.toml"), "--data-dir", str(data_dir),
-         "--backend", "cpu", "--threads", "1"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=120,
-        env={**{k: v for k, v in os.environ.items() if not k.startswith("DEGGS_SECRET")},
-             **env})
+        [
+            sys.executable,
+            "-m",
+            "deggs",
+            "worker",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--config",
+            str(tmp_path / "tiny.toml"),
+            "--data-dir",
+            str(data_dir),
+            "--backend",
+            "cpu",
+            "--threads",
+            "1",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**{k: v for k, v in os.environ.items() if not k.startswith("DEGGS_SECRET")}, **env},
+    )
 
 
 def test_cli_exits_0_when_the_run_is_finished(tmp_path, data_dir):
@@ -515,7 +579,9 @@ def test_cli_exits_2_on_a_refusal(tmp_path, data_dir):
     result = run_cli(tmp_path, data_dir, fake.port)
     fake.check()
     assert result.returncode == 2
-    assert "deggs-worker: error: the coordinator refused this worker (HISTORY_GONE)" in result.stderr
+    assert (
+        "deggs-worker: error: the coordinator refused this worker (HISTORY_GONE)" in result.stderr
+    )
     assert "Traceback" not in result.stderr
 
 
