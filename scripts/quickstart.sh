@@ -11,7 +11,7 @@ run=runs/quickstart
 if [[ ! -x .venv/bin/deggs-worker ]]; then
     python3 -m venv .venv
     .venv/bin/python -m pip install --quiet --upgrade pip
-    .venv/bin/python -m pip install --quiet -e . 2>&1 | grep -v -i warn || true
+    .venv/bin/python -m pip install --quiet .   # a regular install, as users make it
 fi
 bin=.venv/bin
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1
