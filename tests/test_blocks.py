@@ -10,6 +10,7 @@ import math
 from fractions import Fraction
 
 import numpy as np
+from tiny import tiny_config
 
 from deggs.config import Config
 from deggs.numerics.model import (
@@ -28,10 +29,7 @@ from deggs.numerics.params import offsets
 from deggs.numerics.sampling import choose_token, generate, sampler_limits, scan_order
 from deggs.seeds import hash_rng
 
-SMALL = Config().replace(
-    model=dict(hidden_dim=32, head_dim=32, n_layers=1, seq_len=8, vocab_size=70),
-    training=dict(population_size=16, chunk_size=8),
-)
+SMALL = tiny_config(model=dict(vocab_size=70))
 
 f32 = np.float32
 U32 = 0xFFFFFFFF

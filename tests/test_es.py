@@ -2,8 +2,8 @@
 
 import numpy as np
 import pytest
+from tiny import tiny_config
 
-from deggs.config import Config
 from deggs.numerics.cpu import CpuBackend
 from deggs.numerics.es import Trainer, chunk_members
 from deggs.numerics.fitness import chunk_fitness
@@ -12,10 +12,8 @@ from deggs.runtime.replay import replay
 from deggs.seeds import hash_rng
 from deggs.ternary import pack_trits, unpack_trits
 
-CFG = Config().replace(
-    model=dict(hidden_dim=32, head_dim=32, n_layers=1, seq_len=8, vocab_size=256),
-    training=dict(population_size=32, chunk_size=8),
-    sampling=dict(prompt_tokens=4, generate_tokens=4),
+CFG = tiny_config(
+    training=dict(population_size=32), sampling=dict(prompt_tokens=4, generate_tokens=4)
 )
 DATA = np.random.default_rng(0).integers(0, 256, 4000).astype(np.uint8)
 

@@ -4,6 +4,7 @@ import math
 
 import numpy as np
 import pytest
+from tiny import tiny_config
 
 from deggs.config import Config
 from deggs.numerics.fitness import chunk_fitness
@@ -28,10 +29,7 @@ from deggs.numerics.params import param_shapes, parameter_table
 from deggs.numerics.sampling import choose_token, scan_order
 from deggs.seeds import hash_rng, next_step_seed
 
-SMALL = Config().replace(
-    model=dict(hidden_dim=32, head_dim=32, n_layers=1, seq_len=8, vocab_size=70),
-    training=dict(population_size=16, chunk_size=8),
-)
+SMALL = tiny_config(model=dict(vocab_size=70))
 
 
 def fmix32(x):

@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 from sync import wait_until
+from tiny import tiny_config
 
-from deggs.config import Config
 from deggs.data import DataError, load_decoding, load_tokens, save_decoding
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -119,11 +119,7 @@ def test_prepare_default_corpus_is_real_text(tmp_path):
     assert len(text) > 100_000 and "statement" in text
 
 
-CFG = Config().replace(
-    model=dict(hidden_dim=32, head_dim=32, n_layers=1, seq_len=8, vocab_size=300),
-    training=dict(population_size=16, chunk_size=8),
-    sampling=dict(prompt_tokens=4),
-)
+CFG = tiny_config(model=dict(vocab_size=300), sampling=dict(prompt_tokens=4))
 
 
 @pytest.mark.parametrize(

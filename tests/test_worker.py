@@ -18,8 +18,8 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from tiny import tiny_config
 
-from deggs.config import Config
 from deggs.runtime import auth
 from deggs.runtime import worker as worker_module
 from deggs.runtime.protocol import (
@@ -40,8 +40,7 @@ from deggs.runtime.protocol import (
 from deggs.runtime.worker import Worker, WorkerError
 from deggs.ternary import pack_trits, packed_size
 
-CFG = Config().replace(
-    model={"hidden_dim": 32, "head_dim": 32, "n_layers": 1, "seq_len": 8, "vocab_size": 256},
+CFG = tiny_config(
     training={"population_size": 64, "chunk_size": 16},
     worker={"retry_max_s": 0.2, "reply_timeout_s": 2, "frame_timeout_s": 1},
 )
