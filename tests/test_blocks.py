@@ -18,13 +18,14 @@ from deggs.numerics.model import (
     Perturbation,
     Weights,
     embed,
+    fma32,
     forward,
     init_overlays,
     init_params,
     logits,
     make_tables,
 )
-from deggs.numerics.optimizer import fma32, optimizer_step
+from deggs.numerics.optimizer import optimizer_step
 from deggs.numerics.params import offsets
 from deggs.numerics.sampling import choose_token, generate, sampler_limits, scan_order
 from deggs.seeds import hash_rng

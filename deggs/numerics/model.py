@@ -154,6 +154,27 @@ def f32(x):
     return np.asarray(x, np.float32)
 
 
+def fma32(a, b, c):
+    """float32 fused multiply-add a * b + c with one rounding, as nvcc emits it.
+
+    The float32 product is exact in float64, and so is the float64 sum's rounding error
+    (TwoSum). Casting the float64 sum to float32 rounds a second time, which differs from
+    one rounding only where the sum landed exactly halfway between two float32 values:
+    there the error's sign says on which side the exact value lies.
+    """
+    x = np.asarray(a, np.float32).astype(np.float64) * np.asarray(b, np.float32).astype(np.float64)
+    y = np.asarray(c, np.float32).astype(np.float64)
+    s = x + y
+    back = s - x
+    err = (x - (s - back)) + (y - back)
+    exponent = np.frexp(s)[1]  # s = m 2^exponent, 0.5 <= |m| < 1
+    half_ulp = np.ldexp(1.0, np.maximum(exponent - 25, -150))  # float32's, subnormals too
+    q = np.abs(s) / half_ulp
+    tie = (err != 0) & (q == np.floor(q)) & (np.fmod(q, 2) == 1)
+    s = np.where(tie, np.nextafter(s, np.where(err > 0, np.inf, -np.inf)), s)
+    return s.astype(np.float32)
+
+
 def int_matmul(x, w):
     """Exact integer x @ w for int8-range operands, through float BLAS."""
     k = w.shape[-2]
@@ -239,21 +260,19 @@ class Perturbation:
         """input_dot as the reference's down-projection sums it, thread by thread.
 
         Thread j of hidden_dim adds inputs j, j+d, j+2d, j+3d into an int32 through
-        float32, truncating after every addition: pb = (int)((float)pb + x * b * factor).
-        We take that multiply-add as one fused rounding (fmaf), as nvcc emits it; float64
-        reproduces it because the float32 product is exact there. (The golden vectors
-        agree with both the fused and the unfused form.) The partial sums then add as
-        integers.
+        float32, truncating after every addition: pb = (int)((float)pb + x * b * factor),
+        the multiply-add fused (fmaf) as nvcc emits it. (The golden vectors agree with the
+        unfused form too; tests/test_blocks.py holds us to the fused one.) The partial
+        sums then add as integers.
         """
         d = x.shape[-1] // 4
         idx = np.arange(4 * d)
-        terms = f32(x * self.noise(off_b, idx)[:, None, :]).astype(np.float64)
-        factor = self.factor(overlay_in, off_b, idx)[:, None, :].astype(np.float64)
+        terms = f32(x * self.noise(off_b, idx)[:, None, :])
+        factor = self.factor(overlay_in, off_b, idx)[:, None, :]
         partial = np.zeros(x.shape[:2] + (d,), np.int64)
         for sub in range(4):
             cols = slice(sub * d, (sub + 1) * d)
-            total = f32(partial).astype(np.float64) + terms[..., cols] * factor[..., cols]
-            partial = trunc_i32(f32(total))
+            partial = trunc_i32(fma32(terms[..., cols], factor[..., cols], f32(partial)))
         return wrap32(partial.sum(-1))
 
     def output_term(self, sb, off_a: int, overlay_out, n: int):
@@ -284,13 +303,8 @@ class Weights:
     """
 
     def __init__(self, cfg: Config, params, overlays, pert: Perturbation | None, layer=None):
-        self.cfg, self.params, self.overlays, self.pert, self.layer = (
-            cfg,
-            params,
-            overlays,
-            pert,
-            layer,
-        )
+        self.cfg, self.params, self.overlays = cfg, params, overlays
+        self.pert, self.layer = pert, layer
 
     def at(self, layer: int) -> Weights:
         return Weights(self.cfg, self.params, self.overlays, self.pert, layer)

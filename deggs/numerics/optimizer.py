@@ -20,7 +20,7 @@ import numpy as np
 
 from ..config import Config
 from ..seeds import pair_seed
-from .model import MAX_VAL
+from .model import MAX_VAL, fma32
 from .noise import noise_table
 from .params import Slice, param_shapes, param_slices
 
@@ -83,27 +83,6 @@ def vector_votes(cfg, fitness, step_seed, off_a, off_b, idx):
 
 
 # --- the quantized optimizer step ---------------------------------------------------
-
-
-def fma32(a, b, c):
-    """float32 fused multiply-add a * b + c with one rounding, as nvcc emits it.
-
-    The float32 product is exact in float64, and so is the float64 sum's rounding error
-    (TwoSum). Casting the float64 sum to float32 rounds a second time, which differs from
-    one rounding only where the sum landed exactly halfway between two float32 values:
-    there the error's sign says on which side the exact value lies.
-    """
-    x = np.asarray(a, np.float32).astype(np.float64) * np.asarray(b, np.float32).astype(np.float64)
-    y = np.asarray(c, np.float32).astype(np.float64)
-    s = x + y
-    back = s - x
-    err = (x - (s - back)) + (y - back)
-    exponent = np.frexp(s)[1]  # s = m 2^exponent, 0.5 <= |m| < 1
-    half_ulp = np.ldexp(1.0, np.maximum(exponent - 25, -150))  # float32's, subnormals too
-    q = np.abs(s) / half_ulp
-    tie = (err != 0) & (q == np.floor(q)) & (np.fmod(q, 2) == 1)
-    s = np.where(tie, np.nextafter(s, np.where(err > 0, np.inf, -np.inf)), s)
-    return s.astype(np.float32)
 
 
 def adamw(o, g, wf, m, v):
