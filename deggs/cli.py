@@ -216,7 +216,8 @@ def worker_main(host, port, config_path, data_dir, backend, threads):
 @click.option("--config", "config_path", type=click.Path(dir_okay=False))
 @click.option("--out", type=click.Path(file_okay=False), default=".", show_default=True)
 def prepare_main(text, vocab_size, config_path, out):
-    """Write input.bin and decoding.bin from TEXT (default: a built-in corpus)."""
+    """Write input.bin (and for a vocab above 256 decoding.bin and tokenizer.json) from
+    TEXT (default: a built-in corpus)."""
     from .prepare import default_corpus, prepare
 
     try:
@@ -249,7 +250,14 @@ def prepare_main(text, vocab_size, config_path, out):
 @click.option("--prompt", help="text to continue (default: the data at the last step)")
 @click.option("--tokens", "n_tokens", type=click.IntRange(min=1), help="tokens to sample")
 @click.option("--seed", type=int, help="sampling seed (default: the last step's seed + 999)")
-def generate_main(load_dir, data_dir, prompt, n_tokens, seed):
+@click.option(
+    "--backend",
+    type=click.Choice(BACKEND_NAMES),
+    default="auto",
+    show_default=True,
+    help="where the steps are replayed (auto: the GPU where CuPy sees one, else the CPU)",
+)
+def generate_main(load_dir, data_dir, prompt, n_tokens, seed, backend):
     """Rebuild the model trained in LOAD_DIR and sample from it."""
     from .data import DataError, detokenize, load_decoding, load_tokens
     from .numerics.backend import make_backend
@@ -263,20 +271,23 @@ def generate_main(load_dir, data_dir, prompt, n_tokens, seed):
         cfg = saved_config(load_dir)
         if cfg is None:
             raise ConfigError(f"{load_dir} holds no config.json: is it a coordinator's save dir?")
-        trainer = replay(load_dir, Trainer(make_backend(cfg, "cpu")), progress=_replay_progress())
-        step = trainer.step
-        if prompt is None:
-            tokens = load_tokens(Path(data_dir) / "input.bin", cfg)
-            ids = prompt_window(cfg, tokens, step)
-        else:
-            ids = encode_prompt(prompt, cfg.model.vocab_size, data_dir)
-        if len(ids) == 0:
-            raise ValueError("the prompt is empty")
-        out = trainer.sample(ids, n_tokens, seed)
+        # the data and the prompt first: a replay can take a while
         decoding = Path(data_dir) / "decoding.bin"
         pieces = (
             load_decoding(decoding) if not cfg.model.byte_tokens and decoding.exists() else None
         )
+        if prompt is None:
+            tokens = load_tokens(Path(data_dir) / "input.bin", cfg)
+        else:
+            ids = encode_prompt(prompt, cfg.model.vocab_size, data_dir)
+            if len(ids) == 0:
+                raise ValueError("the prompt is empty")
+        trainer = Trainer(make_backend(cfg, backend))
+        trainer = replay(load_dir, trainer, progress=_replay_progress())
+        step = trainer.step
+        if prompt is None:
+            ids = prompt_window(cfg, tokens, step)
+        out = trainer.sample(ids, n_tokens, seed)
     except (ConfigError, CheckpointError, DataError, ValueError, OSError) as e:
         _fail("deggs-generate", e)
     n = len(ids)

@@ -27,8 +27,7 @@ import numpy as np
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
 
 from deggs.config import load_config  # noqa: E402
-from deggs.numerics.backend import BACKENDS  # noqa: E402
-from deggs.numerics.cpu import CpuBackend  # noqa: E402
+from deggs.numerics.backend import BACKENDS, make_backend  # noqa: E402
 from deggs.numerics.es import Trainer  # noqa: E402
 
 
@@ -67,7 +66,7 @@ def device_name(backend):
     show_default=True,
     help="whole steps to time (0: project from the forward and the update)",
 )
-@click.option("--batch", type=click.IntRange(min=2), help="GPU: members per forward sub-batch")
+@click.option("--batch", type=click.IntRange(min=2), help="members per forward sub-batch")
 @click.option("--profile", is_flag=True, help="GPU: also time each kernel of one forward run")
 def main(config_path, golden, backend, members, repeats, updates, steps, batch, profile):
     if golden:
@@ -78,12 +77,9 @@ def main(config_path, golden, backend, members, repeats, updates, steps, batch, 
         cfg = load_config(config_path)
     m, t = cfg.model, cfg.training
     start = time.perf_counter()
-    if backend == "gpu":
-        from deggs.numerics.gpu import GpuBackend
-
-        engine = GpuBackend(cfg, batch=batch)
-    else:
-        engine = CpuBackend(cfg)
+    engine = make_backend(cfg, backend)
+    if batch:
+        engine.batch = batch  # members per forward sub-batch
     trainer = Trainer(engine)
     init_s = time.perf_counter() - start
     rng = np.random.default_rng(0)

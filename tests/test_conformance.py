@@ -1,8 +1,8 @@
 """scripts/conformance.py against the reference's golden vectors.
 
-The golden files come from conftest.py's golden_path: $DEGGS_GOLDEN, else the complete
-ones in ../shared/golden where they exist, else the trimmed copies in tests/golden (which
-keep the weights after updates 1, 4 and 8 and the optimizer state after update 4 only).
+The golden files come from conftest.py's golden_path: $DEGGS_GOLDEN (the complete ones in
+../shared/golden, say), else the trimmed copies in tests/golden (which keep the weights
+after updates 1, 4 and 8 and the optimizer state after update 4 only).
 """
 
 import numpy as np

@@ -23,7 +23,7 @@ from deggs.numerics.model import (
     trunc_i32,
     wrap32,
 )
-from deggs.numerics.noise import hash_np, hash_u32, noise_np, noise_vector, xorshift_noise
+from deggs.numerics.noise import hash_np, hash_u32, noise_np, noise_table, xorshift_noise
 from deggs.numerics.optimizer import matrix_votes, quantize, update_overlay, vector_votes
 from deggs.numerics.params import param_shapes, parameter_table
 from deggs.numerics.sampling import choose_token, scan_order
@@ -84,9 +84,9 @@ def noise_np_word(word, three):
     return samples_np(np.array([word], np.uint32), 15, three)[0]
 
 
-def test_noise_vector_matches_broadcast_form():
+def test_noise_table_matches_broadcast_form():
     for three in (False, True):
-        a = noise_vector(np.uint32(7), 50, 15, three)
+        a = noise_table(np.array([7], np.uint32), np.arange(50, dtype=np.uint32), 15, three)[0]
         b = noise_np(np.uint32(7), np.arange(50), 15, three)
         assert np.array_equal(a, b)
         assert np.abs(a).max() <= (45 if three else 15)

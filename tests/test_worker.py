@@ -215,7 +215,10 @@ def test_goodbye_finished_ends_the_run(data_dir):
     run_worker(worker)
     fake.check()
     assert "[coordinator] FINISHED: the run reached step 0" in worker.lines
-    assert worker.lines[-1] == "[worker] the run is finished at step 0"
+    assert worker.lines[-1] == (
+        "[worker] the run is finished; this worker's model is at step 0 "
+        "(the last step's update is kept in the checkpoints)"
+    )
 
 
 def test_permanent_goodbye_is_a_worker_error_on_one_line(data_dir):
@@ -252,7 +255,10 @@ def test_shutting_down_reconnects_and_coordinator_text_is_escaped(data_dir):
     assert r"[coordinator] second \x1b[2J line" in worker.lines
     assert "[coordinator] SHUTTING_DOWN: the coordinator is shutting down" in worker.lines
     assert not any("\x1b" in line for line in worker.lines)
-    assert worker.lines[-1] == "[worker] the run is finished at step 0"
+    assert worker.lines[-1] == (
+        "[worker] the run is finished; this worker's model is at step 0 "
+        "(the last step's update is kept in the checkpoints)"
+    )
 
 
 # --- the handshake --------------------------------------------------------------------------
@@ -565,7 +571,7 @@ def test_cli_exits_0_when_the_run_is_finished(tmp_path, data_dir):
     result = run_cli(tmp_path, data_dir, fake.port, DEGGS_SECRET=SECRET.decode())
     fake.check()
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "[worker] the run is finished at step 0" in result.stdout
+    assert "[worker] the run is finished; this worker's model is at step 0" in result.stdout
 
 
 def test_cli_exits_2_on_a_refusal(tmp_path, data_dir):

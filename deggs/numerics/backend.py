@@ -2,7 +2,8 @@
 
 A backend holds one model replica: the int8 weights, the adaptive-noise overlays and the
 optimizer state, in the CPU backend's logical layouts when read (`params`, `overlays`,
-`state`). The CPU backend (cpu.py) is the readable specification; the GPU backend
+`state`: the CPU backend's own arrays, copies fetched from the device on the GPU; write
+them with `load_state`). The CPU backend (cpu.py) is the readable specification; the GPU backend
 (gpu.py) computes the same bits with CUDA kernels. A new backend implements `Backend`
 and gets a row in `BACKENDS`.
 """
@@ -33,6 +34,10 @@ class Backend(Protocol):
 
     def generate(self, prompt, seed: int, n_tokens: int | None = None) -> np.ndarray:
         """The prompt followed by n_tokens tokens sampled from the unperturbed model."""
+        ...
+
+    def load_state(self, params: dict, overlays: dict, state: OptimizerState | None = None):
+        """Replace the weights, overlays and (when given) the optimizer state."""
         ...
 
     @property

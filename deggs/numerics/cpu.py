@@ -34,6 +34,14 @@ class CpuBackend:
         per_member = cfg.model.seq_len * max(cfg.model.vocab_size, 4 * cfg.model.hidden_dim)
         self.batch = max(2, min(256, LOGIT_BUDGET // per_member) // 2 * 2)
 
+    def load_state(self, params: dict, overlays: dict, state: OptimizerState | None = None):
+        """Replace weights, overlays and (optionally) the optimizer state with copies."""
+        self.params = {k: np.array(v, np.int8) for k, v in params.items()}
+        self.overlays = {k: np.array(v, np.int8) for k, v in overlays.items()}
+        if state is not None:
+            copy = lambda d: {k: np.array(v, np.float32) for k, v in d.items()}
+            self.state = OptimizerState(copy(state.m), copy(state.v), copy(state.acc))
+
     def losses(self, data: np.ndarray, step: int, step_seed: int, members) -> np.ndarray:
         members = np.asarray(members, np.int64)
         batches = [members[i : i + self.batch] for i in range(0, len(members), self.batch)]

@@ -53,11 +53,12 @@ def chunk_result(cfg: Config, chunk: int, losses: np.ndarray) -> ChunkResult:
 class Trainer:
     """A model replica at a step: a backend's weights, the step number and its seed."""
 
-    def __init__(self, backend: Backend, step: int = 0, seed: int | None = None):
+    def __init__(self, backend: Backend):
+        """A fresh replica: the initial weights at step 0 and the config's first seed."""
         self.backend = backend
         self.cfg = backend.cfg
-        self.step = step
-        self.seed = self.cfg.training.seed if seed is None else seed
+        self.step = 0
+        self.seed = self.cfg.training.seed
 
     def score_chunk(self, data: np.ndarray, chunk: int) -> ChunkResult:
         """A chunk's member losses at this step, their fitness and its packed form."""

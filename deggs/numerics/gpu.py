@@ -5,7 +5,7 @@ tables, name). The weights, overlays and optimizer state live on the device; the
 `params`, `overlays` and `state` attributes are NumPy copies fetched on access (in the
 CPU backend's logical layouts), and `load_state` puts new ones on the device.
 
-Structure (numerics/kernels/deggs.cu holds the kernels, named after deggs/model.py's functions):
+Structure (kernels/deggs.cu holds the kernels, named after model.py's functions):
 - every integer matrix product is one cuBLAS int8 x int8 -> int32 GEMM (exact: int32
   accumulation of int8 products), weights stored transposed Wt[out, in];
 - the per-member rank-1 terms, norms, RoPE, attention, GELU table, residuals and the
@@ -17,7 +17,7 @@ Structure (numerics/kernels/deggs.cu holds the kernels, named after deggs/model.
   update is captured once as a CUDA graph and replayed each step (step seed, learning
   rates and fitness are read from device buffers).
 
-Generation (deggs/sampling.py, once every few steps) runs on the device too: the row
+Generation (sampling.py, once every few steps) runs on the device too: the row
 kernels run the one sequence as a single member of sign 0 (no perturbation), the prompt's
 positions together and then each new position alone, with a key/value cache per layer;
 `cached_attention` attends over the cache and `choose_token` samples the next token into
@@ -35,8 +35,18 @@ from ..config import Config
 from ..seeds import member_sign, pair_seed
 from .model import init_overlays, init_params, make_tables, member_tokens
 from .optimizer import OptimizerState
-from .params import EMB_MLP, LAYER_MLP, MATRICES, PARAM, Mlp, offsets, param_shapes, param_slices
-from .sampling import sampler_limits
+from .params import (
+    EMB_MLP,
+    GATE_SEED,
+    LAYER_MLP,
+    MATRICES,
+    PARAM,
+    Mlp,
+    offsets,
+    param_shapes,
+    param_slices,
+)
+from .sampling import SAMPLE_STRIDE, sampler_limits
 
 try:  # CuPy is optional: the backend is only usable where it imports and sees a GPU
     import cupy as cp
@@ -268,6 +278,8 @@ class GpuBackend:
             ADAPTIVE_MODE=c.adaptive_noise.mode,
             ATTN_ACC_LL=int(m.seq_len * lut0 * 127 >= 2**31),
             ADAMW=int(c.optimizer.kind == "adamw"),
+            GATE_SEED=GATE_SEED,
+            SAMPLE_STRIDE=SAMPLE_STRIDE,
         )
         options = ("--std=c++17", "--fmad=false") + tuple(f"-D{k}={v}" for k, v in defines.items())
         return cp.RawModule(code=kernel_source(), options=options)
@@ -291,10 +303,6 @@ class GpuBackend:
             k: cp.asarray(to_device_layout(k, np.asarray(state.acc[k], np.float32))) for k in shapes
         }
         self.graph = None  # the captured update points at the old arrays
-
-    def host_state(self):
-        """(params, overlays, OptimizerState) as NumPy, in the CPU backend's layouts."""
-        return self.params, self.overlays, self.state
 
     @property
     def params(self) -> dict:
@@ -573,11 +581,7 @@ class GpuBackend:
         buf, seeds, signs, nb, seq, r = ctx
         cfg = self.cfg
         d, hd = cfg.model.hidden_dim, cfg.model.head_dim
-        dp = {
-            k: v[layer]
-            for k, v in self.dp.items()
-            if k in ("ln_1", "ln_1_bias", "w_q", "w_k", "w_v", "w_o")
-        }
+        p = lambda name: self.dp[name][layer]
         o = lambda name: self.dov[name][layer]
         a = lambda name: offsets(cfg, name, layer)[0]
         b = lambda name: offsets(cfg, name, layer)[1]
@@ -585,16 +589,16 @@ class GpuBackend:
         outputs = lambda name: o(PARAM[name].overlays[1])  # and its output side
         self._norm(
             ctx,
-            dp["ln_1"],
-            dp["ln_1_bias"],
+            p("ln_1"),
+            p("ln_1_bias"),
             o("ln_1"),
             o("ln_1_bias"),
             [*offsets(cfg, "ln_1", layer), *offsets(cfg, "ln_1_bias", layer)],
             [(inputs(w), b(w)) for w in ("w_q", "w_k", "w_v")],
         )
         g = buf["g"]
-        for i, name in enumerate("qkv"):
-            self._project(dp[f"w_{name}"], buf["y"], g[i * d :], d, r, d, ldc=3 * d)
+        for i, name in enumerate(("w_q", "w_k", "w_v")):
+            self._project(p(name), buf["y"], g[i * d :], d, r, d, ldc=3 * d)
         qkv = buf["qkv"]
         self._launch(
             "qkv_rope",
@@ -640,7 +644,7 @@ class GpuBackend:
                 (q, keys, values, buf["y"], i32(start), self.d_exp),
                 shared_mem=4 * (start + seq),
             )
-        self._project(dp["w_o"], buf["y"], g, d, r, d)
+        self._project(p("w_o"), buf["y"], g, d, r, d)
         self._launch(
             "residual",
             (nb,),

@@ -309,9 +309,12 @@ class Weights:
     def at(self, layer: int) -> Weights:
         return Weights(self.cfg, self.params, self.overlays, self.pert, layer)
 
-    def _arrays(self, name: str):
-        """The parameter `name` (this layer's copy) and its overlays."""
-        pick = (lambda a: a[self.layer]) if PARAM[name].per_layer else (lambda a: a)
+    def arrays(self, name: str):
+        """The parameter `name` (this layer's copy) and its overlays (in, out for a matrix)."""
+        per_layer = PARAM[name].per_layer
+        if per_layer and self.layer is None:
+            raise ValueError(f"{name} is a per-layer parameter: take Weights.at(layer)")
+        pick = (lambda a: a[self.layer]) if per_layer else (lambda a: a)
         return pick(self.params[name]), [pick(self.overlays[o]) for o in PARAM[name].overlays]
 
     def _offsets(self, name: str) -> tuple[int, int]:
@@ -319,7 +322,7 @@ class Weights:
 
     def vector(self, name: str):
         """A vector parameter plus each member's rank-1 noise: int64 [member or 1, 1, n]."""
-        v, (overlay,) = self._arrays(name)
+        v, (overlay,) = self.arrays(name)
         v = v.astype(np.int64)[None, None, :]
         if self.pert is None:
             return v
@@ -328,7 +331,7 @@ class Weights:
 
     def project(self, x, name: str, by_threads: bool = False):
         """x @ (W + each member's rank-1 noise) for the matrix `name`."""
-        w, (ov_in, ov_out) = self._arrays(name)
+        w, (ov_in, ov_out) = self.arrays(name)
         return project(x, w, self.pert, *self._offsets(name), ov_in, ov_out, by_threads)
 
 
@@ -342,9 +345,9 @@ def standard_norm(cfg, x, w, b):
     return clip8(cdiv(x * w, mean) + b)
 
 
-def norm(cfg, weights: Weights, x, name: str):
-    """The standard norm with parameters `name` and `name`_bias."""
-    return standard_norm(cfg, x, weights.vector(name), weights.vector(name + "_bias"))
+def norm(cfg, weights: Weights, x, weight: str, bias: str):
+    """The standard norm with the named weight and bias, as the members see them."""
+    return standard_norm(cfg, x, weights.vector(weight), weights.vector(bias))
 
 
 def max_abs_normalize(x):
@@ -413,7 +416,7 @@ class KVCache:
 def attention_block(cfg, tables, weights: Weights, x, cache: KVCache, positions):
     """Norm, q/k/v projections with RoPE, attention over the cache, output projection."""
     layer = weights.layer
-    normed = norm(cfg, weights, x, "ln_1")
+    normed = norm(cfg, weights, x, "ln_1", "ln_1_bias")
     q, k, v = (weights.project(normed, name) for name in ("w_q", "w_k", "w_v"))
     q = max_abs_normalize(rope(cfg, tables, q, positions))
     cache.k[layer][:, positions] = max_abs_normalize(rope(cfg, tables, k, positions))
@@ -426,7 +429,7 @@ def attention_block(cfg, tables, weights: Weights, x, cache: KVCache, positions)
 def mlp_block(cfg, tables, weights: Weights, x, names: Mlp):
     """Norm, up-projection, GELU table, down-projection, residual, max-abs normalisation."""
     q = cfg.quantization
-    normed = standard_norm(cfg, x, weights.vector(names.ln), weights.vector(names.ln_bias))
+    normed = norm(cfg, weights, x, names.ln, names.ln_bias)
     up = weights.project(normed, names.up)
     pre = (up >> q.shift_mlp_up) + weights.vector(names.bias_up)
     hidden = tables.gelu[clip8(pre) & 0xFF]
@@ -437,19 +440,18 @@ def mlp_block(cfg, tables, weights: Weights, x, names: Mlp):
 
 def embed(cfg, weights: Weights, tokens):
     """Token embeddings plus embedding bias, each with its perturbation."""
-    params, overlays, pert = weights.params, weights.overlays, weights.pert
-    x = params["embedding"].T[tokens].astype(np.int64) + weights.vector("emb_bias")
+    pert = weights.pert
+    table, (ov_in, ov_out) = weights.arrays("embedding")  # [hidden, vocab]
+    x = table.T[tokens].astype(np.int64) + weights.vector("emb_bias")
     if pert is not None:
-        q = cfg.quantization
         out_seed, in_seed = offsets(cfg, "embedding")  # over the vocabulary, the hidden dims
-        ov_in, ov_out = (overlays[o] for o in PARAM["embedding"].overlays)
         a_tok = pert.noise(out_seed, tokens)  # [m, t]
         s_row = pert.factor(ov_out, out_seed, tokens)
         idx = np.arange(cfg.model.hidden_dim)
         b_dim = pert.noise(in_seed, idx)  # [m, d]
         s_col = pert.factor(ov_in, in_seed, idx)[:, None, :]
         prod = f32(f32(a_tok[:, :, None] * b_dim[:, None, :]) * s_row[..., None]) * s_col
-        x = x + ((trunc_i32(prod) * pert.signs[:, None, None]) >> (q.fixed_point + q.sigma_shift))
+        x = x + ((trunc_i32(prod) * pert.signs[:, None, None]) >> pert.matrix_shift)
     return clip8(x)
 
 
@@ -465,7 +467,7 @@ def forward(cfg, tables, weights: Weights, tokens, cache, positions):
     for layer in range(cfg.model.n_layers):
         x = attention_block(cfg, tables, weights.at(layer), x, cache, positions)
         x = mlp_block(cfg, tables, weights.at(layer), x, LAYER_MLP)
-    return norm(cfg, weights, x, "ln_f")
+    return norm(cfg, weights, x, "ln_f", "ln_f_bias")
 
 
 def sequence_loss(cfg, tables, lgt, targets):

@@ -48,15 +48,6 @@ def noise_from_hash(seed, idx, mask, three_sample):
     return sample_from_bits(hash_u32(seed, idx), mask, three_sample)
 
 
-@numba.njit(cache=True)
-def noise_vector(seed, n, mask, three_sample):
-    """noise_from_hash(seed, i) for i in 0..n-1, as int32."""
-    out = np.empty(n, np.int32)
-    for i in range(n):
-        out[i] = noise_from_hash(seed, i, mask, three_sample)
-    return out
-
-
 @numba.njit(cache=True, nogil=True)
 def noise_table(seeds, idx, mask, three_sample):
     """out[r, j] = noise_from_hash(seeds[r], idx[j]): one row per member (or pair).

@@ -4,7 +4,7 @@ After a prompt, each new token is drawn from the unperturbed model's logits with
 - a presence penalty: penalty * 2^shift_logit off a token's logit per earlier occurrence,
 - temperature: (logit - max) / temperature, truncated to an integer,
 - min-p: tokens whose scaled logit is below log(min_p) * exp_scale are dropped,
-- a hash-driven choice: r = hash_rng(seed + 555 t, 0) mod (sum of table weights) picks
+- a hash-driven choice: r = hash_rng(seed + SAMPLE_STRIDE t, 0) mod (sum of table weights) picks
   the token where the running sum of weights first exceeds r.
 
 The running sum follows the reference's thread order: thread j of a block of
@@ -18,6 +18,8 @@ import numpy as np
 from ..config import Config
 from ..seeds import hash_rng
 from .model import KVCache, Tables, Weights, forward, logits
+
+SAMPLE_STRIDE = 555  # token t is drawn with the hash of seed + 555 t, as the reference
 
 
 def prompt_window(cfg: Config, data: np.ndarray, step: int) -> np.ndarray:
@@ -67,7 +69,7 @@ def choose_token(
     total = int(weights.sum())
     if total <= 0:
         return 0
-    threshold = hash_rng((seed + t * 555) & 0xFFFFFFFF, 0) % total
+    threshold = hash_rng((seed + t * SAMPLE_STRIDE) & 0xFFFFFFFF, 0) % total
     running = np.cumsum(weights[order])
     return int(order[np.searchsorted(running, threshold, side="right")])
 

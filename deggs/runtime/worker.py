@@ -84,7 +84,6 @@ class CoordinatorAway(Exception):
 class Training:
     """What a worker trains once it knows the config: the data and a model replica."""
 
-    cfg: Config
     trainer: Trainer
     tokens: np.ndarray
     pieces: list[bytes] | None  # token texts, for generations; None: raw bytes or unknown
@@ -141,7 +140,7 @@ class Worker:
         except BackendError as e:
             raise WorkerError(str(e)) from None
         self.cfg = cfg
-        self.training = Training(cfg, Trainer(backend), tokens, pieces)
+        self.training = Training(Trainer(backend), tokens, pieces)
         self.log(
             f"[worker] {len(tokens)} tokens, backend {backend.name}, "
             f"config {cfg.fingerprint().hex()}"
@@ -201,7 +200,10 @@ class Worker:
                     self._serve(sock, max_steps)
             except Finished:
                 # self.step is our model's: the run's last update is never handed out.
-                self.log(f"[worker] the run is finished at step {self.step}")
+                self.log(
+                    f"[worker] the run is finished; this worker's model is at step "
+                    f"{self.step} (the last step's update is kept in the checkpoints)"
+                )
                 return
             except (OSError, ProtocolError, CoordinatorAway) as e:  # TimeoutError included
                 self._retry_later(f"connection to {self.address} lost: {e}")
@@ -402,7 +404,7 @@ class Worker:
                 f"{job.last_step}, the worker is at step {self.step} (restarted "
                 "without --load-dir?)"
             )
-        settings = self._ready().cfg.training
+        settings = self._ready().trainer.cfg.training
         c, population = settings.chunk_size, settings.population_size
         if job.last_step > self.step or job.data_position % c or job.data_position >= population:
             raise ProtocolError(
@@ -423,7 +425,7 @@ class Worker:
     def _apply_update(self, response: JobResponse):
         training = self._ready()
         try:
-            fitness = unpack_trits(response.data, training.cfg.training.n_pairs)
+            fitness = unpack_trits(response.data, training.trainer.cfg.training.n_pairs)
         except ValueError as e:
             raise ProtocolError(f"bad fitness for step {self.step}: {e}") from None
         started = time.perf_counter()
@@ -435,7 +437,8 @@ class Worker:
 
     def _run_chunk(self, sock: socket.socket, response: JobResponse):
         training = self._ready()
-        cfg, trainer = training.cfg, training.trainer
+        trainer = training.trainer
+        cfg = trainer.cfg
         c = cfg.training.chunk_size
         start = response.data_position
         chunk = start // c
@@ -461,7 +464,8 @@ class Worker:
         """A sample of the model, in plain text: the coordinator escapes control
         characters, so colours would show as escape codes."""
         training = self._ready()
-        cfg, trainer = training.cfg, training.trainer
+        trainer = training.trainer
+        cfg = trainer.cfg
         prompt = prompt_window(cfg, training.tokens, trainer.step)
         tokens = trainer.sample(prompt)
         n = len(prompt)

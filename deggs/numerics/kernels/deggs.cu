@@ -1,7 +1,8 @@
 // deggs GPU kernels: the int8 transformer's forward pass and update, bit-exact with the
-// CPU backend (deggs/model.py, deggs/optimizer.py).
+// CPU backend (deggs/numerics/model.py, optimizer.py, sampling.py).
 //
-// Compiled by deggs/gpu.py through cupy.RawModule with the config as -D defines and
+// Compiled by deggs/numerics/gpu.py through cupy.RawModule with the config and the
+// constants of the Python side (GATE_SEED, SAMPLE_STRIDE) as -D defines and
 // --fmad=false: every float expression below rounds exactly where the CPU code rounds,
 // and the one fused multiply-add of each Adam expression is written out (__fmaf_rn).
 //
@@ -29,7 +30,6 @@ typedef long long attn_acc;
 #else
 typedef int attn_acc;
 #endif
-#define GATE 100000u
 #define MSHIFT (FIXED_POINT + SIGMA_SHIFT)
 #define N_HEADS (HIDDEN / HEAD_DIM)
 #define UP (4 * HIDDEN)
@@ -72,7 +72,7 @@ __device__ __forceinline__ float adaptive_factor(const i8* ov, u32 seed, u32 idx
     return o < 0 ? 0.0f : (o < 64 ? __fdiv_rn((float)o, 64.0f) : 1.0f);
 #else
     float scale = __fdiv_rn(__fadd_rn((float)ov[idx], 127.0f), 255.0f);
-    u32 r = hash_u32(seed + GATE, idx);
+    u32 r = hash_u32(seed + (u32)GATE_SEED, idx);
     float u = __fdiv_rn(__fadd_rn(__uint2float_rn(r), 1.0f), 4294967296.0f);
     return __fdiv_rn(scale, __fsqrt_rn(u));
 #endif
@@ -546,7 +546,7 @@ extern "C" __global__ void sequence_loss(const int* g, const int* sb, const int*
 }
 
 // --- generation ---------------------------------------------------------------------
-// One unperturbed sequence (deggs/sampling.py): the row kernels above run it as one
+// One unperturbed sequence (deggs/numerics/sampling.py): the row kernels above run it as one
 // member of sign 0; these two replace attention_mix and sequence_loss.
 
 // attention_mix of the rows at positions pos0 + t over the key/value cache (normalised
@@ -630,7 +630,7 @@ extern "C" __global__ void choose_token(const int* g, int* tokens, int t, u32 se
     __syncthreads();
     const long long total = s_total;
     if (total <= 0) return;
-    const long long threshold = (long long)(hash_u32(seed + (u32)t * 555u, 0) % (u64)total);
+    const long long threshold = (long long)(hash_u32(seed + (u32)t * (u32)SAMPLE_STRIDE, 0) % (u64)total);
     long long running = s_start[j];
     if (threshold < running || threshold >= running + own) return;
     for (int v = j; v < VOCAB; v += HIDDEN) {  // the first token where the sum exceeds threshold
@@ -645,12 +645,15 @@ extern "C" __global__ void choose_token(const int* g, int* tokens, int t, u32 se
 
 // --- update -------------------------------------------------------------------------
 
+// The noise seed of antithetic pair p at a step (deggs.seeds.pair_seed).
+__device__ __forceinline__ u32 pair_seed(u32 step_seed, int p) { return step_seed + (u32)p; }
+
 // out[j, p] = noise(step_seed + p + off, j) (* fitness[p]): one noise vector per pair, pair-contiguous.
 extern "C" __global__ void noise_matrix(i8* out, const i8* fitness, const u32* step_seed, u32 off,
                                        int n, int pairs) {
     const int p = blockIdx.x * blockDim.x + threadIdx.x;
     if (p >= pairs) return;
-    const u32 seed = step_seed[0] + (u32)p + off;
+    const u32 seed = pair_seed(step_seed[0], p) + off;
     const int f = fitness ? fitness[p] : 1;
     for (int j = blockIdx.y; j < n; j += gridDim.y) out[(long)j * pairs + p] = (i8)(noise(seed, j) * f);
 }
@@ -663,7 +666,7 @@ extern "C" __global__ void vector_votes(int* vote, const i8* fitness, const u32*
     for (int p = threadIdx.x; p < pairs; p += blockDim.x) {
         const int f = fitness[p];
         if (f) {
-            const u32 seed = step_seed[0] + (u32)p;
+            const u32 seed = pair_seed(step_seed[0], p);
             s += (long long)f * noise(seed + off_a, i) * noise(seed + off_b, i);
         }
     }
