@@ -3,12 +3,15 @@
 
     python scripts/bench.py [--config PATH | --golden NAME.npz] [--backend cpu|gpu]
         [--members N] [--repeats R] [--updates U] [--steps S] [--batch B] [--profile]
+        [--replay N]
 
 After one warm-up of each (compilation, caches, graph capture) it times R forward runs
 of N members (default: a whole chunk on the GPU, 64 members on the CPU), U updates from
 random ternary fitness, and S whole steps (every member's loss, then the update). The
 step time is the median whole step, or with --steps 0 the projection
-population / N * forward + update ("extrapolated": true). Prints one JSON line.
+population / N * forward + update ("extrapolated": true). With --replay N it also writes
+a save directory of N steps of random fitness and times rebuilding the model from it
+(what deggs-generate does before it samples). Prints one JSON line.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import os
 import platform
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -29,6 +33,10 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).res
 from deggs.config import load_config  # noqa: E402
 from deggs.numerics.backend import BACKENDS, make_backend  # noqa: E402
 from deggs.numerics.es import Trainer  # noqa: E402
+from deggs.runtime.checkpoint import Checkpoint, save_checkpoint  # noqa: E402
+from deggs.runtime.replay import replay  # noqa: E402
+from deggs.seeds import next_step_seed  # noqa: E402
+from deggs.ternary import pack_trits  # noqa: E402
 
 
 def median_time(fn, runs):
@@ -68,7 +76,16 @@ def device_name(backend):
 )
 @click.option("--batch", type=click.IntRange(min=2), help="members per forward sub-batch")
 @click.option("--profile", is_flag=True, help="GPU: also time each kernel of one forward run")
-def main(config_path, golden, backend, members, repeats, updates, steps, batch, profile):
+@click.option(
+    "--replay",
+    "replay_steps",
+    type=click.IntRange(min=0),
+    default=0,
+    help="time a replay of N steps",
+)
+def main(
+    config_path, golden, backend, members, repeats, updates, steps, batch, profile, replay_steps
+):
     if golden:
         from golden import golden_config
 
@@ -140,7 +157,24 @@ def main(config_path, golden, backend, members, repeats, updates, steps, batch, 
             engine.losses(data, 2, seed, batch_members)
             record["profile_ms"] = engine.profile_report()
             engine.profile = None
+    if replay_steps:
+        record["replay"] = time_replay(cfg, backend, replay_steps, rng)
     print(json.dumps(record))
+
+
+def time_replay(cfg, backend: str, steps: int, rng) -> dict:
+    """Rebuild a model from a save directory of `steps` steps of random fitness."""
+    with tempfile.TemporaryDirectory() as save_dir:
+        trainer = Trainer(make_backend(cfg, backend))
+        seed = trainer.seed
+        for step in range(1, steps + 1):
+            seed = next_step_seed(seed, step)
+            fitness = rng.integers(-1, 2, cfg.training.n_pairs).astype(np.int32)
+            save_checkpoint(save_dir, Checkpoint(step, seed, pack_trits(fitness)))
+        start = time.perf_counter()
+        replay(save_dir, trainer)
+        seconds = time.perf_counter() - start
+    return {"steps": steps, "seconds": round(seconds, 3), "per_step_s": round(seconds / steps, 4)}
 
 
 if __name__ == "__main__":
