@@ -416,7 +416,7 @@ def _validate(c: Config):
         f"{m.hidden_dim} is not a multiple of model.head_dim = {m.head_dim}",
     )
     _require(m.hidden_dim % 32 == 0, "model.hidden_dim", f"{m.hidden_dim} is not a multiple of 32")
-    _require(m.hidden_dim <= 1024, "model.hidden_dim", "at most 1024 (one thread per feature)")
+    _require(m.hidden_dim <= 2048, "model.hidden_dim", "at most 2048")
     _require(
         m.head_dim % 32 == 0,
         "model.head_dim",

@@ -153,3 +153,41 @@ def test_conformance_on_gpu(name, golden_path, golden_decoding, conformance, cap
     out = capsys.readouterr().out
     assert ok, out
     assert out.count("step ") == 8 and "MISMATCH" not in out
+
+
+# The size limits: each at a small population, with weights moved off their initial values.
+BIG = {
+    "hidden 1024": dict(model=dict(hidden_dim=1024, head_dim=64, seq_len=16, vocab_size=1024)),
+    "hidden 2048": dict(model=dict(hidden_dim=2048, head_dim=128, seq_len=8, vocab_size=512)),
+    "vocab 65536": dict(model=dict(hidden_dim=64, head_dim=32, seq_len=8, vocab_size=65536)),
+    "vocab 32768, mode 2": dict(
+        model=dict(hidden_dim=64, head_dim=32, seq_len=8, vocab_size=32768),
+        adaptive_noise=dict(mode=2),
+    ),
+    "seq 256": dict(model=dict(hidden_dim=64, head_dim=64, seq_len=256, vocab_size=256)),
+}
+
+
+@pytest.mark.parametrize("name", list(BIG))
+def test_gpu_matches_cpu_at_the_size_limits(name):
+    rng = np.random.default_rng(3000 + list(BIG).index(name))
+    base = dict(n_layers=1)
+    tables = {k: dict(v) for k, v in BIG[name].items()}
+    tables["model"] = {**base, **tables["model"]}
+    cfg = Config().replace(
+        training=dict(population_size=8, chunk_size=8),
+        sampling=dict(prompt_tokens=4, generate_tokens=6),
+        **tables,
+    )
+    cpu, gpu = CpuBackend(cfg), GpuBackend_(cfg)
+    params, overlays = shuffled_weights(rng, cpu.params, cpu.overlays)
+    cpu.load_state(params, overlays)
+    gpu.load_state(params, overlays)
+    data = rng.integers(0, cfg.model.vocab_size, 4 * cfg.model.seq_len + 64).astype(cfg.token_dtype)
+    members = np.arange(cfg.training.population_size)
+    assert np.array_equal(gpu.losses(data, 0, 99, members), cpu.losses(data, 0, 99, members))
+    fitness = rng.integers(-1, 2, cfg.training.n_pairs).astype(np.int32)
+    assert gpu.update(fitness, 0, 99) == cpu.update(fitness, 0, 99)
+    compare_states(cpu, gpu)
+    prompt = data[:4]
+    assert np.array_equal(gpu.generate(prompt, 5), cpu.generate(prompt, 5))

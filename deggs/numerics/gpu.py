@@ -69,7 +69,11 @@ KERNELS = (
     "choose_token",
 )
 
+KERNEL_FILES = ("common.cuh", "forward.cu", "generate.cu", "update.cu")  # compiled in order
 NT = 256  # threads of the row kernels
+ATT_SPLIT = 2  # attention_mix: threads per query, each accumulating 1/ATT_SPLIT of a head
+MAX_THREADS = 1024  # per block, on every CUDA device
+STATIC_SHARED = 48 << 10  # a kernel may use more shared memory only when it opts in
 FORWARD_BUDGET = 8 << 30  # bytes for the largest GEMM output of a sub-batch of members
 
 # cuBLAS / CUDA enum values
@@ -81,8 +85,58 @@ NULL = np.uint64(0)
 
 
 def kernel_source() -> str:
-    """The CUDA sources, shipped inside the package (package data)."""
-    return resources.files(__package__).joinpath("kernels", "deggs.cu").read_text()
+    """The CUDA sources, shipped inside the package (package data), as one program."""
+    kernels = resources.files(__package__).joinpath("kernels")
+    return "\n".join(kernels.joinpath(name).read_text() for name in KERNEL_FILES)
+
+
+def choose_token_threads(hidden: int) -> int:
+    """Threads of choose_token: the reference's HIDDEN, or a divisor of it within a block."""
+    per = -(-hidden // MAX_THREADS)
+    while hidden % per:
+        per += 1
+    return hidden // per
+
+
+def shared_memory(cfg: Config) -> dict[str, tuple[int, int]]:
+    """Bytes of shared memory of the kernels that need much: (dynamic, static), as the
+    sources declare them (training shapes; generation's cached_attention is sized then)."""
+    m, lut = cfg.model, cfg.softmax.lut_size
+    h, up, v = m.hidden_dim, 4 * m.hidden_dim, m.vocab_size
+    av = 4 if cfg.adaptive_noise.mode == 2 else 2  # forward.cu's av_t
+    reductions = 32 * 8
+    return {
+        "embed": (0, 12 * h + reductions),
+        "standard_norm": (32 * h, reductions),
+        "qkv_rope": (0, 12 * h),
+        "attention_mix": (2 * m.seq_len * m.head_dim, 4 * lut + 8 * m.head_dim + reductions),
+        "residual": (0, 8 * h + reductions),
+        "mlp_up": (16 * up, 4 * 256 + reductions),
+        "sequence_loss": (av * v, 4 * lut + reductions),
+        "choose_token": (4 * ((v + 1) // 2), 8 * (h + 1) + reductions),
+    }
+
+
+def supports(cfg: Config, shared_optin: int) -> list[str]:
+    """Why the GPU backend cannot run a config on a device whose kernels may opt in to
+    `shared_optin` bytes of shared memory; empty when it can."""
+    m = cfg.model
+    problems = []
+    for name, (dynamic, static) in shared_memory(cfg).items():
+        if dynamic + static > shared_optin:
+            problems.append(
+                f"{name} needs {dynamic + static} bytes of shared memory, the "
+                f"device allows {shared_optin}"
+            )
+    if ATT_SPLIT * m.seq_len > MAX_THREADS:
+        problems.append(
+            f"seq_len {m.seq_len} needs {ATT_SPLIT * m.seq_len} threads per "
+            f"attention block, more than {MAX_THREADS}"
+        )
+    positions = cfg.sampling.prompt_tokens + cfg.sampling.generate_tokens
+    if positions >= 1 << 16:
+        problems.append(f"generations of {positions} positions: choose_token counts in 16 bits")
+    return problems
 
 
 def gpu_available() -> bool:
@@ -217,20 +271,18 @@ class GpuBackend:
             cp.cuda.Device(device).use()
         self.cfg = cfg
         m = cfg.model
-        if m.hidden_dim % 32 or m.head_dim % 32 or m.hidden_dim % m.head_dim:
-            raise ValueError("gpu backend needs hidden_dim and head_dim multiples of 32")
-        if m.hidden_dim > 512:
-            raise ValueError("gpu backend supports hidden_dim <= 512 (shared memory of mlp_up)")
-        if self._attention_smem() > 48 * 1024:
-            raise ValueError("gpu backend: seq_len * head_dim too large for attention_mix")
+        optin = cp.cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"]
+        problems = supports(cfg, optin)
+        if problems:  # checked before anything is compiled or launched
+            raise ValueError("the gpu backend cannot run this config here: " + "; ".join(problems))
         self.tables = make_tables(cfg)
         self.stream = cp.cuda.Stream(non_blocking=True)
         self.module = self._compile()
         self.k = {name: self.module.get_function(name) for name in KERNELS}
-        vocab_smem = 4 * m.vocab_size
-        if vocab_smem > 48 * 1024:
-            for name in ("sequence_loss", "choose_token"):
-                self.k[name].max_dynamic_shared_size_bytes = vocab_smem
+        self.dynamic_shared = {k: dyn for k, (dyn, _) in shared_memory(cfg).items() if dyn}
+        for name, size in self.dynamic_shared.items():
+            if size > STATIC_SHARED - shared_memory(cfg)[name][1]:
+                self.k[name].max_dynamic_shared_size_bytes = size
         self.blas = Cublas()
         self.d_exp = cp.asarray(self.tables.exp.astype(np.int32))
         self.d_gelu = cp.asarray(self.tables.gelu.astype(np.int32))
@@ -249,11 +301,6 @@ class GpuBackend:
         self.load_state(init_params(cfg), init_overlays(cfg), OptimizerState.zeros(cfg))
 
     # --- state ------------------------------------------------------------------------
-
-    def _attention_smem(self) -> int:
-        """Static shared memory of attention_mix (keys, values, exp table, o-input noise)."""
-        m, lut = self.cfg.model, self.cfg.softmax.lut_size
-        return m.seq_len * m.head_dim * 2 + lut * 4 + m.head_dim * 8 + 4 * 32
 
     def _compile(self):
         c = self.cfg
@@ -280,6 +327,9 @@ class GpuBackend:
             ADAMW=int(c.optimizer.kind == "adamw"),
             GATE_SEED=GATE_SEED,
             SAMPLE_STRIDE=SAMPLE_STRIDE,
+            NT=NT,
+            ATT_SPLIT=ATT_SPLIT,
+            CT_THREADS=choose_token_threads(m.hidden_dim),
         )
         options = ("--std=c++17", "--fmad=false") + tuple(f"-D{k}={v}" for k, v in defines.items())
         return cp.RawModule(code=kernel_source(), options=options)
@@ -322,7 +372,9 @@ class GpuBackend:
 
     # --- helpers ----------------------------------------------------------------------
 
-    def _launch(self, name, grid, block, args, shared_mem=0):
+    def _launch(self, name, grid, block, args, shared_mem=None):
+        if shared_mem is None:  # the kernel's dynamic shared memory at the training shapes
+            shared_mem = self.dynamic_shared.get(name, 0)
         if self.profile is not None:
             return self._timed(name, lambda: self.k[name](grid, block, args, shared_mem=shared_mem))
         self.k[name](grid, block, args, shared_mem=shared_mem)
@@ -436,7 +488,6 @@ class GpuBackend:
                 self.d_exp,
                 loss,
             ),
-            shared_mem=4 * v,
         )
 
     def _hidden(self, ctx, tok, cache=None, start=0):
@@ -626,7 +677,7 @@ class GpuBackend:
         q, k, v = qkv[:rd], qkv[rd : 2 * rd], qkv[2 * rd : 3 * rd]
         if cache is None:
             cp.cuda.runtime.memsetAsync(sbd.data.ptr, 0, r * 4, cp.cuda.get_current_stream().ptr)
-            threads = (2 * seq + 31) // 32 * 32  # ATT_SPLIT threads per query
+            threads = (ATT_SPLIT * seq + 31) // 32 * 32
             self._launch(
                 "attention_mix",
                 (nb, cfg.model.n_heads),
@@ -846,7 +897,9 @@ class GpuBackend:
         if total > self.tables.rope.shape[0]:
             self.tables = make_tables(cfg, total)
             self.d_rope = cp.asarray(self.tables.rope.astype(np.int32).ravel())
-        if 4 * total > 48 * 1024:
+        if total >= 1 << 16:
+            raise ValueError(f"{total} positions: the gpu's choose_token counts in 16 bits")
+        if 4 * total > STATIC_SHARED:
             self.k["cached_attention"].max_dynamic_shared_size_bytes = 4 * total
         f = np.float32
         penalty, min_p_limit = sampler_limits(cfg)
@@ -874,7 +927,7 @@ class GpuBackend:
                 self._launch(
                     "choose_token",
                     (1,),
-                    (d,),
+                    (choose_token_threads(d),),
                     (
                         buf["g"],
                         tokens,
@@ -885,7 +938,6 @@ class GpuBackend:
                         i32(min_p_limit),
                         self.d_exp,
                     ),
-                    shared_mem=4 * m.vocab_size,
                 )
                 start = t + 1
             out = tokens.get(stream=self.stream)

@@ -1,0 +1,389 @@
+// The forward pass of a batch of population members: epilogues of the cuBLAS GEMMs,
+// one thread block per member (attention: per member and head). Compiled after
+// common.cuh (gpu.kernel_source).
+
+#define LPT ((VOCAB + NT - 1) / NT)  // logits per thread of sequence_loss
+
+// The output noise of a head row, (int)(a_j * factor_j): |a_j| <= 45 and factor <= 1 fit a
+// short, halving the shared memory of a large vocabulary; mode 2's factor is unbounded.
+#if ADAPTIVE_MODE == 2
+typedef int av_t;
+#else
+typedef short av_t;
+#endif
+
+// Token embeddings plus the embedding bias, each with its perturbation. Block per member.
+extern "C" __global__ void embed(const int* tokens, const u32* seeds, const int* signs,
+                                 const i8* emb_t, const i8* emb_bias, const i8* ov_row,
+                                 const i8* ov_col, const i8* ov_bias, u32 off_emb,
+                                 u32 off_bias_a, u32 off_bias_b, i8* x, int seq) {
+    __shared__ int s_bias[HIDDEN];
+    __shared__ int s_b[HIDDEN];
+    __shared__ float s_col[HIDDEN];
+    const int m = blockIdx.x;
+    const u32 seed = seeds[m];
+    const int sign = signs[m];
+    for (int f = threadIdx.x; f < HIDDEN; f += blockDim.x) {
+        s_bias[f] = emb_bias[f] + vector_noise(ov_bias, seed, off_bias_a, off_bias_b, f, sign);
+        s_b[f] = noise(seed + off_emb + HIDDEN, f);
+        s_col[f] = adaptive_factor(ov_col, seed + off_emb + HIDDEN, f);
+    }
+    __syncthreads();
+    for (int t = 0; t < seq; t++) {
+        const int tok = tokens[m * (seq + 1) + t];
+        const int a = noise(seed + off_emb, tok);
+        const float s_row = adaptive_factor(ov_row, seed + off_emb, tok);
+        const long row = (long)m * seq + t;
+        for (int f = threadIdx.x; f < HIDDEN; f += blockDim.x) {
+            int v = emb_t[(long)tok * HIDDEN + f] + s_bias[f];
+            float prod = __fmul_rn(__fmul_rn(__int2float_rn(a * s_b[f]), s_row), s_col[f]);
+            v += (__float2int_rz(prod) * sign) >> MSHIFT;
+            x[row * HIDDEN + f] = (i8)clip8(v);
+        }
+    }
+}
+
+// standard_norm with perturbed weight and bias, then up to three input dot products
+// sb[p][row] = sum_i (int)(y_i * b_i * factor_i) for the projections that read y.
+extern "C" __global__ void standard_norm(const i8* x, i8* y, const u32* seeds, const int* signs,
+                                         const i8* w, const i8* b, const i8* ov_w, const i8* ov_b,
+                                         u32 w_a, u32 w_b, u32 b_a, u32 b_b, int ndots,
+                                         const i8* ov0, const i8* ov1, const i8* ov2,
+                                         u32 off0, u32 off1, u32 off2, int* sb, int seq, int rows) {
+    extern __shared__ int s_norm[];  // dynamic: 8 HIDDEN words (gpu.shared_memory)
+    int* s_w = s_norm;
+    int* s_bias = s_norm + HIDDEN;
+    int* s_n = s_norm + 2 * HIDDEN;               // [3][HIDDEN]
+    float* s_f = (float*)(s_norm + 5 * HIDDEN);   // [3][HIDDEN]
+    const int m = blockIdx.x;
+    const u32 seed = seeds[m];
+    const int sign = signs[m];
+    const i8* ovs[3] = {ov0, ov1, ov2};
+    const u32 offs[3] = {off0, off1, off2};
+    for (int f = threadIdx.x; f < HIDDEN; f += blockDim.x) {
+        s_w[f] = w[f] + vector_noise(ov_w, seed, w_a, w_b, f, sign);
+        s_bias[f] = b[f] + vector_noise(ov_b, seed, b_a, b_b, f, sign);
+        for (int p = 0; p < ndots; p++) {
+            s_n[p * HIDDEN + f] = noise(seed + offs[p], f);
+            s_f[p * HIDDEN + f] = adaptive_factor(ovs[p], seed + offs[p], f);
+        }
+    }
+    __syncthreads();
+    for (int t = WARP; t < seq; t += NWARPS) {
+        const long row = (long)m * seq + t;
+        const i8* xr = x + row * HIDDEN;
+        int xv[FPL];
+        u32 s = 0;
+#pragma unroll
+        for (int i = 0; i < FPL; i++) {
+            xv[i] = xr[LANE + 32 * i];
+            s += (u32)abs(xv[i]);
+        }
+        int mean = (int)(warp_sum_u32(s) / HIDDEN);
+        if (mean == 0) mean = 1;
+        u32 dots[3] = {0u, 0u, 0u};
+#pragma unroll
+        for (int i = 0; i < FPL; i++) {
+            const int f = LANE + 32 * i;
+            const int v = clip8((xv[i] * s_w[f]) / mean + s_bias[f]);
+            y[row * HIDDEN + f] = (i8)v;
+            for (int p = 0; p < ndots; p++) dots[p] += (u32)scaled(v * s_n[p * HIDDEN + f], s_f[p * HIDDEN + f]);
+        }
+        for (int p = 0; p < ndots; p++) {
+            const u32 total = warp_sum_u32(dots[p]);
+            if (LANE == 0) sb[(long)p * rows + row] = (int)total;
+        }
+    }
+}
+
+// Per-member output side of a projection: av[j] = (int)(a_j * factor_j).
+template <typename T>
+__device__ __forceinline__ void output_noise(T* av, int n, const i8* ov, u32 seed) {
+    for (int j = threadIdx.x; j < n; j += blockDim.x)
+        av[j] = (T)scaled(noise(seed, j), adaptive_factor(ov, seed, j));
+}
+
+// Q, K, V: rank-1 terms, RoPE on Q and K, max-abs normalisation of each.
+// g is [rows, 3 * HIDDEN] (q | k | v), sb is [3][rows], out is [3][rows, HIDDEN];
+// rope_tab starts at the position of each member's row 0.
+extern "C" __global__ void qkv_rope(const int* g, const int* sb, i8* out, const u32* seeds,
+                                    const int* signs, const i8* ov_q, const i8* ov_k, const i8* ov_v,
+                                    u32 q_a, u32 k_a, u32 v_a, const int* rope_tab, int seq, int rows) {
+    __shared__ int s_av[3][HIDDEN];
+    const int m = blockIdx.x;
+    const u32 seed = seeds[m];
+    const int sign = signs[m];
+    output_noise(s_av[0], HIDDEN, ov_q, seed + q_a);
+    output_noise(s_av[1], HIDDEN, ov_k, seed + k_a);
+    output_noise(s_av[2], HIDDEN, ov_v, seed + v_a);
+    __syncthreads();
+    const long long half = 1ll << (ROPE_SHIFT - 1);
+    for (int t = WARP; t < seq; t += NWARPS) {
+        const long row = (long)m * seq + t;
+        for (int p = 0; p < 3; p++) {
+            const int s = sb[(long)p * rows + row];
+            int v[FPL];
+#pragma unroll
+            for (int i = 0; i < FPL; i++) {
+                const int f = LANE + 32 * i;
+                v[i] = wrap_add(g[row * 3 * HIDDEN + p * HIDDEN + f], output_term(s, s_av[p][f], sign));
+            }
+            if (p < 2) {
+#pragma unroll
+                for (int i = 0; i < FPL; i++) {
+                    const int f = LANE + 32 * i;
+                    const int other = __shfl_xor_sync(0xffffffffu, v[i], 1);
+                    const int pi = (f % HEAD_DIM) >> 1;
+                    const long long c = rope_tab[(t * (HEAD_DIM / 2) + pi) * 2];
+                    const long long sn = rope_tab[(t * (HEAD_DIM / 2) + pi) * 2 + 1];
+                    const long long even = (f & 1) ? other : v[i], odd = (f & 1) ? v[i] : other;
+                    const long long r = (f & 1) ? (even * sn + odd * c + half) : (even * c - odd * sn + half);
+                    v[i] = (int)(r >> ROPE_SHIFT);
+                }
+            }
+            max_abs_normalize_warp(v, out + (long)p * rows * HIDDEN + row * HIDDEN);
+        }
+    }
+}
+
+// q . k over one head: packed int8 words, four per 128-bit shared load.
+__device__ __forceinline__ int qk_dot(const int* qw, const int* kw) {
+    int sc[4] = {0, 0, 0, 0};  // four independent chains (integer sums: order is free)
+#pragma unroll
+    for (int w4 = 0; w4 < HEAD_DIM / 16; w4++) {
+        const int4 kk = ((const int4*)kw)[w4];
+        sc[0] = __dp4a(qw[4 * w4], kk.x, sc[0]);
+        sc[1] = __dp4a(qw[4 * w4 + 1], kk.y, sc[1]);
+        sc[2] = __dp4a(qw[4 * w4 + 2], kk.z, sc[2]);
+        sc[3] = __dp4a(qw[4 * w4 + 3], kk.w, sc[3]);
+    }
+    return (sc[0] + sc[1]) + (sc[2] + sc[3]);
+}
+
+// Causal integer softmax attention, block per (member, head): ATT_SPLIT threads per
+// query, each accumulating ATT_DIMS of the head's dimensions. Writes the mixed values
+// and adds their o-projection input dot into sb_o (zeroed before).
+#define ATT_SPLIT 2
+#define ATT_DIMS (HEAD_DIM / ATT_SPLIT)
+extern "C" __global__ void attention_mix(const i8* q, const i8* k, const i8* v, i8* mixed,
+                                         int* sb_o, const u32* seeds, const i8* ov_o_in, u32 o_b,
+                                         const int* exp_tab) {
+    // dynamic: keys then values of the head, packed int8, SEQ x HEAD_DIM / 4 words each
+    extern __shared__ __align__(16) int s_kv[];
+    int* s_k = s_kv;
+    int* s_v = s_kv + SEQ * (HEAD_DIM / 4);
+    __shared__ int s_exp[LUT_SIZE];
+    __shared__ int s_bn[HEAD_DIM];
+    __shared__ float s_bf[HEAD_DIM];
+    const int m = blockIdx.x, h = blockIdx.y;
+    const u32 seed = seeds[m];
+    for (int i = threadIdx.x; i < SEQ * (HEAD_DIM / 16); i += blockDim.x) {
+        const int s = i / (HEAD_DIM / 16), w = i % (HEAD_DIM / 16);
+        const long at = ((long)m * SEQ + s) * HIDDEN + h * HEAD_DIM;
+        ((int4*)(s_k + s * (HEAD_DIM / 4)))[w] = ((const int4*)(k + at))[w];
+        ((int4*)(s_v + s * (HEAD_DIM / 4)))[w] = ((const int4*)(v + at))[w];
+    }
+    for (int i = threadIdx.x; i < LUT_SIZE; i += blockDim.x) s_exp[i] = exp_tab[i];
+    for (int i = threadIdx.x; i < HEAD_DIM; i += blockDim.x) {
+        s_bn[i] = noise(seed + o_b, h * HEAD_DIM + i);
+        s_bf[i] = adaptive_factor(ov_o_in, seed + o_b, h * HEAD_DIM + i);
+    }
+    __syncthreads();
+    const int t = threadIdx.x % SEQ, part = threadIdx.x / SEQ;
+    if (part >= ATT_SPLIT) return;
+    const long row = (long)m * SEQ + t;
+    int qw[HEAD_DIM / 4];
+#pragma unroll
+    for (int w4 = 0; w4 < HEAD_DIM / 16; w4++) {
+        const int4 qq = ((const int4*)(q + row * HIDDEN + h * HEAD_DIM))[w4];
+        qw[4 * w4] = qq.x;
+        qw[4 * w4 + 1] = qq.y;
+        qw[4 * w4 + 2] = qq.z;
+        qw[4 * w4 + 3] = qq.w;
+    }
+    int peak = INT_MIN_;
+#pragma unroll 4
+    for (int s = 0; s <= t; s++) peak = max(peak, qk_dot(qw, s_k + s * (HEAD_DIM / 4)));
+    const int d0 = part * ATT_DIMS;
+    attn_acc acc[ATT_DIMS];
+#pragma unroll
+    for (int d = 0; d < ATT_DIMS; d++) acc[d] = 0;
+    int total = 0;
+    const int top = peak >> SHIFT_ATTN;
+#pragma unroll 2
+    for (int s = 0; s <= t; s++) {
+        int idx = top - (qk_dot(qw, s_k + s * (HEAD_DIM / 4)) >> SHIFT_ATTN);
+        idx = idx < 0 ? 0 : (idx > LUT_SIZE - 1 ? LUT_SIZE - 1 : idx);
+        const int wgt = s_exp[idx];
+        total += wgt;
+        const int4* vrow = (const int4*)(s_v + s * (HEAD_DIM / 4) + d0 / 4);
+#pragma unroll
+        for (int d16 = 0; d16 < ATT_DIMS / 16; d16++) {
+            const int4 vv = vrow[d16];
+            const int words[4] = {vv.x, vv.y, vv.z, vv.w};
+#pragma unroll
+            for (int c = 0; c < 4; c++) {
+                const int wd = words[c];
+                acc[16 * d16 + 4 * c] += (attn_acc)wgt * ((wd << 24) >> 24);
+                acc[16 * d16 + 4 * c + 1] += (attn_acc)wgt * ((wd << 16) >> 24);
+                acc[16 * d16 + 4 * c + 2] += (attn_acc)wgt * ((wd << 8) >> 24);
+                acc[16 * d16 + 4 * c + 3] += (attn_acc)wgt * (wd >> 24);
+            }
+        }
+    }
+    if (total == 0) total = 1;
+    u32 dot = 0;
+#pragma unroll
+    for (int d = 0; d < ATT_DIMS; d++) {
+        const int dd = d0 + d;
+        const int val = clip8((int)(acc[d] / (attn_acc)total));
+        mixed[row * HIDDEN + h * HEAD_DIM + dd] = (i8)val;
+        dot += (u32)scaled(val * s_bn[dd], s_bf[dd]);
+    }
+    atomicAdd((u32*)&sb_o[row], dot);
+}
+
+// Residual after a projection to HIDDEN outputs: x = max_abs_normalize(x + (out >> shift)
+// [+ bias + its noise]), out = g + rank-1 term. In place on x.
+extern "C" __global__ void residual(const int* g, const int* sb, i8* x, const u32* seeds,
+                                   const int* signs, const i8* ov_out, u32 off_a, int shift,
+                                   const i8* bias, const i8* ov_bias, u32 bias_a, u32 bias_b,
+                                   int seq) {
+    __shared__ int s_av[HIDDEN];
+    __shared__ int s_bias[HIDDEN];
+    const int m = blockIdx.x;
+    const u32 seed = seeds[m];
+    const int sign = signs[m];
+    output_noise(s_av, HIDDEN, ov_out, seed + off_a);
+    for (int f = threadIdx.x; f < HIDDEN; f += blockDim.x)
+        s_bias[f] = bias ? bias[f] + vector_noise(ov_bias, seed, bias_a, bias_b, f, sign) : 0;
+    __syncthreads();
+    for (int t = WARP; t < seq; t += NWARPS) {
+        const long row = (long)m * seq + t;
+        const int s = sb[row];
+        int v[FPL];
+#pragma unroll
+        for (int i = 0; i < FPL; i++) {
+            const int f = LANE + 32 * i;
+            const int out = wrap_add(g[row * HIDDEN + f], output_term(s, s_av[f], sign));
+            v[i] = (int)x[row * HIDDEN + f] + (out >> shift) + s_bias[f];
+        }
+        max_abs_normalize_warp(v, x + row * HIDDEN);
+    }
+}
+
+// MLP up-projection epilogue: rank-1 term, >> SHIFT_MLP_UP, bias (+ noise), GELU table;
+// then the down-projection's input dot as the reference's threads sum it: virtual
+// thread j adds columns j, j+H, j+2H, j+3H through float32, pb = (int)fmaf(h*b, f, pb).
+extern "C" __global__ void mlp_up(const int* g, const int* sb_up, i8* hidden, int* sb_down,
+                                  const u32* seeds, const int* signs, const i8* bias_up,
+                                  const i8* ov_up_out, const i8* ov_bias_up, const i8* ov_down_in,
+                                  u32 up_a, u32 bias_a, u32 bias_b, u32 down_b, const int* gelu,
+                                  int seq) {
+    extern __shared__ int s_mlp[];  // dynamic: 4 UP words (gpu.shared_memory)
+    int* s_av = s_mlp;
+    int* s_bias = s_mlp + UP;
+    int* s_bn = s_mlp + 2 * UP;
+    float* s_bf = (float*)(s_mlp + 3 * UP);
+    __shared__ int s_gelu[256];
+    const int m = blockIdx.x;
+    const u32 seed = seeds[m];
+    const int sign = signs[m];
+    output_noise(s_av, UP, ov_up_out, seed + up_a);
+    for (int j = threadIdx.x; j < UP; j += blockDim.x) {
+        s_bias[j] = bias_up[j] + vector_noise(ov_bias_up, seed, bias_a, bias_b, j, sign);
+        s_bn[j] = noise(seed + down_b, j);
+        s_bf[j] = adaptive_factor(ov_down_in, seed + down_b, j);
+    }
+    for (int i = threadIdx.x; i < 256; i += blockDim.x) s_gelu[i] = gelu[i];
+    __syncthreads();
+    for (int t = WARP; t < seq; t += NWARPS) {
+        const long row = (long)m * seq + t;
+        const int s = sb_up[row];
+        u32 total = 0;
+#pragma unroll
+        for (int i = 0; i < FPL; i++) {
+            const int j0 = LANE + 32 * i;
+            int partial = 0;
+#pragma unroll
+            for (int sub = 0; sub < 4; sub++) {
+                const int j = j0 + sub * HIDDEN;
+                const int out = wrap_add(g[row * UP + j], output_term(s, s_av[j], sign));
+                const int pre = (out >> SHIFT_MLP_UP) + s_bias[j];
+                const int hv = s_gelu[(unsigned char)(i8)clip8(pre)];
+                hidden[row * UP + j] = (i8)hv;
+                const float term = __int2float_rn(hv * s_bn[j]);
+                partial = __float2int_rz(__fmaf_rn(term, s_bf[j], __int2float_rn(partial)));
+            }
+            total += (u32)partial;
+        }
+        total = warp_sum_u32(total);
+        if (LANE == 0) sb_down[row] = (int)total;
+    }
+}
+
+// Logits with their rank-1 term, >> SHIFT_LOGIT, and the integer cross-entropy of each
+// position, summed per member. Dynamic shared memory: VOCAB av_t (the output noise).
+// Up to 32 logits a thread stay in registers; a larger vocabulary reads them twice.
+extern "C" __global__ void sequence_loss(const int* g, const int* sb, const int* tokens,
+                                         const u32* seeds, const int* signs, const i8* ov_out,
+                                         u32 off_a, const int* exp_tab, int* loss) {
+    extern __shared__ av_t s_av_vocab[];
+    av_t* s_av = s_av_vocab;
+    __shared__ int s_exp[LUT_SIZE];
+    const int m = blockIdx.x;
+    const u32 seed = seeds[m];
+    const int sign = signs[m];
+    output_noise(s_av, VOCAB, ov_out, seed + off_a);
+    for (int i = threadIdx.x; i < LUT_SIZE; i += blockDim.x) s_exp[i] = exp_tab[i];
+    __syncthreads();
+    u32 member_loss = 0;
+    for (int t = 0; t < SEQ; t++) {
+        const long row = (long)m * SEQ + t;
+        const int s = sb[row];
+        const int* gr = g + row * VOCAB;
+#define LOGIT_AT(j) (wrap_add(gr[j], output_term(s, s_av[j], sign)) >> SHIFT_LOGIT)
+        int peak = INT_MIN_;
+        long long total = 0;
+#if LPT <= 32
+        int lg[LPT];
+#pragma unroll
+        for (int i = 0; i < LPT; i++) {
+            const int j = threadIdx.x + i * NT;
+            if (j < VOCAB) {
+                lg[i] = LOGIT_AT(j);
+                peak = max(peak, lg[i]);
+            }
+        }
+        peak = block_max_int(peak);
+#pragma unroll
+        for (int i = 0; i < LPT; i++) {
+            const int j = threadIdx.x + i * NT;
+            if (j < VOCAB) {
+                long long idx = (long long)peak - lg[i];
+                idx = idx < 0 ? 0 : (idx > LUT_SIZE - 1 ? LUT_SIZE - 1 : idx);
+                total += s_exp[idx];
+            }
+        }
+#else
+        for (int j = threadIdx.x; j < VOCAB; j += NT) peak = max(peak, LOGIT_AT(j));
+        peak = block_max_int(peak);
+        for (int j = threadIdx.x; j < VOCAB; j += NT) {
+            long long idx = (long long)peak - LOGIT_AT(j);
+            idx = idx < 0 ? 0 : (idx > LUT_SIZE - 1 ? LUT_SIZE - 1 : idx);
+            total += s_exp[idx];
+        }
+#endif
+#undef LOGIT_AT
+        total = block_sum_ll(total);
+        if (threadIdx.x == 0) {
+            const int target = tokens[m * (SEQ + 1) + t + 1];
+            const int lt = wrap_add(gr[target], output_term(s, s_av[target], sign)) >> SHIFT_LOGIT;
+            long long log_sum = 0;
+            if (total > 0) log_sum = ((long long)(63 - __clzll(total)) << 4) - ((long long)SCALE_BIT << 4);
+            const long long per_position = (log_sum >> 1) + peak - lt;
+            member_loss += (u32)per_position;
+        }
+    }
+    if (threadIdx.x == 0) loss[m] = (int)member_loss;
+}

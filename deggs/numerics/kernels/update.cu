@@ -1,0 +1,79 @@
+// The update (deggs/numerics/optimizer.py): every pair's noise as int8 matrices for the
+// vote GEMMs, vector votes, the optimizer step and the overlays. Compiled after
+// common.cuh (gpu.kernel_source).
+
+// The noise seed of antithetic pair p at a step (deggs.seeds.pair_seed).
+__device__ __forceinline__ u32 pair_seed(u32 step_seed, int p) { return step_seed + (u32)p; }
+
+// out[j, p] = noise(step_seed + p + off, j) (* fitness[p]): one noise vector per pair, pair-contiguous.
+extern "C" __global__ void noise_matrix(i8* out, const i8* fitness, const u32* step_seed, u32 off,
+                                       int n, int pairs) {
+    const int p = blockIdx.x * blockDim.x + threadIdx.x;
+    if (p >= pairs) return;
+    const u32 seed = pair_seed(step_seed[0], p) + off;
+    const int f = fitness ? fitness[p] : 1;
+    for (int j = blockIdx.y; j < n; j += gridDim.y) out[(long)j * pairs + p] = (i8)(noise(seed, j) * f);
+}
+
+// vote[i] = sum_p fitness_p * a_p[i] * b_p[i]. Block per entry.
+extern "C" __global__ void vector_votes(int* vote, const i8* fitness, const u32* step_seed,
+                                        u32 off_a, u32 off_b, int pairs) {
+    const int i = blockIdx.x;
+    long long s = 0;
+    for (int p = threadIdx.x; p < pairs; p += blockDim.x) {
+        const int f = fitness[p];
+        if (f) {
+            const u32 seed = pair_seed(step_seed[0], p);
+            s += (long long)f * noise(seed + off_a, i) * noise(seed + off_b, i);
+        }
+    }
+    s = block_sum_ll(s);
+    if (threadIdx.x == 0) vote[i] = (int)s;
+}
+
+// One AdamW (or threshold-SGD) step and the quantisation of a parameter slice held as
+// [outer, inner]; counts changes per inner index (row_counts), per outer index
+// (col_counts, may be null) and in total.
+extern "C" __global__ void optimizer_step(i8* w, float* m, float* v, float* acc, const int* vote,
+                                          int n, int inner, const float* lr_buf, int lr_index,
+                                          int* row_counts, int* col_counts, u64* changes,
+                                          float b1, float omb1, float b2, float omb2, float eps,
+                                          float wd, float sgd_scale) {
+    const long e = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (e >= n) return;
+    const float g = -__int2float_rn(vote[e]);
+    const int wi = w[e];
+    const float wf = (float)wi;
+#if ADAMW
+    const float mm = __fmaf_rn(b1, m[e], __fmul_rn(omb1, g));
+    const float vv = __fmaf_rn(omb2, __fmul_rn(g, g), __fmul_rn(b2, v[e]));
+    m[e] = mm;
+    v[e] = vv;
+    const float xs = __fmaf_rn(wd, wf, __fdiv_rn(mm, __fadd_rn(__fsqrt_rn(vv), eps)));
+#else
+    const float xs = __fmaf_rn(wd, wf, __fmul_rn(sgd_scale, g));
+#endif
+    float a = __fmaf_rn(-lr_buf[lr_index], xs, acc[e]);
+    const bool up = a >= 1.0f, down = a <= -1.0f;
+    const bool cu = up && wi < MAXV, cd = down && wi > -MAXV;
+    if (cu) a = __fsub_rn(a, 1.0f);
+    else if (up) a = 1.0f;
+    if (cd) a = __fadd_rn(a, 1.0f);
+    else if (down) a = -1.0f;
+    acc[e] = a;
+    if (cu || cd) {
+        w[e] = (i8)(wi + (cu ? 1 : -1));
+        atomicAdd(changes, 1ull);
+        atomicAdd(&row_counts[e % inner], 1);
+        if (col_counts) atomicAdd(&col_counts[e / inner], 1);
+    }
+}
+
+// Grow an overlay entry by inc where its weights changed, shrink by dec elsewhere; clears the counts.
+extern "C" __global__ void update_overlay(i8* ov, int* counts, int n, int inc, int dec) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    const int o = ov[i];
+    ov[i] = (i8)(counts[i] > 0 ? min(o + inc, MAXV) : max(o - dec, -MAXV));
+    counts[i] = 0;
+}
