@@ -191,3 +191,22 @@ def test_gpu_matches_cpu_at_the_size_limits(name):
     compare_states(cpu, gpu)
     prompt = data[:4]
     assert np.array_equal(gpu.generate(prompt, 5), cpu.generate(prompt, 5))
+
+
+@pytest.mark.parametrize(
+    "switches",
+    [{}, dict(adaptive_noise=dict(mode=2), noise=dict(perturb_distribution="three_sample"))],
+    ids=["default", "mode 2"],
+)
+def test_every_kernel_matches_its_cpu_reference(switches):
+    """scripts/kernels.py: each kernel alone, bit-exact with the CPU specification."""
+    import kernels as harness
+
+    cfg = Config().replace(
+        model=dict(hidden_dim=64, head_dim=32, n_layers=1, seq_len=16, vocab_size=512),
+        training=dict(population_size=8, chunk_size=8),
+        **switches,
+    )
+    lines = []
+    ok = harness.run(cfg, sorted(harness.CHECKS), members=6, repeats=1, out=lines.append)
+    assert ok and len(lines) == len(harness.CHECKS) == 10, "\n".join(lines)

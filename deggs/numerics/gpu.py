@@ -33,6 +33,7 @@ import numpy as np
 
 from ..config import Config
 from ..seeds import member_sign, pair_seed
+from . import launch
 from .model import init_overlays, init_params, make_tables, member_tokens
 from .optimizer import OptimizerState
 from .params import (
@@ -53,21 +54,6 @@ try:  # CuPy is optional: the backend is only usable where it imports and sees a
 except Exception:  # pragma: no cover - depends on the machine
     cp = None
 
-KERNELS = (
-    "embed",
-    "standard_norm",
-    "qkv_rope",
-    "attention_mix",
-    "residual",
-    "mlp_up",
-    "sequence_loss",
-    "noise_matrix",
-    "vector_votes",
-    "optimizer_step",
-    "update_overlay",
-    "cached_attention",
-    "choose_token",
-)
 
 KERNEL_FILES = ("common.cuh", "forward.cu", "generate.cu", "update.cu")  # compiled in order
 NT = 256  # threads of the row kernels
@@ -81,7 +67,6 @@ CUDA_R_8I, CUDA_R_32I = 3, 10
 CUBLAS_COMPUTE_32I = 72
 OP_N, OP_T = 0, 1
 GEMM_DEFAULT = -1
-NULL = np.uint64(0)
 
 
 def kernel_source() -> str:
@@ -234,14 +219,6 @@ class Cublas:
         )
 
 
-def u32(x: int) -> np.uint32:
-    return np.uint32(int(x) & 0xFFFFFFFF)
-
-
-def i32(x: int) -> np.int32:
-    return np.int32(x)
-
-
 def to_device_layout(name: str, arr: np.ndarray) -> np.ndarray:
     """Matrices [.., in, out] -> [.., out, in] (K-contiguous for the GEMMs)."""
     if name in MATRICES:
@@ -278,11 +255,11 @@ class GpuBackend:
         self.tables = make_tables(cfg)
         self.stream = cp.cuda.Stream(non_blocking=True)
         self.module = self._compile()
-        self.k = {name: self.module.get_function(name) for name in KERNELS}
+        self.kernels = launch.kernels(self.module, kernel_source())
         self.dynamic_shared = {k: dyn for k, (dyn, _) in shared_memory(cfg).items() if dyn}
         for name, size in self.dynamic_shared.items():
             if size > STATIC_SHARED - shared_memory(cfg)[name][1]:
-                self.k[name].max_dynamic_shared_size_bytes = size
+                self.kernels[name].function.max_dynamic_shared_size_bytes = size
         self.blas = Cublas()
         self.d_exp = cp.asarray(self.tables.exp.astype(np.int32))
         self.d_gelu = cp.asarray(self.tables.gelu.astype(np.int32))
@@ -372,12 +349,14 @@ class GpuBackend:
 
     # --- helpers ----------------------------------------------------------------------
 
-    def _launch(self, name, grid, block, args, shared_mem=None):
+    def _launch(self, name, grid, block, shared_mem=None, **args):
+        """Launch a kernel by name with keyword arguments (deggs/numerics/launch.py)."""
         if shared_mem is None:  # the kernel's dynamic shared memory at the training shapes
             shared_mem = self.dynamic_shared.get(name, 0)
+        kernel = self.kernels[name]
         if self.profile is not None:
-            return self._timed(name, lambda: self.k[name](grid, block, args, shared_mem=shared_mem))
-        self.k[name](grid, block, args, shared_mem=shared_mem)
+            return self._timed(name, lambda: kernel(grid, block, shared_mem, **args))
+        kernel(grid, block, shared_mem, **args)
 
     def _timed(self, name, fn):
         """Run fn between two events; profile[name] collects the pairs (see `profile_report`)."""
@@ -464,257 +443,269 @@ class GpuBackend:
         self.stream.synchronize()
         return out
 
+    def _param(self, name: str, layer: int | None = None):
+        """A parameter on the device (this layer's copy), its overlays (a matrix's input
+        and output side) and its noise offsets (a, b), by its table name."""
+        per_layer = PARAM[name].per_layer
+        pick = (lambda a: a[layer]) if per_layer else (lambda a: a)
+        overlays = [pick(self.dov[o]) for o in PARAM[name].overlays]
+        return pick(self.dp[name]), overlays, offsets(self.cfg, name, layer if per_layer else None)
+
+    # Each method below runs one kernel (or a block of them) on ctx = (buffers, seeds,
+    # signs, members, positions, rows); scripts/kernels.py checks them one by one.
+
     def _forward(self, buf, tok, seeds, signs, nb, loss):
-        cfg = self.cfg
-        d, v = cfg.model.hidden_dim, cfg.model.vocab_size
-        seq = cfg.model.seq_len
-        r = nb * seq
-        ctx = (buf, seeds, signs, nb, seq, r)
+        m = self.cfg.model
+        ctx = (buf, seeds, signs, nb, m.seq_len, nb * m.seq_len)
         self._hidden(ctx, tok)
-        self._project(self.dp["embedding"], buf["y"], buf["g"], v, r, d)
-        vocab_overlay = PARAM["embedding"].overlays[1]
-        self._launch(
-            "sequence_loss",
-            (nb,),
-            (NT,),
-            (
-                buf["g"],
-                buf["sb"],
-                tok,
-                seeds,
-                signs,
-                self.dov[vocab_overlay],
-                u32(offsets(cfg, "embedding")[0]),
-                self.d_exp,
-                loss,
-            ),
-        )
+        table = self._param("embedding")[0]
+        self._project(table, buf["y"], buf["g"], m.vocab_size, nb * m.seq_len, m.hidden_dim)
+        self._loss(ctx, tok, loss)
 
     def _hidden(self, ctx, tok, cache=None, start=0):
         """Embedding, blocks and final norm of ctx's rows into buf["y"] (see `_attention`)."""
+        self._embed(ctx, tok)
+        self._mlp(ctx, EMB_MLP, None)
+        for layer in range(self.cfg.model.n_layers):
+            self._attention(ctx, layer, None if cache is None else cache[layer], start)
+            self._mlp(ctx, LAYER_MLP, layer)
+        self._norm(ctx, "ln_f", "ln_f_bias", None, ["embedding"])
+
+    def _embed(self, ctx, tok):
         buf, seeds, signs, nb, seq, r = ctx
-        cfg = self.cfg
-        dp, ov = self.dp, self.dov
-        hidden_overlay, vocab_overlay = PARAM["embedding"].overlays
-        emb_a, emb_b = offsets(cfg, "embedding")
+        table, (ov_hidden, ov_vocab), (emb_a, _) = self._param("embedding")
+        bias, (ov_bias,), (bias_a, bias_b) = self._param("emb_bias")
         self._launch(
             "embed",
             (nb,),
             (NT,),
-            (
-                tok,
-                seeds,
-                signs,
-                dp["embedding"],
-                dp["emb_bias"],
-                ov[vocab_overlay],
-                ov[hidden_overlay],
-                ov["emb_bias"],
-                u32(emb_a),
-                *map(u32, offsets(cfg, "emb_bias")),
-                buf["x"],
-                i32(seq),
-            ),
-        )
-        self._mlp(ctx, EMB_MLP, None)
-        for layer in range(cfg.model.n_layers):
-            self._attention(ctx, layer, None if cache is None else cache[layer], start)
-            self._mlp(ctx, LAYER_MLP, layer)
-        self._norm(
-            ctx,
-            dp["ln_f"],
-            dp["ln_f_bias"],
-            ov["ln_f"],
-            ov["ln_f_bias"],
-            [*offsets(cfg, "ln_f"), *offsets(cfg, "ln_f_bias")],
-            [(ov[hidden_overlay], emb_b)],
+            tokens=tok,
+            seeds=seeds,
+            signs=signs,
+            emb_t=table,
+            emb_bias=bias,
+            ov_row=ov_vocab,
+            ov_col=ov_hidden,
+            ov_bias=ov_bias,
+            off_emb=emb_a,
+            off_bias_a=bias_a,
+            off_bias_b=bias_b,
+            x=buf["x"],
+            seq=seq,
         )
 
-    def _norm(self, ctx, w, b, ov_w, ov_b, offsets, dots):
+    def _norm(self, ctx, weight: str, bias: str, layer, readers: list[str]):
+        """standard_norm of buf["x"] into buf["y"], and into buf["sb"] the input dots of
+        the matrices in `readers` (at most three), which read y next."""
         buf, seeds, signs, nb, seq, r = ctx
-        pad = dots + [(ov_w, 0)] * (3 - len(dots))
+        w, (ov_w,), (w_a, w_b) = self._param(weight, layer)
+        b, (ov_b,), (b_a, b_b) = self._param(bias, layer)
+        dots = []
+        for name in readers:
+            _, (ov_in, _), (_, off_b) = self._param(name, layer)
+            dots.append((ov_in, off_b))
+        pad = dots + [(None, 0)] * (3 - len(dots))
         self._launch(
             "standard_norm",
             (nb,),
             (NT,),
-            (
-                buf["x"],
-                buf["y"],
-                seeds,
-                signs,
-                w,
-                b,
-                ov_w,
-                ov_b,
-                *(u32(o) for o in offsets),
-                i32(len(dots)),
-                pad[0][0],
-                pad[1][0],
-                pad[2][0],
-                u32(pad[0][1]),
-                u32(pad[1][1]),
-                u32(pad[2][1]),
-                buf["sb"],
-                i32(seq),
-                i32(r),
-            ),
+            x=buf["x"],
+            y=buf["y"],
+            seeds=seeds,
+            signs=signs,
+            w=w,
+            b=b,
+            ov_w=ov_w,
+            ov_b=ov_b,
+            w_a=w_a,
+            w_b=w_b,
+            b_a=b_a,
+            b_b=b_b,
+            ndots=len(dots),
+            ov0=pad[0][0],
+            ov1=pad[1][0],
+            ov2=pad[2][0],
+            off0=pad[0][1],
+            off1=pad[1][1],
+            off2=pad[2][1],
+            sb=buf["sb"],
+            seq=seq,
+            rows=r,
         )
 
     def _mlp(self, ctx, names: Mlp, layer):
-        buf, seeds, signs, nb, seq, r = ctx
-        cfg = self.cfg
-        d = cfg.model.hidden_dim
-        pick = (lambda a: a) if layer is None else (lambda a: a[layer])
-        p = lambda name: pick(self.dp[name])
-        o = lambda name: pick(self.dov[name])
-        a = lambda name: u32(offsets(cfg, name, layer)[0])
-        b = lambda name: u32(offsets(cfg, name, layer)[1])
-        up_in, up_out = PARAM[names.up].overlays
-        down_in, down_out = PARAM[names.down].overlays
-        self._norm(
-            ctx,
-            p(names.ln),
-            p(names.ln_bias),
-            o(names.ln),
-            o(names.ln_bias),
-            [*offsets(cfg, names.ln, layer), *offsets(cfg, names.ln_bias, layer)],
-            [(o(up_in), offsets(cfg, names.up, layer)[1])],
+        buf, r, d = ctx[0], ctx[5], self.cfg.model.hidden_dim
+        self._norm(ctx, names.ln, names.ln_bias, layer, [names.up])
+        self._project(self._param(names.up, layer)[0], buf["y"], buf["g"], 4 * d, r, d)
+        self._mlp_up(ctx, names, layer)
+        self._project(self._param(names.down, layer)[0], buf["y"], buf["g"], d, r, 4 * d)
+        self._residual(
+            ctx, names.down, layer, self.cfg.quantization.shift_mlp_down, names.bias_down
         )
-        self._project(p(names.up), buf["y"], buf["g"], 4 * d, r, d)
+
+    def _mlp_up(self, ctx, names: Mlp, layer):
+        """buf["g"] (the up-projection) -> GELU'd hidden in buf["y"], the down-projection's
+        input dot in buf["sbd"]."""
+        buf, seeds, signs, nb, seq, r = ctx
+        _, (_, ov_up_out), (up_a, _) = self._param(names.up, layer)
+        bias, (ov_bias,), (bias_a, bias_b) = self._param(names.bias_up, layer)
+        _, (ov_down_in, _), (_, down_b) = self._param(names.down, layer)
         self._launch(
             "mlp_up",
             (nb,),
             (NT,),
-            (
-                buf["g"],
-                buf["sb"],
-                buf["y"],
-                buf["sbd"],
-                seeds,
-                signs,
-                p(names.bias_up),
-                o(up_out),
-                o(names.bias_up),
-                o(down_in),
-                a(names.up),
-                a(names.bias_up),
-                b(names.bias_up),
-                b(names.down),
-                self.d_gelu,
-                i32(seq),
-            ),
+            g=buf["g"],
+            sb_up=buf["sb"],
+            hidden=buf["y"],
+            sb_down=buf["sbd"],
+            seeds=seeds,
+            signs=signs,
+            bias_up=bias,
+            ov_up_out=ov_up_out,
+            ov_bias_up=ov_bias,
+            ov_down_in=ov_down_in,
+            up_a=up_a,
+            bias_a=bias_a,
+            bias_b=bias_b,
+            down_b=down_b,
+            gelu=self.d_gelu,
+            seq=seq,
         )
-        self._project(p(names.down), buf["y"], buf["g"], d, r, 4 * d)
+
+    def _residual(self, ctx, matrix: str, layer, shift: int, bias: str | None = None):
+        """buf["x"] += (buf["g"] + the rank-1 term of `matrix`) >> shift [+ bias and its
+        noise], max-abs normalised in place; the term's input dot is buf["sbd"]."""
+        buf, seeds, signs, nb, seq, r = ctx
+        _, (_, ov_out), (off_a, _) = self._param(matrix, layer)
+        b, ov_b, b_a, b_b = None, None, 0, 0
+        if bias is not None:
+            b, (ov_b,), (b_a, b_b) = self._param(bias, layer)
         self._launch(
             "residual",
             (nb,),
             (NT,),
-            (
-                buf["g"],
-                buf["sbd"],
-                buf["x"],
-                seeds,
-                signs,
-                o(down_out),
-                a(names.down),
-                i32(cfg.quantization.shift_mlp_down),
-                p(names.bias_down),
-                o(names.bias_down),
-                a(names.bias_down),
-                b(names.bias_down),
-                i32(seq),
-            ),
+            g=buf["g"],
+            sb=buf["sbd"],
+            x=buf["x"],
+            seeds=seeds,
+            signs=signs,
+            ov_out=ov_out,
+            off_a=off_a,
+            shift=shift,
+            bias=b,
+            ov_bias=ov_b,
+            bias_a=b_a,
+            bias_b=b_b,
+            seq=seq,
         )
 
     def _attention(self, ctx, layer, cache=None, start=0):
         """Attention block of ctx's rows; with a cache (keys, values of the layer, flat
         [position, hidden]), the rows are positions start.. of one unperturbed sequence."""
-        buf, seeds, signs, nb, seq, r = ctx
-        cfg = self.cfg
-        d, hd = cfg.model.hidden_dim, cfg.model.head_dim
-        p = lambda name: self.dp[name][layer]
-        o = lambda name: self.dov[name][layer]
-        a = lambda name: offsets(cfg, name, layer)[0]
-        b = lambda name: offsets(cfg, name, layer)[1]
-        inputs = lambda name: o(PARAM[name].overlays[0])  # a matrix's input-side overlay
-        outputs = lambda name: o(PARAM[name].overlays[1])  # and its output side
-        self._norm(
-            ctx,
-            p("ln_1"),
-            p("ln_1_bias"),
-            o("ln_1"),
-            o("ln_1_bias"),
-            [*offsets(cfg, "ln_1", layer), *offsets(cfg, "ln_1_bias", layer)],
-            [(inputs(w), b(w)) for w in ("w_q", "w_k", "w_v")],
-        )
-        g = buf["g"]
+        buf, r, d = ctx[0], ctx[5], self.cfg.model.hidden_dim
+        self._norm(ctx, "ln_1", "ln_1_bias", layer, ["w_q", "w_k", "w_v"])
         for i, name in enumerate(("w_q", "w_k", "w_v")):
-            self._project(p(name), buf["y"], g[i * d :], d, r, d, ldc=3 * d)
+            w = self._param(name, layer)[0]
+            self._project(w, buf["y"], buf["g"][i * d :], d, r, d, ldc=3 * d)
+        self._qkv(ctx, layer, start)
+        if cache is None:
+            self._attention_mix(ctx, layer)
+        else:
+            self._cached_attention(ctx, cache, start)
+        self._project(self._param("w_o", layer)[0], buf["y"], buf["g"], d, r, d)
+        self._residual(ctx, "w_o", layer, self.cfg.quantization.shift_out)
+
+    def _qkv_parts(self, ctx):
+        buf, r, d = ctx[0], ctx[5], self.cfg.model.hidden_dim
         qkv = buf["qkv"]
+        return qkv[: r * d], qkv[r * d : 2 * r * d], qkv[2 * r * d : 3 * r * d]
+
+    def _qkv(self, ctx, layer, start=0):
+        """buf["g"] ([rows, q | k | v]) -> RoPE'd, normalised q, k, v in buf["qkv"]."""
+        buf, seeds, signs, nb, seq, r = ctx
+        (_, ov_q), (_, ov_k), (_, ov_v) = (self._param(w, layer)[1] for w in ("w_q", "w_k", "w_v"))
+        q_a, k_a, v_a = (self._param(w, layer)[2][0] for w in ("w_q", "w_k", "w_v"))
+        rope = self.d_rope[start * self.cfg.model.head_dim :]
         self._launch(
             "qkv_rope",
             (nb,),
             (NT,),
-            (
-                g,
-                buf["sb"],
-                qkv,
-                seeds,
-                signs,
-                outputs("w_q"),
-                outputs("w_k"),
-                outputs("w_v"),
-                u32(a("w_q")),
-                u32(a("w_k")),
-                u32(a("w_v")),
-                self.d_rope[start * hd :],
-                i32(seq),
-                i32(r),
-            ),
+            g=buf["g"],
+            sb=buf["sb"],
+            out=buf["qkv"],
+            seeds=seeds,
+            signs=signs,
+            ov_q=ov_q,
+            ov_k=ov_k,
+            ov_v=ov_v,
+            q_a=q_a,
+            k_a=k_a,
+            v_a=v_a,
+            rope_tab=rope,
+            seq=seq,
+            rows=r,
         )
-        sbd = buf["sbd"]
-        rd = r * d
-        q, k, v = qkv[:rd], qkv[rd : 2 * rd], qkv[2 * rd : 3 * rd]
-        if cache is None:
-            cp.cuda.runtime.memsetAsync(sbd.data.ptr, 0, r * 4, cp.cuda.get_current_stream().ptr)
-            threads = (ATT_SPLIT * seq + 31) // 32 * 32
-            self._launch(
-                "attention_mix",
-                (nb, cfg.model.n_heads),
-                (threads,),
-                (q, k, v, buf["y"], sbd, seeds, inputs("w_o"), u32(b("w_o")), self.d_exp),
-            )
-        else:  # sign 0: the o-projection's input dot (sbd) is never used
-            keys, values = cache
-            keys[start * d : (start + seq) * d] = k
-            values[start * d : (start + seq) * d] = v
-            self._launch(
-                "cached_attention",
-                (seq, cfg.model.n_heads),
-                (128,),
-                (q, keys, values, buf["y"], i32(start), self.d_exp),
-                shared_mem=4 * (start + seq),
-            )
-        self._project(p("w_o"), buf["y"], g, d, r, d)
+
+    def _attention_mix(self, ctx, layer):
+        """q, k, v of buf["qkv"] -> mixed values in buf["y"], their o-input dot in buf["sbd"]."""
+        buf, seeds, signs, nb, seq, r = ctx
+        q, k, v = self._qkv_parts(ctx)
+        _, (ov_o_in, _), (_, o_b) = self._param("w_o", layer)
+        cp.cuda.runtime.memsetAsync(buf["sbd"].data.ptr, 0, r * 4, cp.cuda.get_current_stream().ptr)
+        threads = (ATT_SPLIT * seq + 31) // 32 * 32
         self._launch(
-            "residual",
+            "attention_mix",
+            (nb, self.cfg.model.n_heads),
+            (threads,),
+            q=q,
+            k=k,
+            v=v,
+            mixed=buf["y"],
+            sb_o=buf["sbd"],
+            seeds=seeds,
+            ov_o_in=ov_o_in,
+            o_b=o_b,
+            exp_tab=self.d_exp,
+        )
+
+    def _cached_attention(self, ctx, cache, start):
+        """Generation (sign 0: the o-projection's input dot is never used): keys and values
+        join the cache, the rows attend over it."""
+        buf, seq, d = ctx[0], ctx[4], self.cfg.model.hidden_dim
+        q, k, v = self._qkv_parts(ctx)
+        keys, values = cache
+        keys[start * d : (start + seq) * d] = k
+        values[start * d : (start + seq) * d] = v
+        self._launch(
+            "cached_attention",
+            (seq, self.cfg.model.n_heads),
+            (128,),
+            q=q,
+            k_cache=keys,
+            v_cache=values,
+            mixed=buf["y"],
+            pos0=start,
+            exp_tab=self.d_exp,
+            shared_mem=4 * (start + seq),
+        )
+
+    def _loss(self, ctx, tok, loss):
+        """sequence_loss of the logits in buf["g"] (their input dot in buf["sb"])."""
+        buf, seeds, signs, nb, seq, r = ctx
+        _, (_, ov_vocab), (off_a, _) = self._param("embedding")
+        self._launch(
+            "sequence_loss",
             (nb,),
             (NT,),
-            (
-                g,
-                sbd,
-                buf["x"],
-                seeds,
-                signs,
-                outputs("w_o"),
-                u32(a("w_o")),
-                i32(cfg.quantization.shift_out),
-                NULL,
-                NULL,
-                u32(0),
-                u32(0),
-                i32(seq),
-            ),
+            g=buf["g"],
+            sb=buf["sb"],
+            tokens=tok,
+            seeds=seeds,
+            signs=signs,
+            ov_out=ov_vocab,
+            off_a=off_a,
+            exp_tab=self.d_exp,
+            loss=loss,
         )
 
     # --- update -----------------------------------------------------------------------
@@ -758,14 +749,14 @@ class GpuBackend:
         pairs = U["pairs"]
         stream = cp.cuda.get_current_stream().ptr
         cp.cuda.runtime.memsetAsync(U["changes"].data.ptr, 0, 8, stream)
-        consts = (
-            f(o.beta1),
-            f(1) - f(o.beta1),
-            f(o.beta2),
-            f(1) - f(o.beta2),
-            f(o.eps),
-            f(o.weight_decay),
-            f(o.sgd_vote_scale),
+        moments = dict(
+            b1=f(o.beta1),
+            omb1=f(1) - f(o.beta1),
+            b2=f(o.beta2),
+            omb2=f(1) - f(o.beta2),
+            eps=f(o.eps),
+            wd=f(o.weight_decay),
+            sgd_scale=f(o.sgd_vote_scale),
         )
         a_cfg = cfg.adaptive_noise
         for u in U["plan"]:
@@ -780,13 +771,23 @@ class GpuBackend:
                     "noise_matrix",
                     (grid_x, min(n_in, 65535)),
                     (256,),
-                    (U["b"], NULL, U["seed"], u32(u.off_b), i32(n_in), i32(pairs)),
+                    out=U["b"],
+                    fitness=None,
+                    step_seed=U["seed"],
+                    off=u.off_b,
+                    n=n_in,
+                    pairs=pairs,
                 )
                 self._launch(
                     "noise_matrix",
                     (grid_x, min(n_out, 65535)),
                     (256,),
-                    (U["a"], U["fit"], U["seed"], u32(u.off_a), i32(n_out), i32(pairs)),
+                    out=U["a"],
+                    fitness=U["fit"],
+                    step_seed=U["seed"],
+                    off=u.off_a,
+                    n=n_out,
+                    pairs=pairs,
                 )
                 # vote[out, in] (row-major) = sum_p (fit_p a_p[out]) b_p[in]
                 self._gemm(U["b"], U["a"], U["vote"], n_in, n_out, pairs, pairs, pairs, n_in)
@@ -796,28 +797,31 @@ class GpuBackend:
                     "vector_votes",
                     (n,),
                     (NT,),
-                    (U["vote"], U["fit"], U["seed"], u32(u.off_a), u32(u.off_b), i32(pairs)),
+                    vote=U["vote"],
+                    fitness=U["fit"],
+                    step_seed=U["seed"],
+                    off_a=u.off_a,
+                    off_b=u.off_b,
+                    pairs=pairs,
                 )
-                inner, cols = n, NULL
+                inner, cols = n, None
             self._launch(
                 "optimizer_step",
                 ((n + 255) // 256,),
                 (256,),
-                (
-                    w,
-                    m,
-                    v,
-                    acc,
-                    U["vote"],
-                    i32(n),
-                    i32(inner),
-                    U["lr"],
-                    i32(1 if u.param.bias_lr else 0),
-                    U["rows"],
-                    cols,
-                    U["changes"],
-                    *consts,
-                ),
+                w=w,
+                m=m,
+                v=v,
+                acc=acc,
+                vote=U["vote"],
+                n=n,
+                inner=inner,
+                lr_buf=U["lr"],
+                lr_index=int(u.param.bias_lr),
+                row_counts=U["rows"],
+                col_counts=cols,
+                changes=U["changes"],
+                **moments,
             )
             if a_cfg.mode > 0:
                 counts = [(u.param.overlays[0], U["rows"], shape[0])]
@@ -828,7 +832,11 @@ class GpuBackend:
                         "update_overlay",
                         ((size + 255) // 256,),
                         (256,),
-                        (sel(self.dov[name]), cnt, i32(size), i32(a_cfg.inc), i32(a_cfg.dec)),
+                        ov=sel(self.dov[name]),
+                        counts=cnt,
+                        n=size,
+                        inc=a_cfg.inc,
+                        dec=a_cfg.dec,
                     )
             else:
                 cp.cuda.runtime.memsetAsync(U["rows"].data.ptr, 0, U["rows"].nbytes, stream)
@@ -900,8 +908,7 @@ class GpuBackend:
         if total >= 1 << 16:
             raise ValueError(f"{total} positions: the gpu's choose_token counts in 16 bits")
         if 4 * total > STATIC_SHARED:
-            self.k["cached_attention"].max_dynamic_shared_size_bytes = 4 * total
-        f = np.float32
+            self.kernels["cached_attention"].function.max_dynamic_shared_size_bytes = 4 * total
         penalty, min_p_limit = sampler_limits(cfg)
         seed &= 0xFFFFFFFF
         d = m.hidden_dim
@@ -928,16 +935,14 @@ class GpuBackend:
                     "choose_token",
                     (1,),
                     (choose_token_threads(d),),
-                    (
-                        buf["g"],
-                        tokens,
-                        i32(t),
-                        u32(seed),
-                        i32(penalty),
-                        f(s.temperature),
-                        i32(min_p_limit),
-                        self.d_exp,
-                    ),
+                    g=buf["g"],
+                    tokens=tokens,
+                    t=t,
+                    seed=seed,
+                    penalty=penalty,
+                    temperature=s.temperature,
+                    min_p_limit=min_p_limit,
+                    exp_tab=self.d_exp,
                 )
                 start = t + 1
             out = tokens.get(stream=self.stream)

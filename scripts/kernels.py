@@ -1,0 +1,423 @@
+#!/usr/bin/env python3
+"""Check and time the GPU kernels one at a time against the CPU specification.
+
+    python scripts/kernels.py [NAME ...] [--config PATH] [--members N] [--repeats R]
+
+For each kernel: random inputs (weights and overlays moved off their initial values, so
+every noise path is live), the kernel alone through its typed launcher, the same
+computation with the CPU backend's functions (deggs/numerics/model.py, optimizer.py,
+sampling.py), a bit-exact comparison, then R timed launches with CUDA events. Prints one
+line per kernel: ok or MISMATCH, milliseconds, and the GB/s of the bytes the kernel must
+move (its inputs and outputs once), against the card's memory bandwidth. Exit status 1
+on any mismatch. Speed work on one kernel never needs the whole model to run.
+
+Kernels without a check here are covered end to end by tests/test_gpu.py:
+noise_matrix and vector_votes (the update's votes) and cached_attention (generation).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+import numpy as np
+
+sys.path[:0] = [str(Path(__file__).resolve().parents[1])]
+
+from deggs.config import Config, load_config  # noqa: E402
+from deggs.numerics import model  # noqa: E402
+from deggs.numerics.model import Perturbation, Weights, wrap32  # noqa: E402
+from deggs.numerics.optimizer import optimizer_step, update_overlay  # noqa: E402
+from deggs.numerics.params import EMB_MLP, PARAM, offsets  # noqa: E402
+from deggs.numerics.sampling import choose_token, sampler_limits, scan_order  # noqa: E402
+
+SMALL = Config().replace(
+    model=dict(hidden_dim=256, head_dim=64, n_layers=1, seq_len=64, vocab_size=8192),
+    training=dict(population_size=512, chunk_size=512),
+)
+
+
+class Bench:
+    """A GPU backend with random weights, a CPU view of the same weights, and members."""
+
+    def __init__(self, cfg: Config, members: int, seed: int = 0):
+        import cupy as cp
+
+        from deggs.numerics.gpu import GpuBackend
+
+        self.cp, self.cfg, self.rng = cp, cfg, np.random.default_rng(seed)
+        self.gpu = GpuBackend(cfg)
+        params = {
+            k: self.rng.integers(-100, 101, v.shape).astype(np.int8)
+            for k, v in self.gpu.params.items()
+        }
+        overlays = {
+            k: self.rng.integers(-127, 128, v.shape).astype(np.int8)
+            for k, v in self.gpu.overlays.items()
+        }
+        self.gpu.load_state(params, overlays)
+        self.tables = self.gpu.tables
+        self.m, self.t, self.d = members, cfg.model.seq_len, cfg.model.hidden_dim
+        self.rows = members * self.t
+        self.pert = Perturbation(cfg, int(self.rng.integers(2**32)), np.arange(members))
+        self.weights = Weights(cfg, params, overlays, self.pert)
+        self.seeds = cp.asarray(self.pert.seeds)
+        self.signs = cp.asarray(self.pert.signs.astype(np.int32))
+        self.buf = self.gpu._row_buffers(self.rows, self.rows)
+        self.ctx = (self.buf, self.seeds, self.signs, members, self.t, self.rows)
+
+    def ints(self, low, high, shape, dtype=np.int32):
+        return self.rng.integers(low, high, shape).astype(dtype)
+
+    def put(self, name, host):
+        """Copy a host array into the start of a row buffer."""
+        self.buf[name][: host.size] = self.cp.asarray(host.ravel())
+
+    def get(self, name, shape, dtype=None):
+        size = int(np.prod(shape))
+        out = self.buf[name][:size].get().reshape(shape)
+        return out if dtype is None else out.astype(dtype)
+
+
+def projection_terms(b, name, layer, g, sb, width):
+    """wrap32(g + output_term(sb)) of the matrix `name`: the GEMM output plus rank-1 term."""
+    off_a = offsets(b.cfg, name, layer)[0]
+    pick = (lambda a: a[layer]) if layer is not None else (lambda a: a)
+    ov_out = pick(b.weights.overlays[PARAM[name].overlays[1]])
+    return wrap32(g + b.pert.output_term(sb, off_a, ov_out, width))
+
+
+# --- one check per kernel: (launch, reference, compare), bytes moved ----------------
+
+
+def check_embed(b):
+    tokens = b.ints(0, b.cfg.model.vocab_size, (b.m, b.t + 1))
+    d_tok = b.cp.asarray(tokens.ravel())
+
+    def launch():
+        b.gpu._embed(b.ctx, d_tok)
+
+    def reference():
+        return model.embed(b.cfg, b.weights, tokens[:, : b.t])
+
+    def result():
+        return b.get("x", (b.m, b.t, b.d), np.int64)
+
+    return launch, reference, result, tokens.nbytes + b.rows * b.d
+
+
+def check_standard_norm(b):
+    x = b.ints(-127, 128, (b.m, b.t, b.d), np.int8)
+    layer = b.weights.at(0)
+
+    def launch():
+        b.put("x", x)
+        b.gpu._norm(b.ctx, "ln_1", "ln_1_bias", 0, ["w_q", "w_k", "w_v"])
+
+    def reference():
+        y = model.norm(b.cfg, layer, x.astype(np.int64), "ln_1", "ln_1_bias")
+        dots = [
+            b.pert.input_dot(y, offsets(b.cfg, w, 0)[1], layer.arrays(w)[1][0])
+            for w in ("w_q", "w_k", "w_v")
+        ]
+        return y, np.stack(dots)
+
+    def result():
+        y = b.get("y", (b.m, b.t, b.d), np.int64)
+        return y, b.get("sb", (3, b.m, b.t), np.int64)
+
+    return launch, reference, result, 2 * b.rows * b.d + 12 * b.rows
+
+
+def check_qkv_rope(b):
+    g = b.ints(-(2**20), 2**20, (b.m, b.t, 3, b.d))
+    sb = b.ints(-(2**18), 2**18, (3, b.m, b.t))
+    positions = np.arange(b.t)
+
+    def launch():
+        b.put("g", g)
+        b.put("sb", sb)
+        b.gpu._qkv(b.ctx, 0, 0)
+
+    def reference():
+        out = []
+        for i, name in enumerate(("w_q", "w_k", "w_v")):
+            v = projection_terms(b, name, 0, g[:, :, i].astype(np.int64), sb[i], b.d)
+            if i < 2:
+                v = model.rope(b.cfg, b.tables, v, positions)
+            out.append(model.max_abs_normalize(v))
+        return np.stack(out)
+
+    def result():
+        return b.get("qkv", (3, b.m, b.t, b.d), np.int64)
+
+    return launch, reference, result, g.nbytes + sb.nbytes + 3 * b.rows * b.d
+
+
+def check_attention_mix(b):
+    q, k, v = (b.ints(-127, 128, (b.m, b.t, b.d), np.int8) for _ in range(3))
+    layer = b.weights.at(0)
+
+    def launch():
+        b.put("qkv", np.stack([q, k, v]))
+        b.gpu._attention_mix(b.ctx, 0)
+
+    def reference():
+        mixed = model.attention_mix(
+            b.cfg,
+            b.tables,
+            q.astype(np.int64),
+            k.astype(np.int64),
+            v.astype(np.int64),
+            np.arange(b.t),
+        )
+        sb = b.pert.input_dot(mixed, offsets(b.cfg, "w_o", 0)[1], layer.arrays("w_o")[1][0])
+        return mixed, sb
+
+    def result():
+        return b.get("y", (b.m, b.t, b.d), np.int64), b.get("sbd", (b.m, b.t), np.int64)
+
+    return launch, reference, result, 4 * b.rows * b.d + 4 * b.rows
+
+
+def check_residual(b):
+    g = b.ints(-(2**20), 2**20, (b.m, b.t, b.d))
+    sb = b.ints(-(2**18), 2**18, (b.m, b.t))
+    x = b.ints(-127, 128, (b.m, b.t, b.d), np.int8)
+
+    def launch():
+        b.put("g", g)
+        b.put("sbd", sb)
+        b.put("x", x)
+        b.gpu._residual(b.ctx, "w_o", 0, b.cfg.quantization.shift_out)
+
+    def reference():
+        out = projection_terms(b, "w_o", 0, g.astype(np.int64), sb, b.d)
+        return model.max_abs_normalize(x + (out >> b.cfg.quantization.shift_out))
+
+    def result():
+        return b.get("x", (b.m, b.t, b.d), np.int64)
+
+    return launch, reference, result, g.nbytes + 2 * x.nbytes + sb.nbytes
+
+
+def check_mlp_up(b):
+    g = b.ints(-(2**20), 2**20, (b.m, b.t, 4 * b.d))
+    sb = b.ints(-(2**18), 2**18, (b.m, b.t))
+    names = EMB_MLP
+
+    def launch():
+        b.put("g", g)
+        b.put("sb", sb)
+        b.gpu._mlp_up(b.ctx, names, None)
+
+    def reference():
+        q = b.cfg.quantization
+        out = projection_terms(b, names.up, None, g.astype(np.int64), sb, 4 * b.d)
+        pre = (out >> q.shift_mlp_up) + b.weights.vector(names.bias_up)
+        hidden = b.tables.gelu[model.clip8(pre) & 0xFF]
+        off_b = offsets(b.cfg, names.down)[1]
+        ov_in = b.weights.arrays(names.down)[1][0]
+        return hidden, b.pert.input_dot_by_threads(hidden, off_b, ov_in)
+
+    def result():
+        hidden = b.get("y", (b.m, b.t, 4 * b.d), np.int64)
+        return hidden, b.get("sbd", (b.m, b.t), np.int64)
+
+    return launch, reference, result, g.nbytes + b.rows * 4 * b.d + 8 * b.rows
+
+
+def check_sequence_loss(b):
+    v = b.cfg.model.vocab_size
+    g = b.ints(-(2**22), 2**22, (b.m, b.t, v))
+    sb = b.ints(-(2**18), 2**18, (b.m, b.t))
+    tokens = b.ints(0, v, (b.m, b.t + 1))
+    d_tok, loss = b.cp.asarray(tokens.ravel()), b.cp.empty(b.m, b.cp.int32)
+
+    def launch():
+        b.put("g", g)
+        b.put("sb", sb)
+        b.gpu._loss(b.ctx, d_tok, loss)
+
+    def reference():
+        out = projection_terms(b, "embedding", None, g.astype(np.int64), sb, v)
+        lgt = out >> b.cfg.quantization.shift_logit
+        return model.sequence_loss(b.cfg, b.tables, lgt, tokens[:, 1:].astype(np.int64))
+
+    def result():
+        return loss.get()
+
+    return launch, reference, result, g.nbytes + sb.nbytes + tokens.nbytes
+
+
+def check_optimizer_step(b):
+    cp, n = b.cp, b.rows * 4
+    w = b.ints(-127, 128, n, np.int8)
+    m, v = (b.rng.standard_normal(n).astype(np.float32) for _ in range(2))
+    v = np.abs(v)
+    acc = (b.rng.uniform(-1.2, 1.2, n)).astype(np.float32)
+    vote = b.ints(-5000, 5000, n)
+    lr = np.float32(b.cfg.learning_rate(0))
+    d = {k: cp.asarray(a) for k, a in dict(w=w, m=m, v=v, acc=acc, vote=vote).items()}
+    counts, changes = cp.zeros(n, cp.int32), cp.zeros(1, cp.uint64)
+    lrs = cp.asarray(np.array([lr, lr], np.float32))
+    o, f = b.cfg.optimizer, np.float32
+
+    def launch():
+        for k, a in dict(w=w, m=m, v=v, acc=acc).items():
+            d[k][...] = cp.asarray(a)
+        b.gpu._launch(
+            "optimizer_step",
+            ((n + 255) // 256,),
+            (256,),
+            w=d["w"],
+            m=d["m"],
+            v=d["v"],
+            acc=d["acc"],
+            vote=d["vote"],
+            n=n,
+            inner=n,
+            lr_buf=lrs,
+            lr_index=0,
+            row_counts=counts,
+            col_counts=None,
+            changes=changes,
+            b1=f(o.beta1),
+            omb1=f(1) - f(o.beta1),
+            b2=f(o.beta2),
+            omb2=f(1) - f(o.beta2),
+            eps=f(o.eps),
+            wd=f(o.weight_decay),
+            sgd_scale=f(o.sgd_vote_scale),
+        )
+
+    def reference():
+        return optimizer_step(b.cfg, w, m, v, acc, vote, lr)[:4]
+
+    def result():
+        return tuple(d[k].get() for k in ("w", "m", "v", "acc"))
+
+    return launch, reference, result, n * (1 + 4 * 4) * 2
+
+
+def check_update_overlay(b):
+    cp, n = b.cp, b.rows
+    ov = b.ints(-127, 128, n, np.int8)
+    changes = b.ints(0, 3, n)
+    d_ov, d_counts = cp.asarray(ov), cp.asarray(changes)
+    a = b.cfg.adaptive_noise
+
+    def launch():
+        d_ov[...] = cp.asarray(ov)
+        d_counts[...] = cp.asarray(changes)
+        b.gpu._launch(
+            "update_overlay",
+            ((n + 255) // 256,),
+            (256,),
+            ov=d_ov,
+            counts=d_counts,
+            n=n,
+            inc=a.inc,
+            dec=a.dec,
+        )
+
+    def reference():
+        return update_overlay(b.cfg, ov, changes)
+
+    def result():
+        return d_ov.get()
+
+    return launch, reference, result, n * (1 + 4) * 2
+
+
+def check_choose_token(b):
+    cp, v = b.cp, b.cfg.model.vocab_size
+    logits = b.ints(-(2**14), 2**14, v) << b.cfg.quantization.shift_logit
+    history = b.ints(0, v, 40)
+    tokens = np.zeros(41, np.int32)
+    tokens[:40] = history
+    d_g, d_tokens = cp.asarray(logits), cp.asarray(tokens)
+    penalty, min_p_limit = sampler_limits(b.cfg)
+    seed, t = int(b.rng.integers(2**32)), 39
+    from deggs.numerics.gpu import choose_token_threads
+
+    def launch():
+        b.gpu._launch(
+            "choose_token",
+            (1,),
+            (choose_token_threads(b.d),),
+            g=d_g,
+            tokens=d_tokens,
+            t=t,
+            seed=seed,
+            penalty=penalty,
+            temperature=b.cfg.sampling.temperature,
+            min_p_limit=min_p_limit,
+            exp_tab=b.gpu.d_exp,
+        )
+
+    def reference():
+        lgt = logits.astype(np.int64) >> b.cfg.quantization.shift_logit
+        return choose_token(
+            b.cfg, b.tables, lgt, history.astype(np.int64), seed, t, scan_order(b.cfg)
+        )
+
+    def result():
+        return int(d_tokens.get()[t + 1])
+
+    return launch, reference, result, logits.nbytes + tokens.nbytes
+
+
+CHECKS = {name[6:]: fn for name, fn in dict(globals()).items() if name.startswith("check_")}
+
+
+def equal(a, b) -> bool:
+    if isinstance(a, tuple):
+        return len(a) == len(b) and all(equal(x, y) for x, y in zip(a, b, strict=True))
+    return np.array_equal(np.asarray(a), np.asarray(b))
+
+
+def run(cfg: Config, names, members: int, repeats: int, out=print) -> bool:
+    b = Bench(cfg, members)
+    bandwidth = b.cp.cuda.runtime.getDeviceProperties(0)
+    peak = 2 * bandwidth["memoryClockRate"] * 1e3 * bandwidth["memoryBusWidth"] / 8 / 1e9
+    ok = True
+    for name in names:
+        launch, reference, result, moved = CHECKS[name](b)
+        launch()
+        good = equal(result(), reference())
+        start, end = b.cp.cuda.Event(), b.cp.cuda.Event()
+        start.record()
+        for _ in range(repeats):
+            launch()
+        end.record()
+        end.synchronize()
+        ms = b.cp.cuda.get_elapsed_time(start, end) / repeats
+        gbs = moved / ms / 1e6
+        out(
+            f"{name:16s} {'ok' if good else 'MISMATCH':8s} {ms:8.3f} ms  {gbs:7.1f} GB/s "
+            f"({100 * gbs / peak:4.1f}% of {peak:.0f})"
+        )
+        ok &= good
+    return ok
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("names", nargs=-1, type=click.Choice(sorted(CHECKS)))
+@click.option(
+    "--config",
+    "config_path",
+    type=click.Path(exists=True, dir_okay=False),
+    help="model shape (default: hidden 256, 1 layer, seq 64, vocab 8192)",
+)
+@click.option("--members", type=click.IntRange(min=1), default=256, show_default=True)
+@click.option("--repeats", type=click.IntRange(min=1), default=10, show_default=True)
+def main(names, config_path, members, repeats):
+    cfg = load_config(config_path) if config_path else SMALL
+    ok = run(cfg, names or sorted(CHECKS), members, repeats)
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,74 @@
+"""The GPU kernels without a GPU: what a config needs of a device, and typed launchers."""
+
+import re
+
+import numpy as np
+import pytest
+
+from deggs.config import Config
+from deggs.numerics.gpu import choose_token_threads, kernel_source, shared_memory, supports
+from deggs.numerics.launch import Kernel, signatures
+
+H100_OPTIN = 232448  # cudaDevAttrMaxSharedMemoryPerBlockOptin of an H100 (227 KiB)
+
+
+def config(**model):
+    return Config().replace(model=model)
+
+
+def test_the_default_and_the_size_limits_fit_an_h100():
+    assert supports(Config(), H100_OPTIN) == []
+    assert supports(config(hidden_dim=2048, head_dim=128), H100_OPTIN) == []
+    assert supports(config(vocab_size=65536), H100_OPTIN) == []  # 16-bit output noise
+    assert supports(config(seq_len=256, head_dim=128), H100_OPTIN) == []
+
+
+def test_what_does_not_fit_is_named():
+    mode2 = Config().replace(model=dict(vocab_size=65536), adaptive_noise=dict(mode=2))
+    (problem,) = supports(mode2, H100_OPTIN)  # mode 2's output noise needs 32 bits
+    assert problem.startswith("sequence_loss needs 263") and "allows 232448" in problem
+    problems = supports(config(seq_len=1024, head_dim=32, hidden_dim=64), H100_OPTIN)
+    assert any("seq_len 1024 needs 2048 threads" in p for p in problems)
+    small_device = supports(config(hidden_dim=2048, head_dim=128), 48 << 10)
+    assert {p.split()[0] for p in small_device} == {"standard_norm", "mlp_up"}
+
+
+@pytest.mark.parametrize("hidden, threads", [(64, 64), (1024, 1024), (1536, 768), (2048, 1024)])
+def test_choose_token_plays_the_references_threads(hidden, threads):
+    assert choose_token_threads(hidden) == threads and hidden % threads == 0
+
+
+def test_every_kernel_signature_is_read_from_the_shipped_sources():
+    source = kernel_source()
+    kernels = signatures(source)
+    assert set(kernels) == set(re.findall(r'extern "C" __global__ void (\w+)\(', source))
+    assert len(kernels) == 13 and set(shared_memory(Config())) <= set(kernels)
+    embed = {p.name: p for p in kernels["embed"]}
+    assert embed["tokens"].pointer and embed["tokens"].dtype is np.int32
+    assert not embed["off_emb"].pointer and embed["off_emb"].dtype is np.uint32
+
+
+def test_launchers_check_every_argument_against_the_signature():
+    calls = []
+    (params,) = signatures(
+        'extern "C" __global__ void k(const i8* x, int* out, u32 seed, int n, float f) {}'
+    ).values()
+    kernel = Kernel("k", params, lambda grid, block, args, shared_mem: calls.append(args))
+    x, out = np.zeros(4, np.int8), np.zeros(4, np.int32)
+    kernel((1,), (32,), x=x, out=out, seed=2**32 - 1, n=-5, f=0.5)
+    (args,) = calls
+    assert args[0] is x and args[1] is out
+    assert [type(a) for a in args[2:]] == [np.uint32, np.int32, np.float32]
+    kernel((1,), (32,), x=None, out=out, seed=0, n=0, f=0.0)  # None: a null pointer
+    assert calls[1][0] == 0
+    wrong = [
+        (dict(x=x, out=out, seed=1, n=0), "missing \\['f'\\]"),
+        (dict(x=x, out=out, seed=1, n=0, f=0.0, g=1), "unknown \\['g'\\]"),
+        (dict(x=out, out=out, seed=1, n=0, f=0.0), "k\\(x\\): an array of int8 expected"),
+        (dict(x=x, out=out, seed=-1, n=0, f=0.0), "k\\(seed\\): -1 is not a uint32"),
+        (dict(x=x, out=out, seed=1, n=2**31, f=0.0), "k\\(n\\)"),
+        (dict(x=x[::2], out=out, seed=1, n=0, f=0.0), "contiguous"),
+    ]
+    for args, message in wrong:
+        with pytest.raises((TypeError, ValueError), match=message):
+            kernel((1,), (32,), **args)
