@@ -2,6 +2,7 @@
 """Check and time the GPU kernels one at a time against the CPU specification.
 
     python scripts/kernels.py [NAME ...] [--config PATH] [--members N] [--repeats R]
+        [-D NAME=VALUE ...]
 
 For each kernel: random inputs (weights and overlays moved off their initial values, so
 every noise path is live), the kernel alone through its typed launcher, the same
@@ -9,7 +10,8 @@ computation with the CPU backend's functions (deggs/numerics/model.py, optimizer
 sampling.py), a bit-exact comparison, then R timed launches with CUDA events. Prints one
 line per kernel: ok or MISMATCH, milliseconds, and the GB/s of the bytes the kernel must
 move (its inputs and outputs once), against the card's memory bandwidth. Exit status 1
-on any mismatch. Speed work on one kernel never needs the whole model to run.
+on any mismatch. Speed work on one kernel never needs the whole model to run, and -D
+compiles a variant (another ATT_SPLIT, LOSS_REGISTER_LPT, ...) to check and time beside it.
 
 Kernels without a check here are covered end to end by tests/test_gpu.py:
 noise_matrix and vector_votes (the update's votes) and cached_attention (generation).
@@ -41,13 +43,13 @@ SMALL = Config().replace(
 class Bench:
     """A GPU backend with random weights, a CPU view of the same weights, and members."""
 
-    def __init__(self, cfg: Config, members: int, seed: int = 0):
+    def __init__(self, cfg: Config, members: int, seed: int = 0, defines=None):
         import cupy as cp
 
         from deggs.numerics.gpu import GpuBackend
 
         self.cp, self.cfg, self.rng = cp, cfg, np.random.default_rng(seed)
-        self.gpu = GpuBackend(cfg)
+        self.gpu = GpuBackend(cfg, defines=defines)
         params = {
             k: self.rng.integers(-100, 101, v.shape).astype(np.int8)
             for k, v in self.gpu.params.items()
@@ -400,8 +402,8 @@ def equal(a, b) -> bool:
     return np.array_equal(np.asarray(a), np.asarray(b))
 
 
-def run(cfg: Config, names, members: int, repeats: int, out=print) -> bool:
-    b = Bench(cfg, members)
+def run(cfg: Config, names, members: int, repeats: int, out=print, defines=None) -> bool:
+    b = Bench(cfg, members, defines=defines)
     bandwidth = b.cp.cuda.runtime.getDeviceProperties(0)
     peak = 2 * bandwidth["memoryClockRate"] * 1e3 * bandwidth["memoryBusWidth"] / 8 / 1e9
     ok = True
@@ -436,9 +438,18 @@ def run(cfg: Config, names, members: int, repeats: int, out=print) -> bool:
 )
 @click.option("--members", type=click.IntRange(min=1), default=256, show_default=True)
 @click.option("--repeats", type=click.IntRange(min=1), default=10, show_default=True)
-def main(names, config_path, members, repeats):
+@click.option(
+    "-D",
+    "--define",
+    "defines",
+    multiple=True,
+    metavar="NAME=VALUE",
+    help="compile a kernel variant: replace a -D value (ATT_SPLIT=4, ...)",
+)
+def main(names, config_path, members, repeats, defines):
     cfg = load_config(config_path) if config_path else SMALL
-    ok = run(cfg, names or sorted(CHECKS), members, repeats)
+    overrides = {k: int(v) for k, v in (d.split("=", 1) for d in defines)}
+    ok = run(cfg, names or sorted(CHECKS), members, repeats, defines=overrides)
     sys.exit(0 if ok else 1)
 
 

@@ -58,6 +58,7 @@ except Exception:  # pragma: no cover - depends on the machine
 KERNEL_FILES = ("common.cuh", "forward.cu", "generate.cu", "update.cu")  # compiled in order
 NT = 256  # threads of the row kernels
 ATT_SPLIT = 2  # attention_mix: threads per query, each accumulating 1/ATT_SPLIT of a head
+LOSS_REGISTER_LPT = 32  # sequence_loss keeps up to this many logits a thread in registers
 MAX_THREADS = 1024  # per block, on every CUDA device
 STATIC_SHARED = 48 << 10  # a kernel may use more shared memory only when it opts in
 FORWARD_BUDGET = 8 << 30  # bytes for the largest GEMM output of a sub-batch of members
@@ -241,12 +242,14 @@ class GpuBackend:
         batch: int | None = None,
         use_graph: bool = True,
         device: int | None = None,
+        defines: dict | None = None,
     ):
         if not gpu_available():
             raise RuntimeError("the gpu backend needs CuPy and a CUDA device")
         if device is not None:
             cp.cuda.Device(device).use()
         self.cfg = cfg
+        self.overrides = dict(defines or {})  # -D values replacing the computed ones
         m = cfg.model
         optin = cp.cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"]
         problems = supports(cfg, optin)
@@ -307,7 +310,10 @@ class GpuBackend:
             NT=NT,
             ATT_SPLIT=ATT_SPLIT,
             CT_THREADS=choose_token_threads(m.hidden_dim),
+            LOSS_REGISTER_LPT=LOSS_REGISTER_LPT,
         )
+        defines.update(self.overrides)  # kernel variants, for scripts/kernels.py
+        self.defines = defines
         options = ("--std=c++17", "--fmad=false") + tuple(f"-D{k}={v}" for k, v in defines.items())
         return cp.RawModule(code=kernel_source(), options=options)
 
@@ -652,7 +658,7 @@ class GpuBackend:
         q, k, v = self._qkv_parts(ctx)
         _, (ov_o_in, _), (_, o_b) = self._param("w_o", layer)
         cp.cuda.runtime.memsetAsync(buf["sbd"].data.ptr, 0, r * 4, cp.cuda.get_current_stream().ptr)
-        threads = (ATT_SPLIT * seq + 31) // 32 * 32
+        threads = (self.defines["ATT_SPLIT"] * seq + 31) // 32 * 32
         self._launch(
             "attention_mix",
             (nb, self.cfg.model.n_heads),

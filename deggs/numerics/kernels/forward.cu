@@ -324,7 +324,7 @@ extern "C" __global__ void mlp_up(const int* g, const int* sb_up, i8* hidden, in
 
 // Logits with their rank-1 term, >> SHIFT_LOGIT, and the integer cross-entropy of each
 // position, summed per member. Dynamic shared memory: VOCAB av_t (the output noise).
-// Up to 32 logits a thread stay in registers; a larger vocabulary reads them twice.
+// Up to LOSS_REGISTER_LPT logits a thread stay in registers; more are read twice.
 extern "C" __global__ void sequence_loss(const int* g, const int* sb, const int* tokens,
                                          const u32* seeds, const int* signs, const i8* ov_out,
                                          u32 off_a, const int* exp_tab, int* loss) {
@@ -345,7 +345,7 @@ extern "C" __global__ void sequence_loss(const int* g, const int* sb, const int*
 #define LOGIT_AT(j) (wrap_add(gr[j], output_term(s, s_av[j], sign)) >> SHIFT_LOGIT)
         int peak = INT_MIN_;
         long long total = 0;
-#if LPT <= 32
+#if LPT <= LOSS_REGISTER_LPT
         int lg[LPT];
 #pragma unroll
         for (int i = 0; i < LPT; i++) {
