@@ -148,6 +148,10 @@ class WorkerConfig:
     resolve_tries: int = 3  # a host name that does not resolve this often is an error
 
 
+# Upper bounds of the model's shape: beyond them no backend has the memory (the GPU's own,
+# smaller limits are checked by deggs.numerics.gpu.supports).
+MODEL_LIMITS = {"hidden_dim": 2048, "n_layers": 256, "seq_len": 8192, "vocab_size": 1 << 20}
+
 # Tables that do not change the math, and so stay out of the fingerprint.
 NON_MATH_SECTIONS = ("coordinator", "worker")
 
@@ -410,27 +414,28 @@ def _validate(c: Config):
                 )
     for key in ("hidden_dim", "head_dim", "n_layers", "seq_len", "vocab_size"):
         _require(getattr(m, key) > 0, f"model.{key}", "must be positive")
+    for key, most in MODEL_LIMITS.items():
+        _require(getattr(m, key) <= most, f"model.{key}", f"at most {most}")
     _require(
         m.hidden_dim % m.head_dim == 0,
         "model.hidden_dim",
         f"{m.hidden_dim} is not a multiple of model.head_dim = {m.head_dim}",
     )
     _require(m.hidden_dim % 32 == 0, "model.hidden_dim", f"{m.hidden_dim} is not a multiple of 32")
-    _require(m.hidden_dim <= 2048, "model.hidden_dim", "at most 2048")
     _require(
         m.head_dim % 32 == 0,
         "model.head_dim",
         f"{m.head_dim} is not a multiple of 32 (a head spans whole warps)",
     )
     _require(m.vocab_size >= 2, "model.vocab_size", "must be at least 2")
-    _require(m.vocab_size == 256 or m.vocab_size < 2**32, "model.vocab_size", "too large")
     _require(
         t.chunk_size > 0 and t.chunk_size % 2 == 0,
         "training.chunk_size",
         f"must be a positive even number (antithetic pairs), not {t.chunk_size}",
     )
+    _require(t.population_size > 0, "training.population_size", "must be positive")
     _require(
-        t.population_size > 0 and t.population_size % t.chunk_size == 0,
+        t.population_size % t.chunk_size == 0,
         "training.population_size",
         f"{t.population_size} is not a multiple of training.chunk_size = {t.chunk_size}",
     )
@@ -463,6 +468,13 @@ def _validate(c: Config):
     _require(0 <= o.beta1 < 1, "optimizer.beta1", "must be in [0, 1)")
     _require(0 <= o.beta2 < 1, "optimizer.beta2", "must be in [0, 1)")
     _require(o.eps > 0, "optimizer.eps", "must be positive")
+    for key in ("weight_decay", "sgd_vote_scale", "bias_lr_scale"):
+        _require(getattr(o, key) >= 0, f"optimizer.{key}", "must not be negative")
+    _require(
+        all(lr >= 0 for _, lr in o.lr_schedule),
+        "optimizer.lr_schedule",
+        "learning rates must not be negative",
+    )
     _require(o.lr_schedule[0][0] == 0, "optimizer.lr_schedule", "must start at step 0")
     steps = [p[0] for p in o.lr_schedule]
     _require(steps == sorted(set(steps)), "optimizer.lr_schedule", "first steps must increase")

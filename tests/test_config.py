@@ -1,3 +1,4 @@
+import re
 from pathlib import Path
 
 import pytest
@@ -71,3 +72,23 @@ def test_json_round_trip():
     assert Config.from_json(config.to_json()) == config
     with pytest.raises(ConfigError, match="malformed"):
         Config.from_json("{")
+
+
+@pytest.mark.parametrize(
+    "tables, message",
+    [
+        (dict(optimizer=dict(lr_schedule=[[0, -0.5]])), "optimizer.lr_schedule: learning rates"),
+        (dict(optimizer=dict(weight_decay=-0.1)), "optimizer.weight_decay: must not be negative"),
+        (dict(optimizer=dict(bias_lr_scale=-1.0)), "optimizer.bias_lr_scale"),
+        (dict(model=dict(seq_len=100_000_000)), "model.seq_len: at most 8192"),
+        (dict(model=dict(hidden_dim=4096, head_dim=64)), "model.hidden_dim: at most 2048"),
+        (dict(model=dict(vocab_size=2**21)), "model.vocab_size: at most 1048576"),
+        (dict(training=dict(population_size=-1024)), "training.population_size: must be positive"),
+        (dict(sampling=dict(temperature=float("inf"))), "sampling.temperature must be a finite"),
+        (dict(optimizer=dict(lr_schedule=[[0, float("nan")]])), "optimizer.lr_schedule entries"),
+        (dict(coordinator=dict(host="")), "coordinator.host: must not be empty"),
+    ],
+)
+def test_impossible_values_are_refused_by_name(tables, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        Config().replace(**tables)
