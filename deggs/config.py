@@ -318,6 +318,29 @@ def _parse_json(text: str) -> Any:
         raise ConfigError(f"config JSON is malformed: {e}") from None
 
 
+def override(config: Config, assignments) -> Config:
+    """A config with `table.key=value` assignments applied (--set on the command line).
+
+    The value is read as TOML (3, 0.5, true, "text", [[0, 0.5]]), or as a bare string
+    where that fails, and then typed and validated like the file's own values.
+    """
+    changes: dict[str, dict] = {}
+    for item in assignments:
+        name, sep, text = str(item).partition("=")
+        table, dot, key = name.strip().partition(".")
+        if not sep or not dot or not key:
+            raise ConfigError(f"--set {item!r}: expected table.key=value")
+        try:
+            value = tomllib.loads(f"v = {text.strip()}")["v"]
+        except tomllib.TOMLDecodeError:
+            value = text.strip()
+        changes.setdefault(table, {})[key] = value
+    try:
+        return config.replace(**changes)
+    except ConfigError as e:
+        raise ConfigError(f"--set: {e}") from None
+
+
 def load_config(path: str | Path | None = None) -> Config:
     """Read a config.toml; None gives the reference defaults."""
     if path is None:

@@ -92,3 +92,29 @@ def test_json_round_trip():
 def test_impossible_values_are_refused_by_name(tables, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         Config().replace(**tables)
+
+
+def test_set_overrides_are_typed_by_the_key_and_validated():
+    from deggs.config import override
+
+    cfg = override(
+        Config(),
+        [
+            "training.seed=3",
+            "model.seq_len = 16",
+            "optimizer.lr_schedule=[[0, 0.25], [10, 0.1]]",
+            "coordinator.host=127.0.0.1",
+            "fitness.chunk_mean_filter=false",
+        ],
+    )
+    assert cfg.training.seed == 3 and cfg.model.seq_len == 16
+    assert cfg.optimizer.lr_schedule == ((0, 0.25), (10, 0.1))
+    assert cfg.coordinator.host == "127.0.0.1" and cfg.fitness.chunk_mean_filter is False
+    for item, message in [
+        ("training.sed=3", "unknown key training.sed"),
+        ("seed=3", "expected table.key=value"),
+        ("model.seq_len=abc", "model.seq_len must be an integer, not 'abc'"),
+        ("model.seq_len=0", "model.seq_len: must be positive"),
+    ]:
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            override(Config(), [item])
