@@ -128,6 +128,12 @@ class SamplingConfig:
 
 
 @dataclass(frozen=True)
+class EvalConfig:
+    every_steps: int = 10  # the validation loss of every this many steps (0: never)
+    windows: int = 64  # fixed windows of val.bin it is measured on
+
+
+@dataclass(frozen=True)
 class CoordinatorConfig:
     host: str = "0.0.0.0"
     port: int = 12345
@@ -153,7 +159,7 @@ class WorkerConfig:
 MODEL_LIMITS = {"hidden_dim": 2048, "n_layers": 256, "seq_len": 8192, "vocab_size": 1 << 20}
 
 # Tables that do not change the math, and so stay out of the fingerprint.
-NON_MATH_SECTIONS = ("coordinator", "worker")
+NON_MATH_SECTIONS = ("coordinator", "worker", "eval")
 
 CHOICES = {
     ("noise", "init_distribution"): ("uniform", "three_sample"),
@@ -177,6 +183,7 @@ class Config:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     coordinator: CoordinatorConfig = field(default_factory=CoordinatorConfig)
     worker: WorkerConfig = field(default_factory=WorkerConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
     def __post_init__(self):
         _validate(self)
@@ -507,6 +514,8 @@ def _validate(c: Config):
     _require(s.prompt_tokens >= 1, "sampling.prompt_tokens", "must be at least 1")
     _require(s.generate_tokens >= 0, "sampling.generate_tokens", "must not be negative")
     _require(s.every_steps >= 1, "sampling.every_steps", "must be at least 1")
+    _require(c.eval.every_steps >= 0, "eval.every_steps", "must not be negative")
+    _require(1 <= c.eval.windows <= 65536, "eval.windows", "must be in 1..65536")
     k = c.coordinator
     _require(0 <= k.port <= 65535, "coordinator.port", "must be in 0..65535")
     _require(k.straggler_timeout_s > 0, "coordinator.straggler_timeout_s", "must be positive")

@@ -421,3 +421,23 @@ def test_a_cluster_trains_as_the_reference_did(tmp_path, golden_path):
         assert ckpt.read_checkpoint(ckpt.checkpoint_path(tmp_path / "save", s)).fitness == packed
     records = {r["step"]: r for r in ckpt.read_metrics(tmp_path / "save")}
     assert {s: records[s]["updates_max"] for s in updates} == updates
+
+
+def test_validation_loss_reaches_the_metrics(cluster):
+    """With val.bin beside the data, the worker that takes the first chunk of every
+    eval.every_steps-th step reports the unperturbed model's validation loss, and the
+    coordinator records it in the step's metrics line, in its units and in bits."""
+    tokens = np.fromfile(cluster.data / "input.bin", np.uint8)
+    tokens[-3000:].tofile(cluster.data / "val.bin")
+    cluster.config.write_text(TINY + "\n[eval]\nevery_steps = 2\nwindows = 5\n")
+    coord = cluster.coordinator(cluster.root / "save", 3)
+    cluster.worker(coord.port)
+    out = cluster.finish(coord)
+    records = {r["step"]: r for r in ckpt.read_metrics(cluster.root / "save")}
+    assert [s for s, r in sorted(records.items()) if "val_loss" in r] == [0, 2]
+    first = records[0]
+    assert first["val_tokens"] == 5 * 8
+    assert 0 < first["val_bits_per_token"] < 16 and first["val_bits_per_byte"] == pytest.approx(
+        first["val_bits_per_token"]
+    )  # byte tokens: one byte each
+    assert "validation at step 0: loss" in out and "validation at step 2" in out

@@ -244,3 +244,19 @@ def test_recv_frame_deadlines_are_per_frame_not_per_read():
         with pytest.raises(TimeoutError, match="took too long"):
             recv_frame(b, LIMITS, wait_s=1, frame_s=0.3)
         assert time.monotonic() - started < 0.6
+
+
+def test_evaluation():
+    import struct
+
+    from deggs.runtime.protocol import Evaluation
+
+    ev = Evaluation(step=7, windows=4, tokens=256, sum_loss=-3, nats=12.5, text_bytes=300)
+    body = u64(7) + u32(4) + u64(256) + struct.pack(">q", -3) + struct.pack(">d", 12.5) + u64(300)
+    assert ev.encode() == header(9, 44) + body
+    assert Evaluation.decode(body) == ev
+    with pytest.raises(ProtocolError, match="EVALUATION payload is 43 bytes, needs at least 44"):
+        Evaluation.decode(body[:-1])
+    nan = body[:28] + struct.pack(">d", float("nan")) + body[36:]
+    with pytest.raises(ProtocolError, match="impossible figures"):
+        Evaluation.decode(nan)

@@ -28,6 +28,10 @@ class Backend(Protocol):
         """int32 loss of each listed population member at a step."""
         ...
 
+    def logits(self, tokens: np.ndarray) -> np.ndarray:
+        """Integer logits [window, position, vocab] of the unperturbed model."""
+        ...
+
     def update(self, fitness: np.ndarray, step: int, step_seed: int) -> int:
         """Apply a step's whole-population fitness; returns how many weights changed."""
         ...

@@ -13,7 +13,16 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from ..config import Config
-from .model import init_overlays, init_params, make_tables, member_losses
+from .model import (
+    KVCache,
+    Weights,
+    forward,
+    init_overlays,
+    init_params,
+    logits,
+    make_tables,
+    member_losses,
+)
 from .optimizer import OptimizerState, apply_update
 from .sampling import generate
 
@@ -57,6 +66,19 @@ class CpuBackend:
             with ThreadPoolExecutor(self.threads) as pool:
                 parts = list(pool.map(run, batches))
         return np.concatenate(parts) if parts else np.zeros(0, np.int32)
+
+    def logits(self, tokens: np.ndarray) -> np.ndarray:
+        """Integer logits of the unperturbed model for windows of tokens [window, position]."""
+        tokens = np.asarray(tokens, np.int64)
+        weights = Weights(self.cfg, self.params, self.overlays, None)
+        parts = []
+        for i in range(0, len(tokens), self.batch):
+            window = tokens[i : i + self.batch]
+            cache = KVCache.empty(self.cfg, len(window), window.shape[1])
+            positions = np.arange(window.shape[1])
+            normed = forward(self.cfg, self.tables, weights, window, cache, positions)
+            parts.append(logits(self.cfg, weights, normed))
+        return np.concatenate(parts)
 
     def update(self, fitness, step: int, step_seed: int) -> int:
         return apply_update(

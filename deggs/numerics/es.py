@@ -26,6 +26,7 @@ from ..seeds import next_step_seed
 from ..ternary import pack_trits
 from .backend import Backend
 from .fitness import chunk_fitness
+from .model import make_tables, sequence_loss
 
 GENERATION_SEED = 999  # a step's sample is drawn with the step seed + 999, as the reference
 
@@ -37,6 +38,47 @@ class ChunkResult:
     fitness: np.ndarray  # int32 in {-1, 0, 1}, one per pair
     sum_loss: int  # every member's loss added up
     packed: bytes  # the fitness as sent in a RESULT
+
+
+@dataclass(frozen=True)
+class Validation:
+    """The unperturbed model on fixed validation windows."""
+
+    windows: int
+    tokens: int  # tokens predicted
+    sum_loss: int  # the integer loss in the reference's units, summed
+    nats: float  # cross-entropy of softmax(logit / exp_scale), the int8 logits' own scale
+    text_bytes: int  # bytes of text the predicted tokens stand for
+
+
+def validation_windows(cfg: Config, tokens: np.ndarray, n: int) -> np.ndarray:
+    """n windows of seq_len + 1 tokens spread evenly over a validation stream (the same at
+    every step, so the figures are comparable)."""
+    width = cfg.model.seq_len + 1
+    if len(tokens) < width:
+        raise ValueError(f"{len(tokens)} validation tokens, fewer than seq_len + 1 = {width}")
+    starts = np.linspace(0, len(tokens) - width, n).astype(np.int64)
+    return np.asarray(tokens, np.int64)[starts[:, None] + np.arange(width)[None, :]]
+
+
+def evaluate(backend: Backend, windows: np.ndarray, token_bytes=None) -> Validation:
+    """The validation loss of a backend's unperturbed model; token_bytes[token] is the
+    length of a token's text (None: one byte a token)."""
+    cfg = backend.cfg
+    tables = make_tables(cfg, 1)
+    sum_loss, nats = 0, 0.0
+    for window in windows:  # one at a time: a window's float logits are seq x vocab
+        window = window[None, :]
+        lgt = backend.logits(window[:, :-1])
+        targets = window[:, 1:]
+        sum_loss += int(sequence_loss(cfg, tables, lgt, targets).astype(np.int64).sum())
+        z = lgt / cfg.softmax.exp_scale
+        peak = z.max(-1)
+        log_total = peak + np.log(np.exp(z - peak[..., None]).sum(-1))
+        nats += float((log_total - np.take_along_axis(z, targets[..., None], -1)[..., 0]).sum())
+    targets = windows[:, 1:]
+    text_bytes = targets.size if token_bytes is None else int(token_bytes[targets].sum())
+    return Validation(len(windows), targets.size, sum_loss, nats, text_bytes)
 
 
 def chunk_members(cfg: Config, chunk: int) -> np.ndarray:

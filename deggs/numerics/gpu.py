@@ -450,6 +450,35 @@ class GpuBackend:
         self.stream.synchronize()
         return out
 
+    def logits(self, tokens: np.ndarray) -> np.ndarray:
+        """Integer logits [window, position, vocab] of the unperturbed model for windows of
+        seq_len tokens: the training forward with every member's sign 0."""
+        m = self.cfg.model
+        tokens = np.asarray(tokens)
+        w, t = tokens.shape
+        if t != m.seq_len:
+            raise ValueError(f"windows of {t} tokens: the gpu backend evaluates {m.seq_len}")
+        padded = np.zeros((w, t + 1), np.int32)  # the kernels read windows of seq_len + 1
+        padded[:, :t] = tokens
+        out = np.empty((w, t, m.vocab_size), np.int64)
+        with self.stream:
+            d_tok = cp.asarray(padded.ravel())
+            seeds, signs = cp.zeros(w, cp.uint32), cp.zeros(w, cp.int32)
+            nb = min(self.batch, w)
+            buf = self._buffers(nb)
+            for s in range(0, w, nb):
+                n = min(w, s + nb) - s
+                ctx = (buf, seeds[s : s + n], signs[s : s + n], n, t, n * t)
+                self._hidden(ctx, d_tok[s * (t + 1) :])
+                table = self._param("embedding")[0]
+                self._project(table, buf["y"], buf["g"], m.vocab_size, n * t, m.hidden_dim)
+                g = buf["g"][: n * t * m.vocab_size].get(stream=self.stream)
+                out[s : s + n] = (
+                    g.reshape(n, t, -1).astype(np.int64) >> self.cfg.quantization.shift_logit
+                )
+        self.stream.synchronize()
+        return out
+
     def _param(self, name: str, layer: int | None = None):
         """A parameter on the device (this layer's copy), its overlays (a matrix's input
         and output side) and its noise offsets (a, b), by its table name."""

@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import logging
+import math
 import resource
 import time
 from collections import OrderedDict, deque
@@ -50,6 +51,7 @@ from . import checkpoint as ckpt
 from .protocol import (
     AUTH,
     DEGGS_PROTOCOL,
+    EVALUATION,
     HELLO,
     JOB_REQUEST,
     NO_FINGERPRINT,
@@ -57,6 +59,7 @@ from .protocol import (
     WAIT,
     Auth,
     Challenge,
+    Evaluation,
     FrameReader,
     Goodbye,
     Hello,
@@ -113,6 +116,7 @@ class StepState:
     updates_max: int = 0
     bytes_sent: int = 0
     bytes_received: int = 0
+    evaluation: Evaluation | None = None  # the validation loss, on eval.every_steps steps
 
     @classmethod
     def fresh(cls, config: Config, step: int, seed: int, now: float) -> StepState:
@@ -358,6 +362,11 @@ class Coordinator:
             return None
         if opcode == JOB_REQUEST:
             return self._on_job_request(peer, JobRequest.decode(payload))
+        if opcode == EVALUATION:
+            if not peer.welcomed:  # a deggs message: only from a worker that said HELLO
+                raise ProtocolError("EVALUATION from a peer that did not say HELLO")
+            self._on_evaluation(peer, Evaluation.decode(payload))
+            return None
         # LOG_MESSAGE: a line per line of text, each marked with its sender, so a peer can
         # neither forge the coordinator's own lines nor drive the terminal.
         for line in LogMessage.decode(payload).text.rstrip("\n").split("\n"):
@@ -550,6 +559,24 @@ class Coordinator:
             s.sealing = True
             self._spawn(self._seal(s))
 
+    def _on_evaluation(self, peer: Peer, ev: Evaluation):
+        """A validation loss of the step in progress: kept for its metrics line (every
+        worker computes the same figures, so the first one counts)."""
+        s = self.state
+        if ev.step != s.step or s.evaluation is not None:
+            return
+        s.evaluation = ev
+        log.info(
+            "validation at step %d: loss %.4f, %.4f bits/token, %.4f bits/byte (%d windows, "
+            "from %s)",
+            ev.step,
+            ev.sum_loss / (ev.tokens * LOSS_SCALE),
+            ev.nats / ev.tokens / math.log(2),
+            ev.nats / max(ev.text_bytes, 1) / math.log(2),
+            ev.windows,
+            peer.name,
+        )
+
     # --- finishing a step --------------------------------------------------------------
 
     async def _seal(self, s: StepState):
@@ -618,6 +645,19 @@ class Coordinator:
             "bytes_sent": s.bytes_sent,
             "bytes_received": s.bytes_received,
             "time": time.time(),
+            **self._validation(s),
+        }
+
+    @staticmethod
+    def _validation(s: StepState) -> dict:
+        ev = s.evaluation
+        if ev is None:
+            return {}
+        return {
+            "val_loss": ev.sum_loss / (ev.tokens * LOSS_SCALE),
+            "val_bits_per_token": ev.nats / ev.tokens / math.log(2),
+            "val_bits_per_byte": ev.nats / max(ev.text_bytes, 1) / math.log(2),
+            "val_tokens": ev.tokens,
         }
 
 

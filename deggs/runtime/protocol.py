@@ -33,6 +33,7 @@ a refusal that retrying cannot fix (Reason.permanent).
 
 from __future__ import annotations
 
+import math
 import socket
 import struct
 import time
@@ -60,6 +61,7 @@ HELLO_REPLY = 5
 CHALLENGE = 6
 AUTH = 7
 GOODBYE = 8
+EVALUATION = 9  # deggs only: a worker's validation loss
 OPCODE_NAMES = {
     JOB_REQUEST: "JOB_REQUEST",
     RESULT: "RESULT",
@@ -70,6 +72,7 @@ OPCODE_NAMES = {
     CHALLENGE: "CHALLENGE",
     AUTH: "AUTH",
     GOODBYE: "GOODBYE",
+    EVALUATION: "EVALUATION",
 }
 
 _HEADER = struct.Struct(">4sBBI")
@@ -357,6 +360,41 @@ def _sized(value: bytes, size: int) -> bytes:
     return bytes(value)
 
 
+@dataclass(frozen=True)
+class Evaluation:
+    """The unperturbed model of `step` on the validation windows (sent only to a deggs
+    coordinator): integer loss in the reference's units, and the cross-entropy of its
+    logits in nats, with the tokens and the bytes of text they stand for."""
+
+    step: int
+    windows: int
+    tokens: int
+    sum_loss: int
+    nats: float
+    text_bytes: int
+
+    OPCODE: ClassVar[int] = EVALUATION
+    _FIELDS: ClassVar[struct.Struct] = struct.Struct(">QIQqdQ")
+
+    def encode(self) -> bytes:
+        return frame(
+            self.OPCODE,
+            self._FIELDS.pack(
+                self.step, self.windows, self.tokens, self.sum_loss, self.nats, self.text_bytes
+            ),
+        )
+
+    @classmethod
+    def decode(cls, payload: bytes) -> Evaluation:
+        _need(payload, cls._FIELDS.size, "EVALUATION")
+        message = cls(*cls._FIELDS.unpack_from(payload))
+        if not (
+            message.windows and message.tokens and math.isfinite(message.nats) and message.nats >= 0
+        ):
+            raise ProtocolError(f"EVALUATION with impossible figures: {message}")
+        return message
+
+
 MESSAGES = {
     cls.OPCODE: cls
     for cls in (
@@ -369,6 +407,7 @@ MESSAGES = {
         Challenge,
         Auth,
         Goodbye,
+        Evaluation,
     )
 }
 
@@ -396,6 +435,7 @@ def limits_from_worker(chunk_bytes: int) -> dict[int, int]:
         LOG_MESSAGE: MAX_LOG_TEXT,
         HELLO: 2 + 8 + 4 + MAX_CONFIG_JSON + NONCE_SIZE,
         AUTH: PROOF_SIZE,
+        EVALUATION: Evaluation._FIELDS.size,
     }
 
 
