@@ -10,25 +10,43 @@ from pathlib import Path
 
 import click
 
-from .config import ConfigError, load_config
+from .config import ConfigError, load_config, override
 from .numerics.backend import NAMES as BACKEND_NAMES
+from .plot import plot_main
 from .runtime.auth import SecretError, load_secret
 from .runtime.checkpoint import CheckpointError
 from .runtime.coordinator import Coordinator
 from .runtime.protocol import Reason
 
 DEFAULT_CONFIG = Path("config.toml")
+DEFAULT_PORT = 12345
 # Exit codes of every command.
 EXIT_OK = 0
 EXIT_BAD_INPUT = 2  # a user's mistake, or a refusal that retrying cannot fix
 EXIT_DISK_FAILURE = 3  # the coordinator could not make a step durable
 
 
-def _load_optional_config(config_path):
-    """--config, else ./config.toml if present, else the built-in defaults."""
+def _load_optional_config(config_path, assignments=()):
+    """--config, else ./config.toml if present, else the built-in defaults; then the
+    --set assignments. Says which it used, with the fingerprint."""
     if config_path is None and DEFAULT_CONFIG.exists():
         config_path = DEFAULT_CONFIG
-    return load_config(config_path)
+    config = override(load_config(config_path), assignments)
+    source = str(config_path) if config_path is not None else "the built-in defaults"
+    sets = f" with {len(assignments)} --set" if assignments else ""
+    click.echo(f"config: {source}{sets}, fingerprint {config.fingerprint().hex()}")
+    return config
+
+
+def _set_option(command):
+    """--set table.key=value (repeatable), on every command that reads a config."""
+    return click.option(
+        "--set",
+        "assignments",
+        multiple=True,
+        metavar="TABLE.KEY=VALUE",
+        help="change one config key (repeatable), typed and checked like the file's",
+    )(command)
 
 
 def _setup_logging():
@@ -89,7 +107,8 @@ async def _run_coordinator(coordinator: Coordinator) -> int:
     help="resume from the newest checkpoint in this directory",
 )
 @click.option("--max-steps", type=click.IntRange(min=0), help="exit once the run reaches this step")
-def coordinator_main(config_path, host, port, save_dir, load_dir, max_steps):
+@_set_option
+def coordinator_main(config_path, host, port, save_dir, load_dir, max_steps, assignments):
     """Run the d-eggs coordinator.
 
     Workers must prove the shared secret in DEGGS_SECRET (or the file DEGGS_SECRET_FILE)
@@ -98,7 +117,7 @@ def coordinator_main(config_path, host, port, save_dir, load_dir, max_steps):
     """
     _setup_logging()
     try:
-        config = _load_optional_config(config_path)
+        config = _load_optional_config(config_path, assignments)
         coordinator = Coordinator(
             config,
             save_dir=save_dir,
@@ -145,7 +164,11 @@ class _StopOnSignal:
 
 @click.command()
 @click.argument("host")
-@click.option("--port", type=click.IntRange(1, 65535), default=12345, show_default=True)
+@click.option(
+    "--port",
+    type=click.IntRange(1, 65535),
+    help="the coordinator's port (default: [coordinator] port of the config, else 12345)",
+)
 @click.option(
     "--config",
     "config_path",
@@ -170,7 +193,8 @@ class _StopOnSignal:
 @click.option(
     "--threads", type=click.IntRange(min=1), help="CPU backend threads (default: all cores)"
 )
-def worker_main(host, port, config_path, data_dir, backend, threads):
+@_set_option
+def worker_main(host, port, config_path, data_dir, backend, threads, assignments):
     """Run a worker against the coordinator at HOST.
 
     When the coordinator requires a shared secret, put it in DEGGS_SECRET or in a file
@@ -185,8 +209,10 @@ def worker_main(host, port, config_path, data_dir, backend, threads):
     try:
         secret = load_secret()
         config = None
-        if config_path is not None or DEFAULT_CONFIG.exists():
-            config = _load_optional_config(config_path)
+        if config_path is not None or DEFAULT_CONFIG.exists() or assignments:
+            config = _load_optional_config(config_path, assignments)
+        if port is None:
+            port = config.coordinator.port if config is not None else DEFAULT_PORT
         worker = Worker(
             host,
             port,
@@ -213,32 +239,80 @@ def worker_main(host, port, config_path, data_dir, backend, threads):
     type=click.IntRange(min=256),
     help="256 for raw bytes, more for a byte-level BPE (default: the config's)",
 )
-@click.option("--config", "config_path", type=click.Path(dir_okay=False))
+@click.option(
+    "--config",
+    "config_path",
+    type=click.Path(dir_okay=False),
+    help="config.toml: its vocab_size, and its seq_len that input.bin and val.bin must "
+    "exceed (default: ./config.toml if present, else built-in defaults)",
+)
 @click.option("--out", type=click.Path(file_okay=False), default=".", show_default=True)
-def prepare_main(text, vocab_size, config_path, out):
-    """Write input.bin (and for a vocab above 256 decoding.bin and tokenizer.json) from
-    TEXT (default: a built-in corpus)."""
+@click.option(
+    "--val-fraction",
+    type=click.FloatRange(0, 1, max_open=True),
+    default=0.05,
+    show_default=True,
+    help="share of the token stream held out at its end as val.bin (0: none)",
+)
+@click.option(
+    "--errors",
+    type=click.Choice(["strict", "replace", "ignore"]),
+    default="strict",
+    show_default=True,
+    help="bytes of TEXT that are not UTF-8: refused (strict), replaced by U+FFFD, or dropped",
+)
+@_set_option
+def prepare_main(text, vocab_size, config_path, out, val_fraction, errors, assignments):
+    """Write input.bin, val.bin and meta.json (and for a vocab above 256 decoding.bin and
+    tokenizer.json) from TEXT (default: a built-in corpus).
+
+    The last --val-fraction of the tokens go to val.bin; input.bin + val.bin is the whole
+    stream. meta.json records the vocab, token type, tokenizer hash and token counts; a
+    worker refuses data that does not match it. TEXT is read and encoded a piece at a
+    time (cut at whitespace, so the tokens are those of one encode), with a progress line
+    every few seconds."""
     from .prepare import default_corpus, prepare
 
     try:
+        cfg = _load_optional_config(config_path, assignments)
         if vocab_size is None:
-            vocab_size = _load_optional_config(config_path).model.vocab_size
-        corpus = (
-            Path(text).read_text(encoding="utf-8", errors="replace") if text else default_corpus()
+            vocab_size = cfg.model.vocab_size
+        info = prepare(
+            Path(text) if text else default_corpus(),
+            vocab_size,
+            out,
+            val_fraction=val_fraction,
+            cfg=cfg,
+            errors=errors,
+            progress=lambda line: click.echo(f"deggs-prepare: {line}", err=True),
         )
-        info = prepare(corpus, vocab_size, out)
     except (ConfigError, ValueError, OSError) as e:
         _fail("deggs-prepare", e)
     source = text or "the built-in corpus (Python's pydoc topics)"
-    click.echo(f"{info['tokens']} tokens of {source}, vocab {info['vocab_size']}, written to {out}")
+    held = f" + {info['val_tokens']} validation (val.bin)" if info["val_tokens"] else ""
+    click.echo(
+        f"{info['train_tokens']} training tokens (input.bin){held} of {source}, "
+        f"vocab {info['vocab_size']}, written to {out}"
+    )
 
 
 @click.command()
 @click.option(
     "--load-dir",
-    required=True,
     type=click.Path(exists=True, file_okay=False),
-    help="a coordinator's save directory",
+    help="a coordinator's save directory: replay its steps",
+)
+@click.option(
+    "--model",
+    "model_file",
+    type=click.Path(exists=True, dir_okay=False),
+    help="a model written by deggs-export: sample from it, no replay",
+)
+@click.option(
+    "--from",
+    "from_file",
+    type=click.Path(exists=True, dir_okay=False),
+    help="with --load-dir: start the replay from this export (an earlier step of the run)",
 )
 @click.option(
     "--data-dir",
@@ -255,26 +329,29 @@ def prepare_main(text, vocab_size, config_path, out):
     type=click.Choice(BACKEND_NAMES),
     default="auto",
     show_default=True,
-    help="where the steps are replayed (auto: the GPU where CuPy sees one, else the CPU)",
+    help="where the model runs (auto: the GPU where CuPy sees one, else the CPU)",
 )
-def generate_main(load_dir, data_dir, prompt, n_tokens, seed, backend):
-    """Rebuild the model trained in LOAD_DIR and sample from it."""
+def generate_main(load_dir, model_file, from_file, data_dir, prompt, n_tokens, seed, backend):
+    """Sample from a model: the one trained in --load-dir (rebuilt by replaying its steps)
+    or an export (--model)."""
     from .data import DataError, detokenize, load_decoding, load_tokens
-    from .numerics.backend import make_backend
-    from .numerics.es import Trainer
     from .numerics.sampling import prompt_window
     from .prepare import encode_prompt
-    from .runtime.checkpoint import saved_config
-    from .runtime.replay import replay
+    from .runtime.export import load_model, trainer_from_model
 
+    if (load_dir is None) == (model_file is None):
+        _fail("deggs-generate", ValueError("give either --load-dir or --model"))
+    if from_file is not None and load_dir is None:
+        _fail("deggs-generate", ValueError("--from needs --load-dir (its steps are replayed)"))
     try:
-        cfg = saved_config(load_dir)
-        if cfg is None:
-            raise ConfigError(f"{load_dir} holds no config.json: is it a coordinator's save dir?")
+        model = load_model(model_file) if model_file is not None else None
+        cfg = model.cfg if model is not None else _saved_run_config(load_dir)
         # the data and the prompt first: a replay can take a while
         decoding = Path(data_dir) / "decoding.bin"
         pieces = (
-            load_decoding(decoding) if not cfg.model.byte_tokens and decoding.exists() else None
+            load_decoding(decoding, cfg.model.vocab_size)
+            if not cfg.model.byte_tokens and decoding.exists()
+            else None
         )
         if prompt is None:
             tokens = load_tokens(Path(data_dir) / "input.bin", cfg)
@@ -282,8 +359,10 @@ def generate_main(load_dir, data_dir, prompt, n_tokens, seed, backend):
             ids = encode_prompt(prompt, cfg.model.vocab_size, data_dir)
             if len(ids) == 0:
                 raise ValueError("the prompt is empty")
-        trainer = Trainer(make_backend(cfg, backend))
-        trainer = replay(load_dir, trainer, progress=_replay_progress())
+        if model is not None:
+            trainer = trainer_from_model(model, backend)
+        else:
+            trainer = _replay_run(load_dir, from_file, cfg, backend)
         step = trainer.step
         if prompt is None:
             ids = prompt_window(cfg, tokens, step)
@@ -295,6 +374,73 @@ def generate_main(load_dir, data_dir, prompt, n_tokens, seed, backend):
     click.echo(
         detokenize(out[:n], cfg, pieces) + click.style(detokenize(out[n:], cfg, pieces), fg="cyan")
     )
+
+
+@click.command()
+@click.option(
+    "--load-dir",
+    required=True,
+    type=click.Path(exists=True, file_okay=False),
+    help="a coordinator's save directory",
+)
+@click.option(
+    "--out",
+    required=True,
+    type=click.Path(dir_okay=False),
+    help="the model file to write (safetensors)",
+)
+@click.option(
+    "--from",
+    "from_file",
+    type=click.Path(exists=True, dir_okay=False),
+    help="start the replay from this export (an earlier step of the same run)",
+)
+@click.option(
+    "--backend",
+    type=click.Choice(BACKEND_NAMES),
+    default="auto",
+    show_default=True,
+    help="where the steps are replayed (auto: the GPU where CuPy sees one, else the CPU)",
+)
+def export_main(load_dir, out, from_file, backend):
+    """Rebuild the model trained in LOAD_DIR and write it to OUT as a safetensors file:
+    its weights, overlays and optimizer state at the newest step, which deggs-generate
+    --model samples from and --from resumes a replay from."""
+    from .runtime.export import save_model
+
+    try:
+        if not Path(out).resolve().parent.is_dir():
+            raise ValueError(f"{Path(out).parent} is not a directory")
+        cfg = _saved_run_config(load_dir)
+        trainer = _replay_run(load_dir, from_file, cfg, backend)
+        save_model(out, trainer)
+    except (ConfigError, CheckpointError, ValueError, OSError) as e:
+        _fail("deggs-export", e)
+    size = Path(out).stat().st_size
+    click.echo(f"step {trainer.step}: wrote {out} ({size / 2**20:.1f} MiB)")
+
+
+def _saved_run_config(load_dir):
+    from .runtime.checkpoint import saved_config
+
+    cfg = saved_config(load_dir)
+    if cfg is None:
+        raise ConfigError(f"{load_dir} holds no config.json: is it a coordinator's save dir?")
+    return cfg
+
+
+def _replay_run(load_dir, from_file, cfg, backend):
+    """The model of LOAD_DIR's newest step, replayed from scratch or from an export."""
+    from .numerics.backend import make_backend
+    from .numerics.es import Trainer
+    from .runtime.export import resume
+    from .runtime.replay import replay
+
+    if from_file is not None:
+        trainer = resume(from_file, backend, save_dir=load_dir)
+    else:
+        trainer = Trainer(make_backend(cfg, backend))
+    return replay(load_dir, trainer, progress=_replay_progress())
 
 
 def _replay_progress():
@@ -314,13 +460,14 @@ def _replay_progress():
 
 @click.command()
 @click.option("--config", "config_path", type=click.Path(dir_okay=False))
-def print_arch_main(config_path):
+@_set_option
+def print_arch_main(config_path, assignments):
     """Print the model's parameter table."""
     from .numerics.params import parameter_table
 
     try:
-        cfg = _load_optional_config(config_path)
-    except ConfigError as e:
+        cfg = _load_optional_config(config_path, assignments)
+    except (ConfigError, OSError) as e:
         _fail("deggs-print-arch", e)
     m = cfg.model
     click.echo("Configuration:")
@@ -367,6 +514,8 @@ for _name, _command in [
     ("worker", worker_main),
     ("prepare", prepare_main),
     ("generate", generate_main),
+    ("export", export_main),
+    ("plot", plot_main),
     ("print-arch", print_arch_main),
 ]:
     main.add_command(_standard_options(_command, f"deggs-{_name}"), _name)

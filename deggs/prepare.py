@@ -1,9 +1,23 @@
-"""Making input.bin and decoding.bin from text.
+"""Making input.bin, val.bin, decoding.bin and meta.json from text.
 
 Vocab 256 stores the text's UTF-8 bytes as tokens. Any other vocab size trains a
 byte-level BPE tokenizer (the `tokenizers` library) on the text itself, here, with no
 download; its vocabulary becomes decoding.bin and it is saved as tokenizer.json so that
-prompts can be encoded later (deggs-generate).
+prompts can be encoded later (deggs-generate). The tokenizer is trained on the whole
+text, the held-out part included.
+
+The end of the token stream (`val_fraction` of it, rounded down) is held out as val.bin;
+input.bin + val.bin is the whole stream. meta.json, written last, records what was made
+(data.check_meta holds the files to it).
+
+Large texts are read and encoded in pieces of about `chunk_bytes`, so memory stays
+bounded whatever the text's size. A piece ends just before a newline (else a space or a
+tab) that follows a printable ASCII character: the byte-level pre-tokenizer always
+splits a text there, so the token stream is exactly the one a single encode of the whole
+text gives, and the tokenizer learns the same merges. Only a run of more than
+`chunk_bytes` bytes with no such place in it is cut elsewhere (at a character boundary),
+and only there can the tokens differ from a single encode's: the stream is then the
+concatenation of the pieces' encodings.
 
 The default corpus is the Python Language Reference and library topics that every
 CPython carries for help() (the standard library's pydoc_data.topics, about 460 KB of
@@ -12,13 +26,37 @@ English prose and examples), so a fresh machine can train with nothing downloade
 
 from __future__ import annotations
 
+import io
+import os
+import time
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 
-from .data import save_decoding
+from . import __version__
+from .config import Config
+from .data import (
+    META_FORMAT,
+    TOKENIZER_FILE,
+    TRAIN_FILE,
+    VAL_FILE,
+    DataError,
+    byte_vocab_sha256,
+    decoding_bytes,
+    dtype_name,
+    file_sha256,
+    min_tokens,
+    write_atomically,
+    write_meta,
+)
 
-TOKENIZER_FILE = "tokenizer.json"
+CHUNK_BYTES = 1 << 20  # text decoded and encoded at a time
+BATCH_PIECES = 4  # pieces per encode_batch call (the tokenizers library's threads share them)
+PROGRESS_EVERY_S = 5.0
+DEFAULT_VAL_FRACTION = 0.05
+ERRORS = ("strict", "replace", "ignore")  # what to do with bytes that are not UTF-8
 
 
 def default_corpus() -> str:
@@ -44,7 +82,8 @@ def byte_to_unicode() -> dict[int, str]:
     return {b: chr(c) for b, c in zip(printable, chars, strict=True)}
 
 
-def train_tokenizer(text: str, vocab_size: int):
+def train_tokenizer(text: str | Iterable[str], vocab_size: int):
+    """A byte-level BPE tokenizer trained on a text, or on the pieces of one."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tokenizer = Tokenizer(models.BPE())
@@ -55,7 +94,7 @@ def train_tokenizer(text: str, vocab_size: int):
         show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
-    tokenizer.train_from_iterator([text], trainer)
+    tokenizer.train_from_iterator([text] if isinstance(text, str) else text, trainer)
     return tokenizer
 
 
@@ -69,28 +108,255 @@ def token_bytes(tokenizer) -> list[bytes]:
     return pieces
 
 
-def prepare(text: str, vocab_size: int, out: str | Path) -> dict:
-    """Write input.bin (and decoding.bin, tokenizer.json for a BPE vocab) into `out`."""
+def _cut(buf: bytes) -> int:
+    """Where to end a piece of buf: just before the last newline, else space or tab,
+    that follows a printable ASCII character, where the byte-level pre-tokenizer always
+    splits; else before an incomplete UTF-8 sequence at its end (0: buf is one)."""
+    for sep in (b"\n", b" ", b"\t"):
+        pos = buf.rfind(sep)
+        while pos > 0:
+            if 0x21 <= buf[pos - 1] <= 0x7E:
+                return pos
+            pos = buf.rfind(sep, 0, pos)
+    for back in range(1, min(4, len(buf)) + 1):
+        byte = buf[-back]
+        if byte < 0x80:  # ASCII: nothing pending
+            break
+        if byte >= 0xC0:  # the lead byte of the last sequence: is it complete?
+            need = 2 if byte < 0xE0 else 3 if byte < 0xF0 else 4
+            return len(buf) - back if need > back else len(buf)
+    return len(buf)  # (cut anywhere else, the decoding of bytes would not change)
+
+
+class _Text:
+    """The text to prepare, read as bytes and decoded in pieces (see the module's doc)."""
+
+    def __init__(self, source: str | bytes | Path, errors: str, chunk_bytes: int):
+        self.path = source if isinstance(source, Path) else None
+        if self.path is not None:
+            self.name = str(self.path)
+            self.size = self.path.stat().st_size
+        else:
+            self.name = "the text"
+            if isinstance(source, str):  # a lone surrogate: decoding says where it is
+                source = source.encode("utf-8", "surrogatepass")
+            self._data = bytes(source)
+            self.size = len(self._data)
+        self.errors, self.chunk_bytes = errors, chunk_bytes
+
+    def _open(self) -> BinaryIO:
+        return open(self.path, "rb") if self.path is not None else io.BytesIO(self._data)
+
+    def pieces(self) -> Iterator[tuple[int, str]]:
+        """(bytes read so far, text) for each piece, in order."""
+        with self._open() as f:
+            offset, carry = 0, b""  # offset: where carry starts in the file
+            while True:
+                block = f.read(self.chunk_bytes)
+                buf = carry + block
+                if not buf:
+                    return
+                cut = _cut(buf) if block else len(buf)
+                if cut == 0:  # the start of a character and nothing else: read on
+                    carry = buf
+                    continue
+                yield offset + cut, self._decode(buf[:cut], offset)
+                offset, carry = offset + cut, buf[cut:]
+
+    def _decode(self, raw: bytes, offset: int) -> str:
+        try:
+            return raw.decode("utf-8", self.errors)
+        except UnicodeDecodeError as e:
+            bad = offset + e.start
+            raise DataError(
+                f"{self.name}: not valid UTF-8 at byte offset {bad} (0x{raw[e.start]:02x}: "
+                f"{e.reason}); --errors replace or --errors ignore accepts such bytes"
+            ) from None
+
+
+class _Progress:
+    """A line through `report` every `every_s` seconds at most."""
+
+    def __init__(self, report: Callable[[str], None] | None, total: int, every_s: float):
+        self.report, self.total, self.every_s = report, total, every_s
+        self.last = time.monotonic()
+
+    def update(self, what: str, done: int, tokens: int | None = None):
+        now = time.monotonic()
+        if self.report is None or now - self.last < self.every_s:
+            return
+        self.last = now
+        share = f" ({100 * done / self.total:.0f}%)" if self.total else ""
+        count = f", {tokens} tokens" if tokens is not None else ""
+        self.report(f"{what}: {done / 1e6:.1f} of {self.total / 1e6:.1f} MB{share}{count}")
+
+
+def _batches(items: Iterator, n: int) -> Iterator[list]:
+    batch = []
+    for item in items:
+        batch.append(item)
+        if len(batch) == n:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def _sync_replace(tmp: Path, path: Path) -> None:
+    with open(tmp, "rb+") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def prepare(
+    source: str | bytes | Path,
+    vocab_size: int,
+    out: str | Path,
+    *,
+    val_fraction: float = DEFAULT_VAL_FRACTION,
+    cfg: Config | None = None,
+    errors: str = "strict",
+    chunk_bytes: int = CHUNK_BYTES,
+    progress: Callable[[str], None] | None = None,
+    progress_every_s: float = PROGRESS_EVERY_S,
+) -> dict:
+    """Write input.bin, val.bin (when val_fraction > 0), meta.json and, for a BPE vocab,
+    decoding.bin and tokenizer.json into `out`.
+
+    source: the text itself (a str, or its UTF-8 bytes), or a Path to a UTF-8 file.
+    val_fraction: the share of the token stream held out at its end as val.bin (0: none).
+    cfg: when given, input.bin must hold at least max(seq_len + 1, the prompt) tokens
+      and val.bin at least seq_len + 1 (its other tables are not used: vocab_size rules).
+    errors: bytes that are not UTF-8 are refused ("strict", the error says where),
+      replaced by U+FFFD ("replace") or dropped ("ignore").
+    progress: called with a progress line every `progress_every_s` seconds.
+
+    Raises DataError (a ValueError) for text or sizes that cannot make usable data;
+    nothing is replaced in `out` then."""
+    if not 0 <= val_fraction < 1:
+        raise ValueError(f"val_fraction {val_fraction}: must be at least 0 and below 1")
+    if errors not in ERRORS:
+        raise ValueError(f"errors {errors!r}: one of {', '.join(ERRORS)}")
+    if vocab_size < 256:
+        raise ValueError(f"vocab_size {vocab_size}: 256 for bytes, or more for a byte-level BPE")
+    if chunk_bytes < 1:
+        raise ValueError(f"chunk_bytes {chunk_bytes}: must be positive")
+    text = _Text(source, errors, chunk_bytes)
+    if text.size == 0:
+        raise DataError(f"{text.name}: empty, there is no text to prepare")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    if vocab_size == 256:
-        tokens = np.frombuffer(text.encode("utf-8"), np.uint8)
-        tokens.tofile(out / "input.bin")
-        return {"tokens": len(tokens), "vocab_size": 256}
-    if vocab_size < 256 + 1:
-        raise ValueError(f"vocab_size {vocab_size}: a byte-level BPE needs more than 256 tokens")
-    tokenizer = train_tokenizer(text, vocab_size)
+    meter = _Progress(progress, text.size, progress_every_s)
+    tokenizer, pieces = None, None
+    if vocab_size != 256:
+        tokenizer, pieces = _train(text, vocab_size, meter)
+    encode = _encoder(tokenizer)
+    dtype = np.dtype(dtype_name(vocab_size)).newbyteorder("<")
+    tmp_train, tmp_val = out / (TRAIN_FILE + ".tmp"), out / (VAL_FILE + ".tmp")
+    try:
+        total = 0
+        with open(tmp_train, "wb") as f:
+            for batch in _batches(text.pieces(), BATCH_PIECES):
+                for ids in encode([piece for _, piece in batch]):
+                    f.write(np.asarray(ids, dtype).tobytes())
+                    total += len(ids)
+                meter.update("encoding", batch[-1][0], total)
+        n_val = int(total * val_fraction)
+        n_train = total - n_val
+        _check_sizes(text.name, total, n_train, n_val, val_fraction, cfg)
+        if n_val:
+            _split(tmp_train, tmp_val, n_train * dtype.itemsize)
+            _sync_replace(tmp_val, out / VAL_FILE)
+        _sync_replace(tmp_train, out / TRAIN_FILE)
+    finally:
+        for tmp in (tmp_train, tmp_val):
+            tmp.unlink(missing_ok=True)
+    if not n_val:
+        (out / VAL_FILE).unlink(missing_ok=True)  # a stale one would pass for this run's
+    if tokenizer is not None and pieces is not None:
+        write_atomically(out / "decoding.bin", decoding_bytes(pieces))
+        tmp = out / (TOKENIZER_FILE + ".tmp")
+        tokenizer.save(str(tmp))
+        _sync_replace(tmp, out / TOKENIZER_FILE)
+        tokenizer_sha256 = file_sha256(out / TOKENIZER_FILE)
+    else:
+        tokenizer_sha256 = byte_vocab_sha256()
+    meta = {
+        "format": META_FORMAT,
+        "vocab_size": vocab_size,
+        "token_dtype": dtype_name(vocab_size),
+        "tokenizer_sha256": tokenizer_sha256,
+        "train_tokens": n_train,
+        "val_tokens": n_val,
+        "deggs_version": __version__,
+    }
+    write_meta(out, meta)
+    return {**meta, "tokens": total, "text_bytes": text.size}
+
+
+def _train(text: _Text, vocab_size: int, meter: _Progress):
+    """The BPE tokenizer of the text and its token bytes, read in pieces."""
+    failure: list[DataError] = []
+
+    def texts() -> Iterator[str]:
+        try:  # an exception must not cross the tokenizers library: kept, raised after
+            for done, piece in text.pieces():
+                meter.update("training the tokenizer", done)
+                yield piece
+            if meter.report is not None:
+                meter.report("training the tokenizer: text read, learning the merges")
+        except DataError as e:
+            failure.append(e)
+
+    tokenizer = train_tokenizer(texts(), vocab_size)
+    if failure:
+        raise failure[0]
     pieces = token_bytes(tokenizer)
     if len(pieces) != vocab_size:
-        raise ValueError(
+        raise DataError(
             f"the text only supports {len(pieces)} tokens, not vocab_size "
             f"{vocab_size}: give more text or a smaller vocab"
         )
-    ids = np.array(tokenizer.encode(text).ids, np.uint32)
-    ids.astype("<u4").tofile(out / "input.bin")
-    save_decoding(out / "decoding.bin", pieces)
-    tokenizer.save(str(out / TOKENIZER_FILE))
-    return {"tokens": len(ids), "vocab_size": vocab_size}
+    return tokenizer, pieces
+
+
+def _encoder(tokenizer) -> Callable[[list[str]], list]:
+    """Token ids of each of a batch of pieces: their UTF-8 bytes, or the tokenizer's."""
+    if tokenizer is None:
+        return lambda texts: [np.frombuffer(t.encode("utf-8"), np.uint8) for t in texts]
+    encode_batch = getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)
+    return lambda texts: [e.ids for e in encode_batch(texts)]
+
+
+def _check_sizes(
+    name: str, total: int, n_train: int, n_val: int, val_fraction: float, cfg: Config | None
+) -> None:
+    if total == 0:
+        raise DataError(f"{name}: no tokens (was every byte invalid and ignored?)")
+    need_train = min_tokens(cfg) if cfg is not None else 1
+    need_val = cfg.model.seq_len + 1 if cfg is not None else 1
+    if val_fraction > 0 and n_val < need_val:
+        raise DataError(
+            f"{name}: --val-fraction {val_fraction:g} holds out {n_val} of {total} tokens, "
+            f"fewer than seq_len + 1 = {need_val}: give more text or a larger fraction "
+            "(0 holds out none)"
+        )
+    if n_train < need_train:
+        held = f" once {n_val} are held out for validation" if n_val else ""
+        raise DataError(
+            f"{name}: {n_train} training tokens{held}, fewer than the {need_train} a "
+            f"window needs (seq_len + 1, or the prompt): give more text"
+            + (" or a smaller --val-fraction" if n_val else "")
+        )
+
+
+def _split(train: Path, val: Path, at: int) -> None:
+    """Move the bytes of `train` from `at` on into `val`, a block at a time."""
+    with open(train, "rb+") as src, open(val, "wb") as dst:
+        src.seek(at)
+        while block := src.read(CHUNK_BYTES):
+            dst.write(block)
+        src.truncate(at)
 
 
 def encode_prompt(text: str, vocab_size: int, data_dir: str | Path) -> np.ndarray:

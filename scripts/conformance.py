@@ -275,7 +275,7 @@ def text_of(path, cfg):
         return lambda tokens: detokenize(tokens, cfg, None)
     if path is None:
         return None
-    pieces = load_decoding(path)
+    pieces = load_decoding(path, cfg.model.vocab_size)
     return lambda tokens: detokenize(tokens, cfg, pieces)
 
 

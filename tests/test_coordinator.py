@@ -355,7 +355,7 @@ def _result_bytes(data_position=CHUNK, data=b"\x00", size=None, step=0):
 BAD_INPUTS = {
     "wrong magic": (_header(0, 24, magic=b"HTTP") + bytes(24), "bad magic"),
     "wrong version": (_header(0, 24, version=2) + bytes(24), "version 2"),
-    "unknown opcode": (_header(9, 0), "unknown opcode 9"),
+    "unknown opcode": (_header(99, 0), "unknown opcode 99"),
     "worker sends JOB_RESPONSE": (JobResponse(0, 0, 0).encode(), "unexpected JOB_RESPONSE"),
     "oversized payload": (_header(1, 1 << 30), "exceeds the limit"),
     "short JOB_REQUEST": (_header(0, 8) + bytes(8), "needs at least 24"),

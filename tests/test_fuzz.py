@@ -60,6 +60,7 @@ from deggs.runtime.protocol import (
     PROOF_SIZE,
     Auth,
     Challenge,
+    Evaluation,
     FrameReader,
     Goodbye,
     Hello,
@@ -120,6 +121,15 @@ MESSAGE_STRATEGIES = {
     Challenge: st.builds(Challenge, _bytes(NONCE_SIZE), _bytes(PROOF_SIZE)),
     Auth: st.builds(Auth, _bytes(PROOF_SIZE)),
     Goodbye: st.builds(Goodbye, st.sampled_from(Reason), text),
+    Evaluation: st.builds(
+        Evaluation,
+        u64,
+        st.integers(1, 2**32 - 1),
+        st.integers(1, 2**64 - 1),
+        i64,
+        st.floats(0, 1e12),
+        u64,
+    ),
 }
 assert set(MESSAGE_STRATEGIES) == set(MESSAGES.values())
 any_message = st.one_of(*MESSAGE_STRATEGIES.values())

@@ -11,14 +11,17 @@ from pathlib import Path
 import pytest
 
 import deggs
+from deggs.numerics.gpu import KERNEL_FILES, kernel_source
 
 ROOT = Path(__file__).resolve().parents[1]
-COMMANDS = ["coordinator", "worker", "prepare", "generate", "print-arch"]
+COMMANDS = ["coordinator", "worker", "prepare", "generate", "export", "plot", "print-arch"]
 FUNCTIONS = {
     "coordinator": "coordinator_main",
     "worker": "worker_main",
     "prepare": "prepare_main",
     "generate": "generate_main",
+    "export": "export_main",
+    "plot": "plot_main",
     "print-arch": "print_arch_main",
 }
 
@@ -97,7 +100,8 @@ def run_installed(site: Path, cwd: Path, *args: str) -> subprocess.CompletedProc
 def test_the_wheel_holds_the_subpackages_the_kernels_and_the_license(wheel):
     with zipfile.ZipFile(wheel) as zf:
         names = set(zf.namelist())
-    assert "deggs/numerics/kernels/deggs.cu" in names
+    for name in KERNEL_FILES:
+        assert f"deggs/numerics/kernels/{name}" in names
     for package in ("deggs", "deggs/runtime", "deggs/numerics"):
         expected = {p.relative_to(ROOT).as_posix() for p in (ROOT / package).glob("*.py")}
         assert expected and expected <= names, sorted(expected - names)
@@ -123,7 +127,7 @@ def test_the_installed_copy_is_used_and_finds_its_kernels(site, tmp_path):
     assert result.returncode == 0, result.stderr
     path, length, has_kernel = result.stdout.split()
     assert Path(path).resolve().is_relative_to(site.resolve())
-    assert int(length) == len((ROOT / "deggs/numerics/kernels/deggs.cu").read_text())
+    assert int(length) == len(kernel_source())
     assert has_kernel == "True"
 
 

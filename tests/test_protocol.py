@@ -173,8 +173,8 @@ def test_printable_escapes_control_characters():
 def test_decode_message_dispatches_and_rejects_unknown_opcodes():
     assert decode_message(JOB_REQUEST, u64(1) + u64(2) + u64(3)) == JobRequest(1, 2, 3)
     assert isinstance(decode_message(HELLO, Hello(bytes(8)).encode()[10:]), Hello)
-    with pytest.raises(ProtocolError, match="unknown opcode 9"):
-        decode_message(9, b"")
+    with pytest.raises(ProtocolError, match="unknown opcode 99"):
+        decode_message(99, b"")
 
 
 # --- framing over streams and sockets ----------------------------------------------------
@@ -196,7 +196,7 @@ def test_frame_reader_cuts_frames_wherever_the_bytes_split():
     [
         (header(RESULT, 1000), "RESULT payload of 1000 bytes exceeds the limit of 100"),
         (header(2, 0), "unexpected JOB_RESPONSE"),
-        (header(9, 0), "unknown opcode 9"),
+        (header(99, 0), "unknown opcode 99"),
         (b"GET / HTTP/1.1\r\n", "bad magic"),
     ],
 )

@@ -99,10 +99,14 @@ def test_prepare_bytes_and_bpe(tmp_path):
     from deggs.prepare import default_corpus
 
     text.write_text(default_corpus()[:30000])
-    result = run_cli("prepare", text, "--vocab-size", "256", "--out", tmp_path / "bytes")
+    result = run_cli(
+        "prepare", text, "--vocab-size", "256", "--val-fraction", "0", "--out", tmp_path / "bytes"
+    )
     assert result.returncode == 0, result.stderr
     assert (tmp_path / "bytes" / "input.bin").read_bytes() == text.read_bytes()
-    result = run_cli("prepare", text, "--vocab-size", "300", "--out", tmp_path / "bpe")
+    result = run_cli(
+        "prepare", text, "--vocab-size", "300", "--val-fraction", "0", "--out", tmp_path / "bpe"
+    )
     assert result.returncode == 0, result.stderr
     pieces = load_decoding(tmp_path / "bpe" / "decoding.bin")
     ids = np.fromfile(tmp_path / "bpe" / "input.bin", "<u4")

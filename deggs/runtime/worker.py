@@ -36,15 +36,16 @@ from pathlib import Path
 import numpy as np
 
 from ..config import Config, ConfigError, WorkerConfig
-from ..data import detokenize, load_decoding, load_tokens
+from ..data import DataError, detokenize, load_decoding, load_tokens
 from ..numerics.backend import BackendError, make_backend
-from ..numerics.es import Trainer
+from ..numerics.es import Trainer, evaluate, validation_windows
 from ..numerics.sampling import prompt_window
 from ..ternary import packed_size, unpack_trits
 from . import auth, protocol
 from .protocol import (
     Auth,
     Challenge,
+    Evaluation,
     Goodbye,
     Hello,
     HelloReply,
@@ -118,6 +119,8 @@ class Worker:
         self.training: Training | None = None  # once the config is known
         self.last_updates = 0
         self.chunks_done = 0
+        self.deggs_coordinator = False  # may we send deggs messages (EVALUATION)?
+        self._windows: np.ndarray | None = None  # validation windows, once loaded
         self._pause = FIRST_PAUSE_S  # before the next reconnect
         self._heard = False  # has this connection delivered a frame yet?
         if cfg is not None:
@@ -127,12 +130,15 @@ class Worker:
 
     def _prepare(self, cfg: Config):
         """Load and check the data for a config, and build the model replica."""
+        from ..data import check_meta
+
+        check_meta(self.data_dir, cfg)  # when deggs-prepare left a meta.json: files match it
         tokens = load_tokens(self.data_dir / "input.bin", cfg)
         pieces = None
         decoding = self.data_dir / "decoding.bin"
         if not cfg.model.byte_tokens:
             if decoding.exists():
-                pieces = load_decoding(decoding)
+                pieces = load_decoding(decoding, cfg.model.vocab_size)
             else:
                 self.log(f"[worker] {decoding} not found: generations will show token ids")
         try:
@@ -241,6 +247,7 @@ class Worker:
     def _serve(self, sock: socket.socket, max_steps: int | None):
         """Handshake, then request and do jobs until max_steps (or an exception)."""
         self._heard = False
+        self.deggs_coordinator = False
         pipelined = self.secret is None and self.cfg is not None
         job = self._handshake(sock, pipelined)
         # A pipelined JOB_REQUEST is answered after the HELLO_REPLY: do not ask twice.
@@ -294,6 +301,7 @@ class Worker:
 
         if isinstance(message, HelloReply):
             self._adopt(message)
+            self.deggs_coordinator = True
             self._joined("shared secret proven" if self.secret is not None else "deggs")
             return None
         if not pipelined:
@@ -444,6 +452,9 @@ class Worker:
         chunk = start // c
         if chunk == 0 and trainer.step % cfg.sampling.every_steps == 0:
             self._send(sock, LogMessage(self.generation_text()).encode())
+        every = cfg.eval.every_steps
+        if chunk == 0 and every and trainer.step % every == 0 and self.deggs_coordinator:
+            self._send_validation(sock, training)
         started = time.perf_counter()
         result = trainer.score_chunk(training.tokens, chunk)
         self._send(
@@ -458,6 +469,33 @@ class Worker:
         self.log(
             f"[worker] step {trainer.step} chunk {chunk}: {seconds:.2f} s, "
             f"{c * cfg.model.seq_len / seconds:,.0f} member-tokens/s"
+        )
+
+    def _send_validation(self, sock: socket.socket, training: Training):
+        """The validation loss of our model (the first chunk of every eval.every_steps-th
+        step brings it): on val.bin beside input.bin, when there is one."""
+        trainer = training.trainer
+        if self._windows is None:
+            path = self.data_dir / "val.bin"
+            if not path.exists():
+                return
+            try:
+                val = load_tokens(path, trainer.cfg)
+                self._windows = validation_windows(trainer.cfg, val, trainer.cfg.eval.windows)
+            except (DataError, ValueError) as e:
+                self.log(f"[worker] no validation loss: {e}")
+                self._windows = np.zeros((0, 0), np.int64)
+        if not len(self._windows):
+            return
+        token_bytes = None
+        if training.pieces is not None:
+            token_bytes = np.array([len(piece) for piece in training.pieces], np.int64)
+        v = evaluate(trainer.backend, self._windows, token_bytes)
+        self._send(
+            sock,
+            Evaluation(
+                trainer.step, v.windows, v.tokens, v.sum_loss, v.nats, v.text_bytes
+            ).encode(),
         )
 
     def generation_text(self) -> str:

@@ -1,0 +1,379 @@
+"""Exported models (deggs.runtime.export): the safetensors file, resuming a replay from
+it, its validation, and the deggs-export / deggs-generate --model commands."""
+
+import json
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from tiny import tiny_config
+
+from deggs.cli import export_main, generate_main
+from deggs.data import detokenize, save_tokens
+from deggs.numerics.cpu import CpuBackend
+from deggs.numerics.es import Trainer
+from deggs.numerics.sampling import prompt_window
+from deggs.runtime.checkpoint import Checkpoint, save_checkpoint, save_config
+from deggs.runtime.export import (
+    FORMAT,
+    MAX_HEADER_BYTES,
+    ExportError,
+    Model,
+    expected_tensors,
+    load_model,
+    model_of,
+    resume,
+    save_model,
+    trainer_from_model,
+)
+from deggs.runtime.replay import replay
+from deggs.ternary import pack_trits
+
+CFG = tiny_config(sampling=dict(prompt_tokens=4, generate_tokens=4))
+# printable bytes, so that the prompt generate shows is the data itself
+DATA = np.random.default_rng(1).integers(32, 127, 4000).astype(np.uint8)
+STEPS = 3
+
+
+def snapshot(trainer: Trainer) -> Model:
+    """Copies of everything an export holds."""
+    m = model_of(trainer)
+    copy = lambda d: {k: np.array(v) for k, v in d.items()}
+    state = type(m.state)(copy(m.state.m), copy(m.state.v), copy(m.state.acc))
+    return Model(m.cfg, m.step, m.seed, copy(m.params), copy(m.overlays), state)
+
+
+def assert_same(a: Model, b: Model) -> None:
+    assert a.cfg == b.cfg and (a.step, a.seed) == (b.step, b.seed)
+    for name, x, y in [
+        ("params", a.params, b.params),
+        ("overlays", a.overlays, b.overlays),
+        ("m", a.state.m, b.state.m),
+        ("v", a.state.v, b.state.v),
+        ("acc", a.state.acc, b.state.acc),
+    ]:
+        assert x.keys() == y.keys(), name
+        for k in x:
+            assert x[k].dtype == y[k].dtype and np.array_equal(x[k], y[k]), f"{name} {k}"
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """A save directory of STEPS steps trained in this process (config.json, checkpoints,
+    input.bin), and the model after each step."""
+    save_dir = tmp_path_factory.mktemp("run")
+    save_config(save_dir, CFG)
+    save_tokens(save_dir / "input.bin", DATA, CFG)
+    trainer = Trainer(CpuBackend(CFG, threads=1))
+    models = [snapshot(trainer)]
+    for _ in range(STEPS):
+        results = trainer.train_step(DATA)
+        fitness = np.concatenate([r.fitness for r in results])
+        save_checkpoint(save_dir, Checkpoint(trainer.step, trainer.seed, pack_trits(fitness)))
+        models.append(snapshot(trainer))
+    return save_dir, models
+
+
+def export_at(run, step: int, path: Path) -> Path:
+    save_dir, _ = run
+    return save_model(path, replay(save_dir, Trainer(CpuBackend(CFG, threads=1)), until=step))
+
+
+def test_an_export_round_trips(run, tmp_path):
+    save_dir, models = run
+    path = export_at(run, 2, tmp_path / "model.safetensors")
+    loaded = load_model(path)
+    assert_same(loaded, models[2])
+    assert any(v.any() for v in loaded.state.m.values())  # the state is really there
+    assert not list(tmp_path.glob(".*.tmp"))  # the temporary file was renamed
+    # the file is the header and the tensors' bytes, nothing else
+    (length,) = struct.unpack("<Q", path.read_bytes()[:8])
+    assert length % 8 == 0 and path.read_bytes()[8 + length - 1 : 8 + length] in (b" ", b"}")
+    sizes = {
+        k: np.prod(s) * (4 if d == "F32" else 1) for k, (d, s) in expected_tensors(CFG).items()
+    }
+    assert path.stat().st_size == 8 + length + sum(sizes.values())
+
+
+def test_the_safetensors_library_reads_and_writes_the_format(run, tmp_path):
+    import safetensors
+    import safetensors.numpy
+
+    save_dir, models = run
+    path = export_at(run, 2, tmp_path / "model.safetensors")
+    tensors = safetensors.numpy.load_file(str(path))
+    model = models[2]
+    assert set(tensors) == set(expected_tensors(CFG))
+    for k, v in model.params.items():
+        assert tensors[f"param/{k}"].dtype == np.int8
+        assert np.array_equal(tensors[f"param/{k}"], v)
+    for k, v in model.overlays.items():
+        assert np.array_equal(tensors[f"overlay/{k}"], v)
+    for prefix, table in [("adam_m", model.state.m), ("adam_v", model.state.v)]:
+        for k, v in table.items():
+            assert tensors[f"{prefix}/{k}"].dtype == np.float32
+            assert np.array_equal(tensors[f"{prefix}/{k}"], v)
+    with safetensors.safe_open(str(path), framework="numpy") as f:
+        meta = f.metadata()
+    assert meta["format"] == FORMAT and json.loads(meta["config"]) == CFG.to_dict()
+    assert meta["fingerprint"] == CFG.fingerprint().hex()
+    assert (meta["step"], meta["seed"]) == ("2", str(model.seed))
+    # and what the library writes (its own tensor order and offsets) reads back here
+    again = tmp_path / "library.safetensors"
+    safetensors.numpy.save_file(tensors, str(again), metadata=meta)
+    assert_same(load_model(again), model)
+
+
+def test_resuming_from_an_export_then_replaying_equals_a_full_replay(run, tmp_path):
+    save_dir, models = run
+    path = export_at(run, 1, tmp_path / "step1.safetensors")
+    trainer = resume(path, "cpu", threads=1, save_dir=save_dir)
+    assert (trainer.step, trainer.seed) == (1, models[1].seed)
+    seen = []
+    replay(save_dir, trainer, progress=lambda step, last, changed: seen.append(step))
+    assert seen == [2, 3]  # only the steps after the export
+    full = replay(save_dir, Trainer(CpuBackend(CFG, threads=1)))
+    assert_same(snapshot(trainer), snapshot(full))
+    assert_same(snapshot(trainer), models[STEPS])
+    # an export of the newest step has nothing left to replay
+    last = export_at(run, STEPS, tmp_path / "last.safetensors")
+    assert_same(snapshot(replay(save_dir, resume(last, "cpu", save_dir=save_dir))), models[STEPS])
+
+
+def test_a_resume_refuses_another_run(run, tmp_path):
+    save_dir, models = run
+    path = export_at(run, 2, tmp_path / "model.safetensors")
+    other = tmp_path / "other"
+    other.mkdir()
+    save_config(other, CFG.replace(optimizer=dict(beta1=0.8)))
+    with pytest.raises(ExportError, match=r"another config .*optimizer\.beta1: 0\.9 != 0\.8"):
+        resume(path, "cpu", save_dir=other)
+    short = tmp_path / "short"  # the same run's history, cut at step 1
+    short.mkdir()
+    save_config(short, CFG)
+    (short / "checkpoint_00000001.bin").write_bytes(
+        (save_dir / "checkpoint_00000001.bin").read_bytes()
+    )
+    with pytest.raises(ExportError, match=r"at step 2, beyond .* history \(step 1\)"):
+        resume(path, "cpu", save_dir=short)
+    (short / "checkpoint_00000002.bin").write_bytes(
+        (save_dir / "checkpoint_00000003.bin").read_bytes()[:8]
+        + (2).to_bytes(8, "little")
+        + (save_dir / "checkpoint_00000003.bin").read_bytes()[16:]
+    )  # step 2 with step 3's seed
+    with pytest.raises(ExportError, match="not a model of this run"):
+        resume(path, "cpu", save_dir=short)
+    with pytest.raises(ExportError, match="config.json not found"):
+        resume(path, "cpu", save_dir=tmp_path)
+
+
+def test_a_trainer_from_a_model_continues_training(run):
+    _, models = run
+    trainer = trainer_from_model(models[1], "cpu")
+    trainer.train_step(DATA)
+    assert_same(snapshot(trainer), models[2])
+
+
+# --- a file that is not what it claims ------------------------------------------------
+
+
+def split(path: Path) -> tuple[dict, bytes]:
+    raw = path.read_bytes()
+    (length,) = struct.unpack("<Q", raw[:8])
+    return json.loads(raw[8 : 8 + length]), raw[8 + length :]
+
+
+def join(header: dict, data: bytes) -> bytes:
+    text = json.dumps(header).encode()
+    return struct.pack("<Q", len(text)) + text + data
+
+
+def edit_header(edit):
+    def corrupt(path: Path) -> bytes:
+        header, data = split(path)
+        edit(header)
+        return join(header, data)
+
+    return corrupt
+
+
+def nan_in(key: str, value: float = float("nan")):
+    def corrupt(path: Path) -> bytes:
+        header, data = split(path)
+        begin = header[key]["data_offsets"][0]
+        data = data[:begin] + struct.pack("<f", value) + data[begin + 4 :]
+        return join(header, data)
+
+    return corrupt
+
+
+def entry(key: str, field: str, value):
+    return edit_header(lambda h: h[key].__setitem__(field, value))
+
+
+def metadata(key: str, value):
+    return edit_header(lambda h: h["__metadata__"].__setitem__(key, value))
+
+
+OTHER = tiny_config(model=dict(n_layers=2))
+
+CORRUPTIONS = {
+    "empty": (lambda p: b"", r"truncated \(0 bytes\)"),
+    "truncated data": (lambda p: p.read_bytes()[:-1], "outside the .* data bytes"),
+    "padded data": (lambda p: p.read_bytes() + b"\0", "1 bytes after the last tensor"),
+    "a gap": (entry("param/ln_f", "data_offsets", [2**10, 2**10 + 32]), "leaves a gap|overlaps"),
+    "truncated header": (lambda p: p.read_bytes()[:100], "truncated: the header announces"),
+    "huge header length": (
+        lambda p: struct.pack("<Q", 2**63) + p.read_bytes()[8:],
+        f"header length {2**63} is above the {MAX_HEADER_BYTES}-byte limit",
+    ),
+    "not json": (lambda p: struct.pack("<Q", 4) + b"{{{{", "not valid JSON"),
+    "not an object": (lambda p: struct.pack("<Q", 2) + b"[]", "not a JSON object"),
+    "duplicate key": (
+        lambda p: struct.pack("<Q", 16) + b'{"a":1, "a":2}  ',
+        "duplicate key 'a'",
+    ),
+    "no metadata": (edit_header(lambda h: h.pop("__metadata__")), "no __metadata__"),
+    "another format": (metadata("format", "gguf"), "format 'gguf', expected 'deggs-model-1'"),
+    "no step": (edit_header(lambda h: h["__metadata__"].pop("step")), "metadata lacks step"),
+    "bad step": (metadata("step", "-1"), "step '-1' is not a decimal number"),
+    "bad seed": (metadata("seed", str(2**32)), "seed 4294967296 is outside"),
+    "bad config": (metadata("config", "{}}"), "bad config in the metadata"),
+    "another config's fingerprint": (
+        metadata("fingerprint", OTHER.fingerprint().hex()),
+        "is not its config's .*corrupt or edited",
+    ),
+    "wrong dtype": (entry("param/w_q", "dtype", "F32"), "param/w_q has dtype 'F32', expected I8"),
+    "state as int8": (entry("adam_v/w_q", "dtype", "I8"), "adam_v/w_q has dtype 'I8'"),
+    "wrong shape": (entry("param/w_q", "shape", [32, 32]), r"shape \[32, 32\], expected \[1, 32"),
+    "float shape": (entry("param/emb_bias", "shape", [32.0]), "emb_bias has shape"),
+    "missing tensor": (
+        edit_header(lambda h: h.pop("overlay/w_k_row")),
+        "missing tensor overlay/w_k_row",
+    ),
+    "extra tensor": (
+        edit_header(lambda h: h.__setitem__("param/extra", h["param/w_q"])),
+        "unexpected tensor 'param/extra'",
+    ),
+    "extra field": (entry("param/w_q", "offset", 0), "exactly dtype, shape and data_offsets"),
+    "overlapping offsets": (
+        edit_header(
+            lambda h: h["param/ln_f_bias"].__setitem__(
+                "data_offsets", h["param/ln_f"]["data_offsets"]
+            )
+        ),
+        "overlaps the tensor before it",
+    ),
+    "offsets out of range": (
+        entry("param/ln_f", "data_offsets", [2**40, 2**40 + 32]),
+        "outside the .* data bytes",
+    ),
+    "offsets of the wrong size": (entry("param/ln_f", "data_offsets", [0, 1]), "span 1 bytes"),
+    "string offsets": (entry("param/ln_f", "data_offsets", ["0", "32"]), "two integers"),
+    "NaN in the state": (nan_in("adam_m/w_v"), "adam_m/w_v holds NaN or infinite"),
+    "infinity in the state": (nan_in("adam_acc/ln_1", float("inf")), "adam_acc/ln_1 holds NaN"),
+    "negative v": (nan_in("adam_v/w_o", -1.0), "adam_v/w_o holds negative values"),
+}
+
+
+@pytest.fixture(scope="module")
+def good_file(run, tmp_path_factory):
+    return export_at(run, 2, tmp_path_factory.mktemp("good") / "model.safetensors")
+
+
+@pytest.mark.parametrize("corrupt, message", CORRUPTIONS.values(), ids=list(CORRUPTIONS))
+def test_a_bad_file_is_refused_with_the_reason(good_file, tmp_path, corrupt, message):
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(corrupt(good_file))
+    with pytest.raises(ExportError, match=message) as raised:
+        load_model(bad)
+    assert str(raised.value).startswith(f"{bad}: ")
+
+
+def test_a_missing_file_is_refused(tmp_path):
+    with pytest.raises(ExportError, match="cannot read"):
+        load_model(tmp_path / "none.safetensors")
+
+
+def test_save_refuses_a_model_that_does_not_match_its_config(run, tmp_path):
+    trainer = trainer_from_model(run[1][1], "cpu")
+    trainer.backend.params.pop("w_q")
+    with pytest.raises(ExportError, match=r"missing \['param/w_q'\]"):
+        save_model(tmp_path / "m.safetensors", trainer)
+    trainer = trainer_from_model(run[1][1], "cpu")
+    trainer.backend.state.v["w_q"][0, 0, 0] = np.nan
+    with pytest.raises(ExportError, match="adam_v/w_q holds NaN or infinite values, not saved"):
+        save_model(tmp_path / "m.safetensors", trainer)
+    assert list(tmp_path.iterdir()) == []
+
+
+# --- the commands -------------------------------------------------------------------
+
+
+def invoke(command, *args):
+    return CliRunner().invoke(command, [str(a) for a in args])
+
+
+def test_export_then_generate_from_it_samples_as_the_replay_does(run, tmp_path):
+    save_dir, models = run
+    out = tmp_path / "model.safetensors"
+    result = invoke(export_main, "--load-dir", save_dir, "--out", out, "--backend", "cpu")
+    assert result.exit_code == 0, result.output
+    assert f"replayed step {STEPS}/{STEPS}" in result.stdout
+    assert f"step {STEPS}: wrote {out}" in result.stdout
+    assert_same(load_model(out), models[STEPS])
+
+    common = ("--data-dir", save_dir, "--backend", "cpu", "--tokens", 16)
+    replayed = invoke(generate_main, "--load-dir", save_dir, *common)
+    exported = invoke(generate_main, "--model", out, *common)
+    assert replayed.exit_code == 0 and exported.exit_code == 0, replayed.output + exported.output
+    assert "replayed" not in exported.stdout  # no replay at all
+    lines = exported.stdout.splitlines()
+    assert lines == replayed.stdout.splitlines()[-2:]
+    # the text is the model's own sample
+    trainer = trainer_from_model(models[STEPS], "cpu")
+    prompt = prompt_window(CFG, DATA, STEPS)
+    assert lines == [f"step {STEPS}:", detokenize(trainer.sample(prompt, 16), CFG, None)]
+
+    # a replay started from an earlier export gets there too
+    early = tmp_path / "step1.safetensors"
+    export_at(run, 1, early)
+    resumed = invoke(generate_main, "--load-dir", save_dir, "--from", early, *common)
+    assert resumed.exit_code == 0, resumed.output
+    assert resumed.stdout.splitlines()[-2:] == lines
+    again = tmp_path / "again.safetensors"
+    result = invoke(export_main, "--load-dir", save_dir, "--out", again, "--from", early)
+    assert result.exit_code == 0, result.output
+    assert again.read_bytes() == out.read_bytes()
+
+
+def test_the_commands_refuse_bad_input_in_one_line(run, tmp_path):
+    save_dir, _ = run
+    model = export_at(run, 2, tmp_path / "model.safetensors")
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(b"\x00" * 7)
+    other = tmp_path / "other"
+    other.mkdir()
+    save_config(other, OTHER)
+    cases = [
+        (generate_main, ["--load-dir", save_dir, "--model", model], "either --load-dir or --model"),
+        (generate_main, [], "either --load-dir or --model"),
+        (generate_main, ["--model", model, "--from", model], "--from needs --load-dir"),
+        (generate_main, ["--model", bad], "truncated"),
+        (generate_main, ["--load-dir", other, "--from", model, "--prompt", "ab"], "another config"),
+        (
+            export_main,
+            ["--load-dir", other, "--out", tmp_path / "x", "--from", model],
+            "another config",
+        ),
+        (export_main, ["--load-dir", save_dir, "--out", tmp_path / "no" / "x"], "not a directory"),
+        (export_main, ["--load-dir", tmp_path, "--out", tmp_path / "x"], "no config.json"),
+    ]
+    for command, args, message in cases:
+        result = invoke(command, *args, "--backend", "cpu")
+        assert result.exit_code == 2, (args, result.output)
+        assert message in result.stderr and result.stderr.count("\n") == 1, result.stderr
+        assert result.stderr.startswith(("deggs-generate: error: ", "deggs-export: error: "))
+    assert not (tmp_path / "x").exists()
