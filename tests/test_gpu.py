@@ -210,3 +210,20 @@ def test_every_kernel_matches_its_cpu_reference(switches):
     lines = []
     ok = harness.run(cfg, sorted(harness.CHECKS), members=6, repeats=1, out=lines.append)
     assert ok and len(lines) == len(harness.CHECKS) == 10, "\n".join(lines)
+
+
+def test_validation_logits_match_cpu():
+    """Backend.logits (the validation loss's forward) on the GPU: the training forward with
+    every member's sign 0, equal to the CPU's unperturbed logits."""
+    from deggs.numerics.es import evaluate, validation_windows
+
+    rng = np.random.default_rng(77)
+    cfg = small_config(rng)
+    cpu, gpu = CpuBackend(cfg, threads=1), GpuBackend_(cfg, batch=3)
+    params, overlays = shuffled_weights(rng, cpu.params, cpu.overlays)
+    cpu.load_state(params, overlays)
+    gpu.load_state(params, overlays)
+    val = rng.integers(0, cfg.model.vocab_size, 500)
+    windows = validation_windows(cfg, val, 7)
+    assert np.array_equal(gpu.logits(windows[:, :-1]), cpu.logits(windows[:, :-1]))
+    assert evaluate(gpu, windows) == evaluate(cpu, windows)
