@@ -6,8 +6,16 @@
 # N_GPUS defaults to the count nvidia-smi reports. Ctrl-C (or SIGTERM) stops them all.
 set -euo pipefail
 
-if [[ $# -lt 1 || "$1" == "-h" || "$1" == "--help" ]]; then
-    echo "usage: $0 HOST [N_GPUS] [-- deggs-worker options...]" >&2
+usage="usage: $0 HOST [N_GPUS] [-- deggs-worker options...]"
+if [[ $# -ge 1 && ( "$1" == "-h" || "$1" == "--help" ) ]]; then
+    echo "$usage"
+    echo "One deggs worker per GPU (N_GPUS: nvidia-smi's count), each with its own"
+    echo "CUDA_VISIBLE_DEVICES and its output prefixed [gpu i]; Ctrl-C stops them all."
+    echo "DEGGS_WORKER replaces the worker command."
+    exit 0
+fi
+if [[ $# -lt 1 ]]; then
+    echo "$usage" >&2
     exit 2
 fi
 host="$1"; shift

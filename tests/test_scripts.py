@@ -189,3 +189,12 @@ def test_worker_cli_reports_bad_data_without_a_traceback(tmp_path):
     assert result.returncode == 2
     assert "not a whole number of 4-byte tokens" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_run_workers_help_exits_0_and_no_host_exits_2():
+    help_ = subprocess.run(
+        ["bash", ROOT / "run-workers.sh", "--help"], capture_output=True, text=True
+    )
+    assert help_.returncode == 0 and help_.stdout.startswith("usage:")
+    bare = subprocess.run(["bash", ROOT / "run-workers.sh"], capture_output=True, text=True)
+    assert bare.returncode == 2 and "usage:" in bare.stderr
