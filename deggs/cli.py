@@ -10,7 +10,7 @@ from pathlib import Path
 
 import click
 
-from .config import ConfigError, load_config, override
+from .config import ConfigError, CoordinatorConfig, load_config, override
 from .numerics.backend import NAMES as BACKEND_NAMES
 from .plot import plot_main
 from .runtime.auth import SecretError, load_secret
@@ -19,7 +19,7 @@ from .runtime.coordinator import Coordinator
 from .runtime.protocol import Reason
 
 DEFAULT_CONFIG = Path("config.toml")
-DEFAULT_PORT = 12345
+DEFAULT_PORT = CoordinatorConfig.port  # a worker's without a config
 # Exit codes of every command.
 EXIT_OK = 0
 EXIT_BAD_INPUT = 2  # a user's mistake, or a refusal that retrying cannot fix

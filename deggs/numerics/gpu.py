@@ -469,9 +469,7 @@ class GpuBackend:
             for s in range(0, w, nb):
                 n = min(w, s + nb) - s
                 ctx = (buf, seeds[s : s + n], signs[s : s + n], n, t, n * t)
-                self._hidden(ctx, d_tok[s * (t + 1) :])
-                table = self._param("embedding")[0]
-                self._project(table, buf["y"], buf["g"], m.vocab_size, n * t, m.hidden_dim)
+                self._head(ctx, d_tok[s * (t + 1) :])
                 g = buf["g"][: n * t * m.vocab_size].get(stream=self.stream)
                 out[s : s + n] = (
                     g.reshape(n, t, -1).astype(np.int64) >> self.cfg.quantization.shift_logit
@@ -491,12 +489,17 @@ class GpuBackend:
     # signs, members, positions, rows); scripts/kernels.py checks them one by one.
 
     def _forward(self, buf, tok, seeds, signs, nb, loss):
-        m = self.cfg.model
-        ctx = (buf, seeds, signs, nb, m.seq_len, nb * m.seq_len)
+        seq = self.cfg.model.seq_len
+        ctx = (buf, seeds, signs, nb, seq, nb * seq)
+        self._head(ctx, tok)
+        self._loss(ctx, tok, loss)
+
+    def _head(self, ctx, tok):
+        """The forward pass of ctx's rows up to the logits (before >> shift) in buf["g"]."""
+        buf, r, m = ctx[0], ctx[5], self.cfg.model
         self._hidden(ctx, tok)
         table = self._param("embedding")[0]
-        self._project(table, buf["y"], buf["g"], m.vocab_size, nb * m.seq_len, m.hidden_dim)
-        self._loss(ctx, tok, loss)
+        self._project(table, buf["y"], buf["g"], m.vocab_size, r, m.hidden_dim)
 
     def _hidden(self, ctx, tok, cache=None, start=0):
         """Embedding, blocks and final norm of ctx's rows into buf["y"] (see `_attention`)."""
@@ -659,8 +662,9 @@ class GpuBackend:
     def _qkv(self, ctx, layer, start=0):
         """buf["g"] ([rows, q | k | v]) -> RoPE'd, normalised q, k, v in buf["qkv"]."""
         buf, seeds, signs, nb, seq, r = ctx
-        (_, ov_q), (_, ov_k), (_, ov_v) = (self._param(w, layer)[1] for w in ("w_q", "w_k", "w_v"))
-        q_a, k_a, v_a = (self._param(w, layer)[2][0] for w in ("w_q", "w_k", "w_v"))
+        (_, (_, ov_q), (q_a, _)), (_, (_, ov_k), (k_a, _)), (_, (_, ov_v), (v_a, _)) = (
+            self._param(w, layer) for w in ("w_q", "w_k", "w_v")
+        )
         rope = self.d_rope[start * self.cfg.model.head_dim :]
         self._launch(
             "qkv_rope",
@@ -779,21 +783,10 @@ class GpuBackend:
 
     def _update_body(self):
         cfg = self.cfg
-        o = cfg.optimizer
-        f = np.float32
         U = self._upd
         pairs = U["pairs"]
         stream = cp.cuda.get_current_stream().ptr
         cp.cuda.runtime.memsetAsync(U["changes"].data.ptr, 0, 8, stream)
-        moments = dict(
-            b1=f(o.beta1),
-            omb1=f(1) - f(o.beta1),
-            b2=f(o.beta2),
-            omb2=f(1) - f(o.beta2),
-            eps=f(o.eps),
-            wd=f(o.weight_decay),
-            sgd_scale=f(o.sgd_vote_scale),
-        )
         a_cfg = cfg.adaptive_noise
         for u in U["plan"]:
             shape = u.shape
@@ -841,23 +834,19 @@ class GpuBackend:
                     pairs=pairs,
                 )
                 inner, cols = n, None
-            self._launch(
-                "optimizer_step",
-                ((n + 255) // 256,),
-                (256,),
-                w=w,
-                m=m,
-                v=v,
-                acc=acc,
-                vote=U["vote"],
-                n=n,
-                inner=inner,
-                lr_buf=U["lr"],
-                lr_index=int(u.param.bias_lr),
-                row_counts=U["rows"],
-                col_counts=cols,
-                changes=U["changes"],
-                **moments,
+            self._optimizer_step(
+                w,
+                m,
+                v,
+                acc,
+                U["vote"],
+                n,
+                inner,
+                U["lr"],
+                int(u.param.bias_lr),
+                U["rows"],
+                cols,
+                U["changes"],
             )
             if a_cfg.mode > 0:
                 counts = [(u.param.overlays[0], U["rows"], shape[0])]
@@ -877,6 +866,36 @@ class GpuBackend:
             else:
                 cp.cuda.runtime.memsetAsync(U["rows"].data.ptr, 0, U["rows"].nbytes, stream)
                 cp.cuda.runtime.memsetAsync(U["cols"].data.ptr, 0, U["cols"].nbytes, stream)
+
+    def _optimizer_step(
+        self, w, m, v, acc, vote, n, inner, lr_buf, lr_index, row_counts, col_counts, changes
+    ):
+        """The optimizer step of one parameter slice held as [outer, inner] (update.cu)."""
+        o, f = self.cfg.optimizer, np.float32
+        self._launch(
+            "optimizer_step",
+            ((n + 255) // 256,),
+            (256,),
+            w=w,
+            m=m,
+            v=v,
+            acc=acc,
+            vote=vote,
+            n=n,
+            inner=inner,
+            lr_buf=lr_buf,
+            lr_index=lr_index,
+            row_counts=row_counts,
+            col_counts=col_counts,
+            changes=changes,
+            b1=f(o.beta1),
+            omb1=f(1) - f(o.beta1),
+            b2=f(o.beta2),
+            omb2=f(1) - f(o.beta2),
+            eps=f(o.eps),
+            wd=f(o.weight_decay),
+            sgd_scale=f(o.sgd_vote_scale),
+        )
 
     def _capture(self):
         """Capture the update as a CUDA graph; on failure remember why and run eagerly."""

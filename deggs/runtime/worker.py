@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from ..config import Config, ConfigError, WorkerConfig
-from ..data import DataError, detokenize, load_decoding, load_tokens
+from ..data import DataError, check_meta, detokenize, load_decoding, load_tokens
 from ..numerics.backend import BackendError, make_backend
 from ..numerics.es import Trainer, evaluate, validation_windows
 from ..numerics.sampling import prompt_window
@@ -130,8 +130,6 @@ class Worker:
 
     def _prepare(self, cfg: Config):
         """Load and check the data for a config, and build the model replica."""
-        from ..data import check_meta
-
         check_meta(self.data_dir, cfg)  # when deggs-prepare left a meta.json: files match it
         tokens = load_tokens(self.data_dir / "input.bin", cfg)
         pieces = None
