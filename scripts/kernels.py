@@ -268,6 +268,32 @@ def check_sequence_loss(b):
     return setup, launch, reference, result, g.nbytes + sb.nbytes + tokens.nbytes
 
 
+def check_head_loss(b):
+    """The head's GEMM and sequence_loss fused (head_loss.cu): no logits in memory."""
+    v, d = b.cfg.model.vocab_size, b.d
+    y = b.ints(-127, 128, (b.m, b.t, d), np.int8)
+    sb = b.ints(-(2**18), 2**18, (b.m, b.t))
+    tokens = b.ints(0, v, (b.m, b.t + 1))
+    d_tok, loss = b.cp.asarray(tokens.ravel()), b.cp.empty(b.m, b.cp.int32)
+
+    def setup():
+        b.put("y", y)
+        b.put("sb", sb)
+
+    def launch():
+        b.gpu._head_loss(b.ctx, d_tok, loss)
+
+    def reference():
+        g = model.int_matmul(y, b.weights.arrays("embedding")[0])
+        lgt = projection_terms(b, "embedding", None, g, sb, v) >> b.cfg.quantization.shift_logit
+        return model.sequence_loss(b.cfg, b.tables, lgt, tokens[:, 1:].astype(np.int64))
+
+    def result():
+        return loss.get()
+
+    return setup, launch, reference, result, y.nbytes + sb.nbytes + tokens.nbytes + v * d
+
+
 def check_optimizer_step(b):
     cp, n = b.cp, b.rows * 4
     w = b.ints(-127, 128, n, np.int8)

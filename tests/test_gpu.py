@@ -63,7 +63,10 @@ def test_gpu_matches_cpu_on_random_configs(case):
     rng = np.random.default_rng(1000 + case)
     cfg = small_config(rng, **SWITCHES[case])
     data = rng.integers(0, cfg.model.vocab_size, 5000).astype(cfg.token_dtype)
-    cpu, gpu = CpuBackend(cfg, threads=1), GpuBackend_(cfg, batch=int(rng.integers(3, 40)))
+    # case 2 runs the unfused head (cuBLAS logits, then sequence_loss)
+    batch = int(rng.integers(3, 40))
+    cpu, gpu = CpuBackend(cfg, threads=1), GpuBackend_(cfg, batch=batch, fused_loss=case != 2)
+    assert gpu.fused_loss == (case != 2)
     compare_states(cpu, gpu)
     seed = cfg.training.seed
     members = np.arange(cfg.training.population_size)
@@ -209,7 +212,7 @@ def test_every_kernel_matches_its_cpu_reference(switches):
     )
     lines = []
     ok = harness.run(cfg, sorted(harness.CHECKS), members=6, repeats=1, out=lines.append)
-    assert ok and len(lines) == len(harness.CHECKS) == 10, "\n".join(lines)
+    assert ok and len(lines) == len(harness.CHECKS) == 11, "\n".join(lines)
 
 
 def test_validation_logits_match_cpu():

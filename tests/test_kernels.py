@@ -1,13 +1,23 @@
 """The GPU kernels without a GPU: what a config needs of a device, and typed launchers."""
 
 import re
+import shutil
+import subprocess
 
 import numpy as np
 import pytest
 
 from deggs.config import Config
-from deggs.numerics.gpu import choose_token_threads, kernel_source, shared_memory, supports
+from deggs.numerics.gpu import (
+    choose_token_threads,
+    head_loss_shared,
+    kernel_defines,
+    kernel_source,
+    shared_memory,
+    supports,
+)
 from deggs.numerics.launch import Kernel, signatures
+from deggs.numerics.model import make_tables
 
 H100_OPTIN = 232448  # cudaDevAttrMaxSharedMemoryPerBlockOptin of an H100 (227 KiB)
 
@@ -41,8 +51,8 @@ def test_choose_token_plays_the_references_threads(hidden, threads):
 def test_every_kernel_signature_is_read_from_the_shipped_sources():
     source = kernel_source()
     kernels = signatures(source)
-    assert set(kernels) == set(re.findall(r'extern "C" __global__ void (\w+)\(', source))
-    assert len(kernels) == 13 and set(shared_memory(Config())) <= set(kernels)
+    assert set(kernels) == set(re.findall(r'extern "C" __global__ void (?:__launch_bounds__\(.*?\)\s*)?(\w+)\(', source))
+    assert len(kernels) == 14 and set(shared_memory(Config())) <= set(kernels)
     embed = {p.name: p for p in kernels["embed"]}
     assert embed["tokens"].pointer and embed["tokens"].dtype is np.int32
     assert not embed["off_emb"].pointer and embed["off_emb"].dtype is np.uint32
@@ -72,3 +82,33 @@ def test_launchers_check_every_argument_against_the_signature():
     for args, message in wrong:
         with pytest.raises((TypeError, ValueError), match=message):
             kernel((1,), (32,), **args)
+
+
+def test_head_loss_fits_two_blocks_an_sm_at_the_default_and_gives_way_when_too_big():
+    assert 2 * head_loss_shared(Config()) <= H100_OPTIN  # two blocks of 8 warps an SM
+    assert head_loss_shared(config(hidden_dim=1024, head_dim=64)) > H100_OPTIN  # unfused
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc on this machine")
+@pytest.mark.parametrize(
+    "model",
+    [{}, dict(hidden_dim=64, head_dim=32, seq_len=8, vocab_size=1000)],
+    ids=["default", "tiny, vocabulary not a multiple of a tile"],
+)
+def test_the_sources_compile_for_hopper_without_spills(model, tmp_path):
+    """nvcc compiles what NVRTC will (no GPU needed); head_loss keeps to the 128 registers
+    its __launch_bounds__ allows two blocks an SM, with nothing spilled."""
+    cfg = config(**model)
+    source = tmp_path / "deggs.cu"
+    source.write_text(kernel_source())
+    defines = [f"-D{k}={v}" for k, v in kernel_defines(cfg, make_tables(cfg)).items()]
+    run = subprocess.run(
+        ["nvcc", "-arch=sm_90", "-cubin", "-o", str(tmp_path / "deggs.cubin"), "--std=c++17"]
+        + ["--fmad=false", "--resource-usage", *defines, str(source)],
+        capture_output=True,
+        text=True,
+    )
+    assert run.returncode == 0, run.stderr
+    usage = run.stderr.split("Function properties for head_loss")[1].splitlines()[1:3]
+    assert "0 bytes spill stores" in usage[0], usage
+    assert int(re.search(r"Used (\d+) registers", usage[1]).group(1)) <= 128, usage

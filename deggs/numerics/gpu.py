@@ -55,11 +55,12 @@ except Exception:  # pragma: no cover - depends on the machine
     cp = None
 
 
-KERNEL_FILES = ("common.cuh", "forward.cu", "generate.cu", "update.cu")  # compiled in order
+KERNEL_FILES = ("common.cuh", "forward.cu", "head_loss.cu", "generate.cu", "update.cu")
 NT = 256  # threads of the row kernels
 ATT_SPLIT = 2  # attention_mix: threads per query, each accumulating 1/ATT_SPLIT of a head
 LOSS_REGISTER_LPT = 16  # sequence_loss keeps up to this many logits a thread in registers
 # (more read the logits twice: 20% faster at vocab 8192, where 32 in registers cut occupancy)
+HL_WARPS, HL_BN = 8, 64  # head_loss: 32 rows a warp, vocabulary tiles of 64 embedding rows
 MAX_THREADS = 1024  # per block, on every CUDA device
 STATIC_SHARED = 48 << 10  # a kernel may use more shared memory only when it opts in
 FORWARD_BUDGET = 8 << 30  # bytes for the largest GEMM output of a sub-batch of members
@@ -102,6 +103,52 @@ def shared_memory(cfg: Config) -> dict[str, tuple[int, int]]:
         "sequence_loss": (av * v, 4 * lut + reductions),
         "choose_token": (4 * ((v + 1) // 2), 8 * (h + 1) + reductions),
     }
+
+
+def kernel_defines(cfg: Config, tables) -> dict[str, int]:
+    """The -D values the CUDA sources are compiled with: the config's shapes and
+    constants, and the launch constants of this module."""
+    q, m = cfg.quantization, cfg.model
+    lut0 = int(tables.exp.max())
+    return dict(
+        HIDDEN=m.hidden_dim,
+        HEAD_DIM=m.head_dim,
+        SEQ=m.seq_len,
+        VOCAB=m.vocab_size,
+        FIXED_POINT=q.fixed_point,
+        SIGMA_SHIFT=q.sigma_shift,
+        SIGMA_SHIFT_VECTOR=q.sigma_shift_vector,
+        SHIFT_ATTN=q.shift_attn,
+        SHIFT_LOGIT=q.shift_logit,
+        SHIFT_MLP_UP=q.shift_mlp_up,
+        LUT_SIZE=cfg.softmax.lut_size,
+        SCALE_BIT=cfg.softmax.scale_bit,
+        ROPE_SHIFT=cfg.rope.scale_bit,
+        NOISE_MASK=cfg.noise.perturb_mask,
+        THREE_SAMPLE=int(cfg.noise.perturb_distribution == "three_sample"),
+        ADAPTIVE_MODE=cfg.adaptive_noise.mode,
+        ATTN_ACC_LL=int(m.seq_len * lut0 * 127 >= 2**31),
+        ADAMW=int(cfg.optimizer.kind == "adamw"),
+        GATE_SEED=GATE_SEED,
+        SAMPLE_STRIDE=SAMPLE_STRIDE,
+        NT=NT,
+        ATT_SPLIT=ATT_SPLIT,
+        HL_WARPS=HL_WARPS,
+        HL_BN=HL_BN,
+        EXP_MAX=lut0,
+        CT_THREADS=choose_token_threads(m.hidden_dim),
+        LOSS_REGISTER_LPT=LOSS_REGISTER_LPT,
+    )
+
+
+def head_loss_shared(cfg: Config) -> int:
+    """Bytes of dynamic shared memory of head_loss (head_loss.cu's layout): the block's
+    rows, two vocabulary tiles, two tiles of output noise per member, the exp table."""
+    m = cfg.model
+    row_bytes = m.hidden_dim + 16
+    rows = 32 * HL_WARPS
+    members = rows // m.seq_len + 2
+    return (rows + 2 * HL_BN) * row_bytes + 4 * (2 * members * HL_BN + cfg.softmax.lut_size)
 
 
 def supports(cfg: Config, shared_optin: int) -> list[str]:
@@ -244,6 +291,7 @@ class GpuBackend:
         use_graph: bool = True,
         device: int | None = None,
         defines: dict | None = None,
+        fused_loss: bool | None = None,
     ):
         if not gpu_available():
             raise RuntimeError("the gpu backend needs CuPy and a CUDA device")
@@ -261,16 +309,27 @@ class GpuBackend:
         self.module = self._compile()
         self.kernels = launch.kernels(self.module, kernel_source())
         self.dynamic_shared = {k: dyn for k, (dyn, _) in shared_memory(cfg).items() if dyn}
+        # The head's GEMM fused with the loss (head_loss.cu) where its tiles fit; else
+        # cuBLAS writes the logits and sequence_loss reads them.
+        fits = head_loss_shared(cfg) <= optin
+        if fused_loss and not fits:
+            raise ValueError("head_loss needs more shared memory than the device allows")
+        self.fused_loss = fits if fused_loss is None else fused_loss
+        if self.fused_loss:
+            self.dynamic_shared["head_loss"] = head_loss_shared(cfg)
         for name, size in self.dynamic_shared.items():
-            if size > STATIC_SHARED - shared_memory(cfg)[name][1]:
+            if size > STATIC_SHARED - shared_memory(cfg).get(name, (0, 0))[1]:
                 self.kernels[name].function.max_dynamic_shared_size_bytes = size
         self.blas = Cublas()
         self.d_exp = cp.asarray(self.tables.exp.astype(np.int32))
         self.d_gelu = cp.asarray(self.tables.gelu.astype(np.int32))
         self.d_rope = cp.asarray(self.tables.rope.astype(np.int32).ravel())
-        per_member = m.seq_len * max(4 * m.hidden_dim, m.vocab_size) * 4
+        # members a sub-batch: its largest int32 GEMM output within the budget
         budget = min(FORWARD_BUDGET, cp.cuda.runtime.memGetInfo()[0] // 4)
-        self.batch = batch or max(1, budget // per_member)
+        with_logits = m.seq_len * max(4 * m.hidden_dim, m.vocab_size) * 4
+        self.logit_batch = batch or max(1, budget // with_logits)
+        without = m.seq_len * 4 * m.hidden_dim * 4
+        self.batch = batch or (max(1, budget // without) if self.fused_loss else self.logit_batch)
         # device buffers, made on first use: forward, generation, update
         self._fwd: dict | None = None
         self._gen: dict | None = None
@@ -284,35 +343,7 @@ class GpuBackend:
     # --- state ------------------------------------------------------------------------
 
     def _compile(self):
-        c = self.cfg
-        q, m = c.quantization, c.model
-        lut0 = int(self.tables.exp.max())
-        defines = dict(
-            HIDDEN=m.hidden_dim,
-            HEAD_DIM=m.head_dim,
-            SEQ=m.seq_len,
-            VOCAB=m.vocab_size,
-            FIXED_POINT=q.fixed_point,
-            SIGMA_SHIFT=q.sigma_shift,
-            SIGMA_SHIFT_VECTOR=q.sigma_shift_vector,
-            SHIFT_ATTN=q.shift_attn,
-            SHIFT_LOGIT=q.shift_logit,
-            SHIFT_MLP_UP=q.shift_mlp_up,
-            LUT_SIZE=c.softmax.lut_size,
-            SCALE_BIT=c.softmax.scale_bit,
-            ROPE_SHIFT=c.rope.scale_bit,
-            NOISE_MASK=c.noise.perturb_mask,
-            THREE_SAMPLE=int(c.noise.perturb_distribution == "three_sample"),
-            ADAPTIVE_MODE=c.adaptive_noise.mode,
-            ATTN_ACC_LL=int(m.seq_len * lut0 * 127 >= 2**31),
-            ADAMW=int(c.optimizer.kind == "adamw"),
-            GATE_SEED=GATE_SEED,
-            SAMPLE_STRIDE=SAMPLE_STRIDE,
-            NT=NT,
-            ATT_SPLIT=ATT_SPLIT,
-            CT_THREADS=choose_token_threads(m.hidden_dim),
-            LOSS_REGISTER_LPT=LOSS_REGISTER_LPT,
-        )
+        defines = kernel_defines(self.cfg, self.tables)
         defines.update(self.overrides)  # kernel variants, for scripts/kernels.py
         self.defines = defines
         options = ("--std=c++17", "--fmad=false") + tuple(f"-D{k}={v}" for k, v in defines.items())
@@ -400,13 +431,15 @@ class GpuBackend:
 
     # --- forward ----------------------------------------------------------------------
 
-    def _buffers(self, nb):
-        m = self.cfg.model
-        if self._fwd is not None and self._fwd["nb"] >= nb:
-            return self._fwd
-        self._fwd = None
-        self._fwd = self._row_buffers(nb * m.seq_len, nb * m.seq_len)
-        self._fwd["nb"] = nb
+    def _buffers(self, nb: int, logits: bool):
+        """Row buffers of nb members (with room for their logits when `logits`)."""
+        seq = self.cfg.model.seq_len
+        fwd = self._fwd
+        if fwd is not None and fwd["nb"] >= nb and (fwd["logits"] or not logits):
+            return fwd
+        self._fwd = None  # freed before the new ones are made
+        self._fwd = self._row_buffers(nb * seq, nb * seq if logits else 0)
+        self._fwd.update(nb=nb, logits=logits)
         return self._fwd
 
     def _row_buffers(self, r, logit_rows):
@@ -440,7 +473,7 @@ class GpuBackend:
             )
             loss = cp.empty(n, cp.int32)
             nb = min(self.batch, n)
-            buf = self._buffers(nb)
+            buf = self._buffers(nb, logits=not self.fused_loss)
             for s in range(0, n, nb):
                 e = min(n, s + nb)
                 self._forward(
@@ -464,8 +497,8 @@ class GpuBackend:
         with self.stream:
             d_tok = cp.asarray(padded.ravel())
             seeds, signs = cp.zeros(w, cp.uint32), cp.zeros(w, cp.int32)
-            nb = min(self.batch, w)
-            buf = self._buffers(nb)
+            nb = min(self.logit_batch, w)
+            buf = self._buffers(nb, logits=True)
             for s in range(0, w, nb):
                 n = min(w, s + nb) - s
                 ctx = (buf, seeds[s : s + n], signs[s : s + n], n, t, n * t)
@@ -491,8 +524,12 @@ class GpuBackend:
     def _forward(self, buf, tok, seeds, signs, nb, loss):
         seq = self.cfg.model.seq_len
         ctx = (buf, seeds, signs, nb, seq, nb * seq)
-        self._head(ctx, tok)
-        self._loss(ctx, tok, loss)
+        if self.fused_loss:
+            self._hidden(ctx, tok)
+            self._head_loss(ctx, tok, loss)
+        else:
+            self._head(ctx, tok)
+            self._loss(ctx, tok, loss)
 
     def _head(self, ctx, tok):
         """The forward pass of ctx's rows up to the logits (before >> shift) in buf["g"]."""
@@ -746,6 +783,29 @@ class GpuBackend:
             off_a=off_a,
             exp_tab=self.d_exp,
             loss=loss,
+        )
+
+    def _head_loss(self, ctx, tok, loss):
+        """sequence_loss of the logits of buf["y"] (the final norm, input dot in buf["sb"])
+        without writing them: the head's GEMM and the loss in one kernel."""
+        buf, seeds, signs, nb, seq, r = ctx
+        table, (_, ov_vocab), (off_a, _) = self._param("embedding")
+        loss.fill(0)  # rows add to their member's loss
+        self._launch(
+            "head_loss",
+            (-(-r // (32 * HL_WARPS)),),
+            (32 * HL_WARPS,),
+            y=buf["y"],
+            emb_t=table,
+            sb=buf["sb"],
+            tokens=tok,
+            seeds=seeds,
+            signs=signs,
+            ov_out=ov_vocab,
+            off_a=off_a,
+            exp_tab=self.d_exp,
+            loss=loss.view(cp.uint32),
+            rows=r,
         )
 
     # --- update -----------------------------------------------------------------------

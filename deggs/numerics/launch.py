@@ -23,7 +23,9 @@ C_TYPES = {
     "u64": np.uint64,
     "float": np.float32,
 }
-SIGNATURE = re.compile(r'extern "C" __global__ void (\w+)\(([^)]*)\)')
+SIGNATURE = re.compile(
+    r'extern "C" __global__ void (?:__launch_bounds__\([^)]*\)\s*)?(\w+)\(([^)]*)\)'
+)
 PARAMETER = re.compile(r"^(?:const\s+)?(\w+)\s*(\*?)\s*(\w+)$")
 NULL = np.uint64(0)
 
