@@ -65,8 +65,8 @@ def test_gpu_matches_cpu_on_random_configs(case):
     data = rng.integers(0, cfg.model.vocab_size, 5000).astype(cfg.token_dtype)
     # case 2 runs the unfused head (cuBLAS logits, then sequence_loss)
     batch = int(rng.integers(3, 40))
-    cpu, gpu = CpuBackend(cfg, threads=1), GpuBackend_(cfg, batch=batch, fused_loss=case != 2)
-    assert gpu.fused_loss == (case != 2)
+    cpu, gpu = CpuBackend(cfg, threads=1), GpuBackend_(cfg, batch=batch, fused=case != 2)
+    assert gpu.fused == (case != 2)
     compare_states(cpu, gpu)
     seed = cfg.training.seed
     members = np.arange(cfg.training.population_size)

@@ -51,7 +51,9 @@ def test_choose_token_plays_the_references_threads(hidden, threads):
 def test_every_kernel_signature_is_read_from_the_shipped_sources():
     source = kernel_source()
     kernels = signatures(source)
-    assert set(kernels) == set(re.findall(r'extern "C" __global__ void (?:__launch_bounds__\(.*?\)\s*)?(\w+)\(', source))
+    assert set(kernels) == set(
+        re.findall(r'extern "C" __global__ void (?:__launch_bounds__\(.*?\)\s*)?(\w+)\(', source)
+    )
     assert len(kernels) == 14 and set(shared_memory(Config())) <= set(kernels)
     embed = {p.name: p for p in kernels["embed"]}
     assert embed["tokens"].pointer and embed["tokens"].dtype is np.int32
@@ -85,7 +87,8 @@ def test_launchers_check_every_argument_against_the_signature():
 
 
 def test_head_loss_fits_two_blocks_an_sm_at_the_default_and_gives_way_when_too_big():
-    assert 2 * head_loss_shared(Config()) <= H100_OPTIN  # two blocks of 8 warps an SM
+    h100_per_sm = 233472  # 228 KiB, of which each block reserves 1 KiB
+    assert 2 * (head_loss_shared(Config()) + 1024) <= h100_per_sm
     assert head_loss_shared(config(hidden_dim=1024, head_dim=64)) > H100_OPTIN  # unfused
 
 

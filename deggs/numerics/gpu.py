@@ -60,7 +60,7 @@ NT = 256  # threads of the row kernels
 ATT_SPLIT = 2  # attention_mix: threads per query, each accumulating 1/ATT_SPLIT of a head
 LOSS_REGISTER_LPT = 16  # sequence_loss keeps up to this many logits a thread in registers
 # (more read the logits twice: 20% faster at vocab 8192, where 32 in registers cut occupancy)
-HL_WARPS, HL_BN = 8, 64  # head_loss: 32 rows a warp, vocabulary tiles of 64 embedding rows
+TILE_WARPS, TILE_N = 8, 64  # head_loss: 32 rows a warp, vocabulary tiles of 64 embedding rows
 MAX_THREADS = 1024  # per block, on every CUDA device
 STATIC_SHARED = 48 << 10  # a kernel may use more shared memory only when it opts in
 FORWARD_BUDGET = 8 << 30  # bytes for the largest GEMM output of a sub-batch of members
@@ -133,22 +133,22 @@ def kernel_defines(cfg: Config, tables) -> dict[str, int]:
         SAMPLE_STRIDE=SAMPLE_STRIDE,
         NT=NT,
         ATT_SPLIT=ATT_SPLIT,
-        HL_WARPS=HL_WARPS,
-        HL_BN=HL_BN,
+        TILE_WARPS=TILE_WARPS,
+        TILE_N=TILE_N,
         EXP_MAX=lut0,
         CT_THREADS=choose_token_threads(m.hidden_dim),
         LOSS_REGISTER_LPT=LOSS_REGISTER_LPT,
     )
 
 
-def head_loss_shared(cfg: Config) -> int:
+def head_loss_shared(cfg: Config, warps: int = TILE_WARPS) -> int:
     """Bytes of dynamic shared memory of head_loss (head_loss.cu's layout): the block's
     rows, two vocabulary tiles, two tiles of output noise per member, the exp table."""
     m = cfg.model
-    row_bytes = m.hidden_dim + 16
-    rows = 32 * HL_WARPS
-    members = rows // m.seq_len + 2
-    return (rows + 2 * HL_BN) * row_bytes + 4 * (2 * members * HL_BN + cfg.softmax.lut_size)
+    rows = 32 * warps
+    members = rows // m.seq_len if rows % m.seq_len == 0 else rows // m.seq_len + 2
+    tiles = (rows + 2 * TILE_N) * (m.hidden_dim + 16)
+    return tiles + 4 * (2 * members * TILE_N + cfg.softmax.lut_size)
 
 
 def supports(cfg: Config, shared_optin: int) -> list[str]:
@@ -291,7 +291,7 @@ class GpuBackend:
         use_graph: bool = True,
         device: int | None = None,
         defines: dict | None = None,
-        fused_loss: bool | None = None,
+        fused: bool | None = None,
     ):
         if not gpu_available():
             raise RuntimeError("the gpu backend needs CuPy and a CUDA device")
@@ -311,12 +311,13 @@ class GpuBackend:
         self.dynamic_shared = {k: dyn for k, (dyn, _) in shared_memory(cfg).items() if dyn}
         # The head's GEMM fused with the loss (head_loss.cu) where its tiles fit; else
         # cuBLAS writes the logits and sequence_loss reads them.
-        fits = head_loss_shared(cfg) <= optin
-        if fused_loss and not fits:
+        self.tile_rows = 32 * self.defines["TILE_WARPS"]
+        shared = head_loss_shared(cfg, self.defines["TILE_WARPS"])
+        if fused and shared > optin:
             raise ValueError("head_loss needs more shared memory than the device allows")
-        self.fused_loss = fits if fused_loss is None else fused_loss
-        if self.fused_loss:
-            self.dynamic_shared["head_loss"] = head_loss_shared(cfg)
+        self.fused = shared <= optin if fused is None else fused
+        if self.fused:
+            self.dynamic_shared["head_loss"] = shared
         for name, size in self.dynamic_shared.items():
             if size > STATIC_SHARED - shared_memory(cfg).get(name, (0, 0))[1]:
                 self.kernels[name].function.max_dynamic_shared_size_bytes = size
@@ -329,7 +330,7 @@ class GpuBackend:
         with_logits = m.seq_len * max(4 * m.hidden_dim, m.vocab_size) * 4
         self.logit_batch = batch or max(1, budget // with_logits)
         without = m.seq_len * 4 * m.hidden_dim * 4
-        self.batch = batch or (max(1, budget // without) if self.fused_loss else self.logit_batch)
+        self.batch = batch or (max(1, budget // without) if self.fused else self.logit_batch)
         # device buffers, made on first use: forward, generation, update
         self._fwd: dict | None = None
         self._gen: dict | None = None
@@ -473,7 +474,7 @@ class GpuBackend:
             )
             loss = cp.empty(n, cp.int32)
             nb = min(self.batch, n)
-            buf = self._buffers(nb, logits=not self.fused_loss)
+            buf = self._buffers(nb, logits=not self.fused)
             for s in range(0, n, nb):
                 e = min(n, s + nb)
                 self._forward(
@@ -524,7 +525,7 @@ class GpuBackend:
     def _forward(self, buf, tok, seeds, signs, nb, loss):
         seq = self.cfg.model.seq_len
         ctx = (buf, seeds, signs, nb, seq, nb * seq)
-        if self.fused_loss:
+        if self.fused:
             self._hidden(ctx, tok)
             self._head_loss(ctx, tok, loss)
         else:
@@ -793,8 +794,8 @@ class GpuBackend:
         loss.fill(0)  # rows add to their member's loss
         self._launch(
             "head_loss",
-            (-(-r // (32 * HL_WARPS)),),
-            (32 * HL_WARPS,),
+            (-(-r // self.tile_rows),),
+            (self.tile_rows,),
             y=buf["y"],
             emb_t=table,
             sb=buf["sb"],

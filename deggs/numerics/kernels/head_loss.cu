@@ -1,33 +1,27 @@
 // head_loss: the head's logits GEMM fused with sequence_loss on the int8 tensor cores.
 //
 // Unfused, cuBLAS writes every int32 logit (rows x VOCAB) to memory and sequence_loss
-// reads them back: at the default config that traffic, not the arithmetic, is most of
-// the head's time. Here a block takes HL_BM rows (32 a warp) and sweeps the vocabulary in
-// tiles of HL_BN embedding rows twice, with mma.sync (m16n8k32, int8 in, int32 out):
-//   pass 1: the row's peak, max_j (g_j + term_j), shifted once at the end (an arithmetic
-//           shift is monotone, so this is the peak of the shifted logits);
-//   pass 2: total = sum_j exp_tab[min(peak - logit_j, LUT_SIZE - 1)].
-// A LUT-rounded exponential cannot be rescaled when the peak moves, so the peak must be
-// known before the sum: the tile products are recomputed rather than stored (K = HIDDEN
-// is small, the products are cheap next to the epilogue). The target's logit is one dot
-// product per row. Each row's loss is added to its member's with an unsigned atomic: the
-// member sum wraps like the CPU's int32 sum, in any order. No logit reaches memory.
+// (forward.cu) reads them back: at the default config that traffic, not the arithmetic,
+// is most of their time. Here a block owns TILE_M rows (32 a warp, held in shared memory
+// for the whole kernel) and sweeps the vocabulary in tiles of TILE_N embedding rows with
+// mma.sync (m16n8k32, int8 in, int32 out); the epilogue finishes each tile in registers
+// and no logit is written.
 //
-// Integer sums are exact in any order (|g| <= HIDDEN * 127 * 127 < 2^31), and every
-// other operation is sequence_loss's (forward.cu), so the two kernels agree bit for bit.
+// Integer sums are exact in any order (|g| <= HIDDEN * 127 * 127 < 2^31), every other
+// operation is sequence_loss's: the two agree bit for bit (scripts/kernels.py checks
+// both against the CPU).
 //
-// Needs HIDDEN % 32 == 0 and defines HL_BN, HL_WARPS, EXP_MAX (the exp table's largest
-// entry); gpu.shared_memory() sizes the dynamic shared memory from the same formulas.
+// Needs HIDDEN % 32 == 0 and defines TILE_WARPS, TILE_N (64), EXP_MAX (the exp table's
+// largest entry); gpu.head_loss_shared() sizes the dynamic shared memory from the layout.
 
-#define HL_BM (32 * HL_WARPS)           // rows of a block
-#define HL_LD (HIDDEN + 16)             // bytes per row in shared memory: the padding
-                                        // makes the fragment loads conflict-free
-#define HL_MEMBERS (HL_BM / SEQ + 2)    // members a block's rows can belong to
-#define HL_PIECES (HIDDEN / 16)         // 16-byte pieces of a row
-#define HL_PAD (VOCAB % HL_BN != 0)     // the last tile has columns past the vocabulary
-#define HL_ONE_MEMBER_A_WARP (SEQ % 32 == 0)
-// The per-tile partial sum of one row in one thread (2 * HL_BN / 8 entries) fits 32 bits.
-#define HL_TOTAL32 (EXP_MAX * (HL_BN / 4) < 4294967296)  // preprocessor: 64-bit
+#define TILE_M (32 * TILE_WARPS)            // rows of a block
+#define TILE_LD (HIDDEN + 16)               // bytes per row in shared memory: the padding
+                                            // makes the fragment loads conflict-free
+#define TILE_PIECES (HIDDEN / 16)           // 16-byte pieces of a row
+// Members a block's rows can belong to (rows start at a multiple of TILE_M).
+#define TILE_MEMBERS (TILE_M % SEQ == 0 ? TILE_M / SEQ : TILE_M / SEQ + 2)
+#define ONE_MEMBER_A_WARP (SEQ % 32 == 0)  // then a thread's four rows share a member
+// __launch_bounds__(TILE_M, 16 / TILE_WARPS): 16 warps an SM, at most 128 registers each
 
 __device__ __forceinline__ void mma_s8(int* c, const u32* a, const u32* b) {
     asm volatile(
@@ -49,12 +43,12 @@ __device__ __forceinline__ void copy_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
-// Rows [first, first + n) of a K-contiguous int8 matrix into shared rows of HL_LD bytes;
-// rows at or past `valid` are zeros.
+// Rows [first, first + n) of a K-contiguous int8 matrix into shared rows of TILE_LD
+// bytes, asynchronously; rows at or past `valid` are zeros.
 __device__ __forceinline__ void rows_to_shared(i8* to, const i8* from, int first, int n, int valid) {
-    for (int i = threadIdx.x; i < n * HL_PIECES; i += blockDim.x) {
-        const int r = i / HL_PIECES, c = (i % HL_PIECES) * 16;
-        i8* dst = to + r * HL_LD + c;
+    for (int i = threadIdx.x; i < n * TILE_PIECES; i += blockDim.x) {
+        const int r = i / TILE_PIECES, c = (i % TILE_PIECES) * 16;
+        i8* dst = to + r * TILE_LD + c;
         if (first + r < valid)
             copy16_async(dst, from + (long)(first + r) * HIDDEN + c);
         else
@@ -62,47 +56,108 @@ __device__ __forceinline__ void rows_to_shared(i8* to, const i8* from, int first
     }
 }
 
-extern "C" __global__ void __launch_bounds__(32 * HL_WARPS, 2)
+// c = the warp's 32 rows of s_a times the TILE_N rows of s_b (both TILE_LD apart), K =
+// HIDDEN. Accumulator c[s >> 1][nt][2 (s & 1) + j] is the thread's row 8 s + g (of the
+// warp's) and tile column 8 nt + 2 tig + j, with g = lane / 4, tig = lane % 4.
+__device__ __forceinline__ void warp_tile_product(int (&c)[2][TILE_N / 8][4], const i8* s_a,
+                                                  const i8* s_b) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, tig = lane & 3;
+#pragma unroll
+    for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+        for (int nt = 0; nt < TILE_N / 8; nt++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) c[mt][nt][i] = 0;
+    const i8* a_rows = s_a + ((threadIdx.x >> 5) * 32 + g) * TILE_LD + tig * 4;
+    const i8* b_rows = s_b + g * TILE_LD + tig * 4;
+#pragma unroll 2
+    for (int k = 0; k < HIDDEN; k += 32) {
+        u32 a[2][4];
+#pragma unroll
+        for (int mt = 0; mt < 2; mt++) {
+            const i8* p = a_rows + mt * 16 * TILE_LD + k;
+            a[mt][0] = *(const u32*)p;
+            a[mt][1] = *(const u32*)(p + 8 * TILE_LD);
+            a[mt][2] = *(const u32*)(p + 16);
+            a[mt][3] = *(const u32*)(p + 8 * TILE_LD + 16);
+        }
+#pragma unroll
+        for (int nt = 0; nt < TILE_N / 8; nt++) {
+            const i8* q = b_rows + nt * 8 * TILE_LD + k;
+            const u32 b[2] = {*(const u32*)q, *(const u32*)(q + 16)};
+            mma_s8(c[0][nt], a[0], b);
+            mma_s8(c[1][nt], a[1], b);
+        }
+    }
+}
+
+// The thread's four rows (row0 + warp * 32 + 8 s + g): their input dot times their
+// member's sign (u32: wraps as the CPU's int32), their member counted from the block's
+// first (m0), and whether they exist.
+struct ThreadRows {
+    u32 sbs[4];
+    int member[4];
+    bool valid[4];
+    __device__ __forceinline__ ThreadRows(const int* sb, const int* signs, int row0, int m0, int rows) {
+#pragma unroll
+        for (int s = 0; s < 4; s++) {
+            const int row = row0 + (threadIdx.x >> 5) * 32 + 8 * s + ((threadIdx.x & 31) >> 2);
+            valid[s] = row < rows;
+            const int m = valid[s] ? row / SEQ : m0;
+            member[s] = m - m0;
+            sbs[s] = valid[s] ? (u32)sb[row] * (u32)signs[m] : 0u;
+        }
+    }
+    // A per-member table entry of row s (a thread's rows share it when ONE_MEMBER_A_WARP).
+    template <typename T>
+    __device__ __forceinline__ T of(const T* table, int s, int col) const {
+        return table[(ONE_MEMBER_A_WARP ? member[0] : member[s]) * TILE_N + col];
+    }
+};
+
+__device__ __forceinline__ int rank1_term(u32 sbs, int av) { return ((int)(sbs * (u32)av)) >> MSHIFT; }
+
+// Two sweeps of the vocabulary:
+//   pass 1: the row's peak, max_j (g_j + term_j), shifted once at the end (an arithmetic
+//           shift is monotone, so this is the peak of the shifted logits);
+//   pass 2: total = sum_j exp_tab[min(peak - logit_j, LUT_SIZE - 1)].
+// A LUT-rounded exponential cannot be rescaled when the peak moves, so the peak must be
+// known before the sum: the tile products are recomputed rather than stored. The
+// target's logit is one dot product per row. Each row's loss is added to its member's
+// with an unsigned atomic: the member sum wraps like the CPU's int32 sum, in any order.
+
+#define VOCAB_PAD (VOCAB % TILE_N != 0)  // the last tile has columns past the vocabulary
+// A thread's per-tile partial sum of one row (2 TILE_N / 8 entries) fits 32 bits.
+#define TOTAL32 (EXP_MAX * (TILE_N / 4) < 4294967296)  // preprocessor: 64-bit
+
+extern "C" __global__ void __launch_bounds__(TILE_M, 16 / TILE_WARPS)
 head_loss(const i8* y, const i8* emb_t, const int* sb, const int* tokens, const u32* seeds,
           const int* signs, const i8* ov_out, u32 off_a, const int* exp_tab, u32* loss, int rows) {
-    extern __shared__ __align__(16) unsigned char hl_shared[];
-    i8* s_a = (i8*)hl_shared;                               // [HL_BM][HL_LD] the rows
-    i8* s_b = s_a + HL_BM * HL_LD;                          // [2][HL_BN][HL_LD] tiles
-    int* s_av = (int*)(s_b + 2 * HL_BN * HL_LD);            // [2][HL_MEMBERS][HL_BN]
-    int* s_exp = s_av + 2 * HL_MEMBERS * HL_BN;             // [LUT_SIZE]
+    extern __shared__ __align__(16) unsigned char head_loss_shared[];
+    i8* s_a = (i8*)head_loss_shared;                            // [TILE_M][TILE_LD] the rows
+    i8* s_b = s_a + TILE_M * TILE_LD;                       // [2][TILE_N][TILE_LD] tiles
+    int* s_av = (int*)(s_b + 2 * TILE_N * TILE_LD);         // [2][TILE_MEMBERS][TILE_N]
+    int* s_exp = s_av + 2 * TILE_MEMBERS * TILE_N;          // [LUT_SIZE]
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int g = lane >> 2, tig = lane & 3;                // mma fragment coordinates
-    const int row0 = blockIdx.x * HL_BM;
+    const int g = lane >> 2, tig = lane & 3;
+    const int row0 = blockIdx.x * TILE_M;
     const int m0 = row0 / SEQ;
-    const int n_members = (min(row0 + HL_BM, rows) - 1) / SEQ - m0 + 1;
-    const int tiles = (VOCAB + HL_BN - 1) / HL_BN;
+    const int n_members = (min(row0 + TILE_M, rows) - 1) / SEQ - m0 + 1;
+    const int tiles = (VOCAB + TILE_N - 1) / TILE_N;
 
-    rows_to_shared(s_a, y, row0, HL_BM, rows);
+    rows_to_shared(s_a, y, row0, TILE_M, rows);
     for (int i = threadIdx.x; i < LUT_SIZE; i += blockDim.x) s_exp[i] = exp_tab[i];
-
-    // This thread's four rows, warp * 32 + 8 s + g (s = 2 m-tile + half), as in the
-    // accumulators: c[s >> 1][nt][2 (s & 1) + j] is row s's column nt * 8 + 2 tig + j.
-    u32 sbs[4];   // the row's input dot times its member's sign (u32: wraps as the CPU)
-    int mis[4];   // the row's member, counted from the block's first
-    bool valid[4];
-#pragma unroll
-    for (int s = 0; s < 4; s++) {
-        const int row = row0 + warp * 32 + 8 * s + g;
-        valid[s] = row < rows;
-        const int m = valid[s] ? row / SEQ : m0;
-        mis[s] = m - m0;
-        sbs[s] = valid[s] ? (u32)sb[row] * (u32)signs[m] : 0u;
-    }
+    const ThreadRows mine(sb, signs, row0, m0, rows);
 
     // One tile's embedding rows (async) and its members' output noise av = (int)(a * f).
     auto load_tile = [&](int tile, int buf) {
-        const int v0 = tile * HL_BN;
-        rows_to_shared(s_b + buf * HL_BN * HL_LD, emb_t, v0, HL_BN, VOCAB);
+        const int v0 = tile * TILE_N;
+        rows_to_shared(s_b + buf * TILE_N * TILE_LD, emb_t, v0, TILE_N, VOCAB);
         copy_commit();
-        int* av = s_av + buf * HL_MEMBERS * HL_BN;
-        for (int i = threadIdx.x; i < n_members * HL_BN; i += blockDim.x) {
-            const int j = v0 + i % HL_BN;
-            const u32 seed = seeds[m0 + i / HL_BN] + off_a;
+        int* av = s_av + buf * TILE_MEMBERS * TILE_N;
+        for (int i = threadIdx.x; i < n_members * TILE_N; i += blockDim.x) {
+            const int j = v0 + i % TILE_N;
+            const u32 seed = seeds[m0 + i / TILE_N] + off_a;
             av[i] = j < VOCAB ? scaled(noise(seed, j), adaptive_factor(ov_out, seed, j)) : 0;
         }
     };
@@ -123,54 +178,24 @@ head_loss(const i8* y, const i8* emb_t, const int* sb, const int* tokens, const 
                 copy_wait<0>();
             }
             __syncthreads();
-
-            int c[2][HL_BN / 8][4];
-#pragma unroll
-            for (int mt = 0; mt < 2; mt++)
-#pragma unroll
-                for (int nt = 0; nt < HL_BN / 8; nt++)
-#pragma unroll
-                    for (int i = 0; i < 4; i++) c[mt][nt][i] = 0;
-            const i8* a_rows = s_a + (warp * 32 + g) * HL_LD + tig * 4;
-            const i8* b_rows = s_b + buf * HL_BN * HL_LD + g * HL_LD + tig * 4;
-#pragma unroll 2
-            for (int k = 0; k < HIDDEN; k += 32) {
-                u32 a[2][4];
-#pragma unroll
-                for (int mt = 0; mt < 2; mt++) {
-                    const i8* p = a_rows + mt * 16 * HL_LD + k;
-                    a[mt][0] = *(const u32*)p;
-                    a[mt][1] = *(const u32*)(p + 8 * HL_LD);
-                    a[mt][2] = *(const u32*)(p + 16);
-                    a[mt][3] = *(const u32*)(p + 8 * HL_LD + 16);
-                }
-#pragma unroll
-                for (int nt = 0; nt < HL_BN / 8; nt++) {
-                    const i8* q = b_rows + nt * 8 * HL_LD + k;
-                    const u32 b[2] = {*(const u32*)q, *(const u32*)(q + 16)};
-                    mma_s8(c[0][nt], a[0], b);
-                    mma_s8(c[1][nt], a[1], b);
-                }
-            }
-
-            const int* av = s_av + buf * HL_MEMBERS * HL_BN;
-            const int v0 = tile * HL_BN;
-#if HL_TOTAL32
+            int c[2][TILE_N / 8][4];
+            warp_tile_product(c, s_a, s_b + buf * TILE_N * TILE_LD);
+            const int* av = s_av + buf * TILE_MEMBERS * TILE_N;
+            const int v0 = tile * TILE_N;
+#if TOTAL32
             u32 part[4] = {0u, 0u, 0u, 0u};
 #else
             unsigned long long* part = total;
 #endif
 #pragma unroll
-            for (int nt = 0; nt < HL_BN / 8; nt++)
+            for (int nt = 0; nt < TILE_N / 8; nt++)
 #pragma unroll
                 for (int j = 0; j < 2; j++) {
                     const int col = nt * 8 + tig * 2 + j;
-                    if (HL_PAD && v0 + col >= VOCAB) continue;
-                    const int shared_av = av[mis[0] * HL_BN + col];
+                    if (VOCAB_PAD && v0 + col >= VOCAB) continue;
 #pragma unroll
                     for (int s = 0; s < 4; s++) {
-                        const int a_v = HL_ONE_MEMBER_A_WARP ? shared_av : av[mis[s] * HL_BN + col];
-                        const int term = ((int)(sbs[s] * (u32)a_v)) >> MSHIFT;
+                        const int term = rank1_term(mine.sbs[s], mine.of(av, s, col));
                         const int raw = wrap_add(c[s >> 1][nt][2 * (s & 1) + j], term);
                         if (pass == 0) {
                             peak[s] = max(peak[s], raw);
@@ -180,7 +205,7 @@ head_loss(const i8* y, const i8* emb_t, const int* sb, const int* tokens, const 
                         }
                     }
                 }
-#if HL_TOTAL32
+#if TOTAL32
             if (pass == 1)
 #pragma unroll
                 for (int s = 0; s < 4; s++) total[s] += part[s];
@@ -204,19 +229,19 @@ head_loss(const i8* y, const i8* emb_t, const int* sb, const int* tokens, const 
         t += __shfl_xor_sync(0xffffffffu, t, 1);
         t += __shfl_xor_sync(0xffffffffu, t, 2);
         const int row = row0 + warp * 32 + 8 * s + g;
-        const int m = valid[s] ? row / SEQ : m0;
-        const int target = valid[s] ? tokens[m * (SEQ + 1) + row % SEQ + 1] : 0;
-        const i8* a_row = s_a + (warp * 32 + 8 * s + g) * HL_LD;
+        const int m = m0 + mine.member[s];
+        const int target = mine.valid[s] ? tokens[m * (SEQ + 1) + row % SEQ + 1] : 0;
+        const i8* a_row = s_a + (warp * 32 + 8 * s + g) * TILE_LD;
         const i8* e_row = emb_t + (long)target * HIDDEN;
         int dot = 0;
         for (int k = tig * 4; k < HIDDEN; k += 16)
             dot = __dp4a(*(const int*)(a_row + k), *(const int*)(e_row + k), dot);
         dot += __shfl_xor_sync(0xffffffffu, dot, 1);
         dot += __shfl_xor_sync(0xffffffffu, dot, 2);
-        if (tig == 0 && valid[s]) {
+        if (tig == 0 && mine.valid[s]) {
             const u32 seed = seeds[m] + off_a;
             const int a_v = scaled(noise(seed, target), adaptive_factor(ov_out, seed, target));
-            const int lt = wrap_add(dot, ((int)(sbs[s] * (u32)a_v)) >> MSHIFT) >> SHIFT_LOGIT;
+            const int lt = wrap_add(dot, rank1_term(mine.sbs[s], a_v)) >> SHIFT_LOGIT;
             long long log_sum = 0;
             if (t > 0) log_sum = ((long long)(63 - __clzll(t)) << 4) - ((long long)SCALE_BIT << 4);
             const long long per_position = (log_sum >> 1) + peak[s] - lt;
