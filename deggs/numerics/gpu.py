@@ -5,12 +5,16 @@ tables, name). The weights, overlays and optimizer state live on the device; the
 `params`, `overlays` and `state` attributes are NumPy copies fetched on access (in the
 CPU backend's logical layouts), and `load_state` puts new ones on the device.
 
-Structure (kernels/deggs.cu holds the kernels, named after model.py's functions):
+Structure (kernels/*.cu, KERNEL_FILES; kernels named after model.py's functions):
 - every integer matrix product is one cuBLAS int8 x int8 -> int32 GEMM (exact: int32
   accumulation of int8 products), weights stored transposed Wt[out, in];
 - the per-member rank-1 terms, norms, RoPE, attention, GELU table, residuals and the
   integer cross-entropy are fused into a few row kernels, one thread block per member,
   which regenerate each member's noise by hashing;
+- except the head: in training, head_loss.cu computes the logits on the int8 tensor
+  cores and the loss in the same kernel, so no logit is written (the unfused pair,
+  cuBLAS then sequence_loss, remains for validation logits, for generation and where
+  the kernel's tiles do not fit the device's shared memory);
 - the update builds, per matrix, the pairs' noise as int8 matrices [index, pair] (the
   output side times the ternary fitness) and gets every vote with one int8 GEMM, then
   runs the quantised AdamW step and the overlay update in elementwise kernels. The whole
