@@ -3,7 +3,9 @@
 #
 #   ./run-workers.sh HOST [N_GPUS] [-- extra deggs-worker options]
 #
-# N_GPUS defaults to the count nvidia-smi reports. Ctrl-C (or SIGTERM) stops them all.
+# N_GPUS defaults to the count nvidia-smi reports, or to the GPUs an inherited
+# CUDA_VISIBLE_DEVICES lists (a Slurm job's, say): worker i then gets its i-th entry, so
+# a shared node's other GPUs are left alone. Ctrl-C (or SIGTERM) stops them all.
 set -euo pipefail
 
 usage="usage: $0 HOST [N_GPUS] [-- deggs-worker options...]"
@@ -11,6 +13,7 @@ if [[ $# -ge 1 && ( "$1" == "-h" || "$1" == "--help" ) ]]; then
     echo "$usage"
     echo "One deggs worker per GPU (N_GPUS: nvidia-smi's count), each with its own"
     echo "CUDA_VISIBLE_DEVICES and its output prefixed [gpu i]; Ctrl-C stops them all."
+    echo "An inherited CUDA_VISIBLE_DEVICES limits the workers to the GPUs it lists."
     echo "DEGGS_WORKER replaces the worker command."
     exit 0
 fi
@@ -23,6 +26,11 @@ gpus=""
 if [[ $# -gt 0 && "$1" != "--" ]]; then gpus="$1"; shift; fi
 if [[ $# -gt 0 && "$1" == "--" ]]; then shift; fi
 
+devices=()
+if [[ -n "${CUDA_VISIBLE_DEVICES:-}" ]]; then
+    IFS=, read -ra devices <<< "$CUDA_VISIBLE_DEVICES"
+    gpus="${gpus:-${#devices[@]}}"
+fi
 if [[ -z "$gpus" ]]; then
     if ! command -v nvidia-smi >/dev/null; then
         echo "$0: nvidia-smi not found; give the number of GPUs as the second argument" >&2
@@ -32,6 +40,10 @@ if [[ -z "$gpus" ]]; then
 fi
 if ! [[ "$gpus" =~ ^[0-9]+$ ]] || [[ "$gpus" -lt 1 ]]; then
     echo "$0: the number of GPUs must be a positive integer, not '$gpus'" >&2
+    exit 2
+fi
+if [[ ${#devices[@]} -gt 0 && "$gpus" -gt ${#devices[@]} ]]; then
+    echo "$0: $gpus workers asked for, but CUDA_VISIBLE_DEVICES lists ${#devices[@]} GPUs" >&2
     exit 2
 fi
 
@@ -47,7 +59,8 @@ trap stop INT TERM
 
 for ((i = 0; i < gpus; i++)); do
     # $! must be the worker itself (not a pipe stage), so it gets the signal
-    CUDA_VISIBLE_DEVICES=$i $worker "$host" "$@" > >(sed -u "s/^/[gpu $i] /") 2>&1 &
+    device="${devices[i]:-$i}"
+    CUDA_VISIBLE_DEVICES=$device $worker "$host" "$@" > >(sed -u "s/^/[gpu $device] /") 2>&1 &
     pids+=($!)
 done
 echo "started $gpus workers for $host" >&2

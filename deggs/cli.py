@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import click
+from tqdm import tqdm
 
 from .config import ConfigError, CoordinatorConfig, load_config, override
 from .numerics.backend import NAMES as BACKEND_NAMES
@@ -17,6 +18,7 @@ from .runtime.auth import SecretError, load_secret
 from .runtime.checkpoint import CheckpointError
 from .runtime.coordinator import Coordinator
 from .runtime.protocol import Reason
+from .runtime.tensorboard import TensorBoardError
 
 DEFAULT_CONFIG = Path("config.toml")
 DEFAULT_PORT = CoordinatorConfig.port  # a worker's without a config
@@ -47,6 +49,47 @@ def _set_option(command):
         metavar="TABLE.KEY=VALUE",
         help="change one config key (repeatable), typed and checked like the file's",
     )(command)
+
+
+class _Bars:
+    """Progress bars on stderr, shown only while it is a terminal (tqdm's disable=None)
+    so that log files stay clean: bars(stage, done, total), one bar per stage."""
+
+    def __init__(self, **options) -> None:
+        self.options = options
+        self.stage: str | None = None
+        self.bar: tqdm | None = None
+
+    def __call__(self, stage: str, done: int, total: int, note: str = ""):
+        if self.bar is None or stage != self.stage:
+            self.close()
+            layout = {} if total else {"bar_format": "{desc}"}  # nothing to count: a label
+            self.stage = stage
+            self.bar = tqdm(
+                desc=stage,
+                total=total,
+                initial=done,
+                file=sys.stderr,
+                disable=None,
+                **layout,
+                **self.options,
+            )
+        else:
+            self.bar.update(done - self.bar.n)
+        if note:
+            self.bar.set_postfix_str(note, refresh=False)
+
+    def close(self):
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
 
 
 def _setup_logging():
@@ -107,8 +150,17 @@ async def _run_coordinator(coordinator: Coordinator) -> int:
     help="resume from the newest checkpoint in this directory",
 )
 @click.option("--max-steps", type=click.IntRange(min=0), help="exit once the run reaches this step")
+@click.option(
+    "--tensorboard",
+    "tensorboard_dir",
+    type=click.Path(file_okay=False),
+    help="also write each step's scalars here as TensorBoard events "
+    "(needs pip install 'deggs[tensorboard]')",
+)
 @_set_option
-def coordinator_main(config_path, host, port, save_dir, load_dir, max_steps, assignments):
+def coordinator_main(
+    config_path, host, port, save_dir, load_dir, max_steps, tensorboard_dir, assignments
+):
     """Run the d-eggs coordinator.
 
     Workers must prove the shared secret in DEGGS_SECRET (or the file DEGGS_SECRET_FILE)
@@ -126,9 +178,10 @@ def coordinator_main(config_path, host, port, save_dir, load_dir, max_steps, ass
             host=host,
             port=port,
             secret=load_secret(),
+            tensorboard_dir=tensorboard_dir,
         )
         code = asyncio.run(_run_coordinator(coordinator))
-    except (ConfigError, CheckpointError, SecretError, OSError) as e:
+    except (ConfigError, CheckpointError, SecretError, TensorBoardError, OSError) as e:
         click.echo(f"deggs-coordinator: error: {e}", err=True)
         sys.exit(EXIT_BAD_INPUT)
     if code == EXIT_DISK_FAILURE:
@@ -162,6 +215,17 @@ class _StopOnSignal:
         return False
 
 
+def _backend_option(what: str):
+    """--backend, for the commands that run the model."""
+    return click.option(
+        "--backend",
+        type=click.Choice(BACKEND_NAMES),
+        default="auto",
+        show_default=True,
+        help=f"{what} (auto: the GPU where CuPy sees one, else the CPU)",
+    )
+
+
 @click.command()
 @click.argument("host")
 @click.option(
@@ -183,15 +247,11 @@ class _StopOnSignal:
     show_default=True,
     help="directory holding input.bin and decoding.bin",
 )
+@_backend_option("compute backend")
 @click.option(
-    "--backend",
-    type=click.Choice(BACKEND_NAMES),
-    default="auto",
-    show_default=True,
-    help="compute backend (auto: the GPU where CuPy sees one, else the CPU)",
-)
-@click.option(
-    "--threads", type=click.IntRange(min=1), help="CPU backend threads (default: all cores)"
+    "--threads",
+    type=click.IntRange(min=1),
+    help="threads of the CPU backend and of NumPy's BLAS/OpenMP pools (default: all cores)",
 )
 @_set_option
 def worker_main(host, port, config_path, data_dir, backend, threads, assignments):
@@ -204,8 +264,11 @@ def worker_main(host, port, config_path, data_dir, backend, threads, assignments
     cannot fix (another config or secret, a coordinator that lost this worker's history).
     """
     from .data import DataError
+    from .numerics.cpu import limit_threads
     from .runtime.worker import StopWorker, Worker, WorkerError
 
+    if threads is not None:
+        limit_threads(threads)  # for the process's lifetime
     try:
         secret = load_secret()
         config = None
@@ -269,23 +332,24 @@ def prepare_main(text, vocab_size, config_path, out, val_fraction, errors, assig
     The last --val-fraction of the tokens go to val.bin; input.bin + val.bin is the whole
     stream. meta.json records the vocab, token type, tokenizer hash and token counts; a
     worker refuses data that does not match it. TEXT is read and encoded a piece at a
-    time (cut at whitespace, so the tokens are those of one encode), with a progress line
-    every few seconds."""
+    time (cut at whitespace, so the tokens are those of one encode), with a progress bar
+    on a terminal."""
     from .prepare import default_corpus, prepare
 
     try:
         cfg = _load_optional_config(config_path, assignments)
         if vocab_size is None:
             vocab_size = cfg.model.vocab_size
-        info = prepare(
-            Path(text) if text else default_corpus(),
-            vocab_size,
-            out,
-            val_fraction=val_fraction,
-            cfg=cfg,
-            errors=errors,
-            progress=lambda line: click.echo(f"deggs-prepare: {line}", err=True),
-        )
+        with _Bars(unit="B", unit_scale=True, unit_divisor=1024) as bars:
+            info = prepare(
+                Path(text) if text else default_corpus(),
+                vocab_size,
+                out,
+                val_fraction=val_fraction,
+                cfg=cfg,
+                errors=errors,
+                progress=bars,
+            )
     except (ConfigError, ValueError, OSError) as e:
         _fail("deggs-prepare", e)
     source = text or "the built-in corpus (Python's pydoc topics)"
@@ -324,13 +388,7 @@ def prepare_main(text, vocab_size, config_path, out, val_fraction, errors, assig
 @click.option("--prompt", help="text to continue (default: the data at the last step)")
 @click.option("--tokens", "n_tokens", type=click.IntRange(min=1), help="tokens to sample")
 @click.option("--seed", type=int, help="sampling seed (default: the last step's seed + 999)")
-@click.option(
-    "--backend",
-    type=click.Choice(BACKEND_NAMES),
-    default="auto",
-    show_default=True,
-    help="where the model runs (auto: the GPU where CuPy sees one, else the CPU)",
-)
+@_backend_option("where the model runs")
 def generate_main(load_dir, model_file, from_file, data_dir, prompt, n_tokens, seed, backend):
     """Sample from a model: the one trained in --load-dir (rebuilt by replaying its steps)
     or an export (--model)."""
@@ -395,13 +453,7 @@ def generate_main(load_dir, model_file, from_file, data_dir, prompt, n_tokens, s
     type=click.Path(exists=True, dir_okay=False),
     help="start the replay from this export (an earlier step of the same run)",
 )
-@click.option(
-    "--backend",
-    type=click.Choice(BACKEND_NAMES),
-    default="auto",
-    show_default=True,
-    help="where the steps are replayed (auto: the GPU where CuPy sees one, else the CPU)",
-)
+@_backend_option("where the steps are replayed")
 def export_main(load_dir, out, from_file, backend):
     """Rebuild the model trained in LOAD_DIR and write it to OUT as a safetensors file:
     its weights, overlays and optimizer state at the newest step, which deggs-generate
@@ -413,7 +465,8 @@ def export_main(load_dir, out, from_file, backend):
             raise ValueError(f"{Path(out).parent} is not a directory")
         cfg = _saved_run_config(load_dir)
         trainer = _replay_run(load_dir, from_file, cfg, backend)
-        save_model(out, trainer)
+        with _Bars(unit="B", unit_scale=True, unit_divisor=1024) as bars:
+            save_model(out, trainer, lambda done, total: bars(f"writing {out}", done, total))
     except (ConfigError, CheckpointError, ValueError, OSError) as e:
         _fail("deggs-export", e)
     size = Path(out).stat().st_size
@@ -433,6 +486,7 @@ def _replay_run(load_dir, from_file, cfg, backend):
     """The model of LOAD_DIR's newest step, replayed from scratch or from an export."""
     from .numerics.backend import make_backend
     from .numerics.es import Trainer
+    from .runtime.checkpoint import list_checkpoints
     from .runtime.export import resume
     from .runtime.replay import replay
 
@@ -440,22 +494,11 @@ def _replay_run(load_dir, from_file, cfg, backend):
         trainer = resume(from_file, backend, save_dir=load_dir)
     else:
         trainer = Trainer(make_backend(cfg, backend))
-    return replay(load_dir, trainer, progress=_replay_progress())
-
-
-def _replay_progress():
-    """Progress of a replay: one updating line on a terminal, else a line every 10%."""
-    tty = sys.stdout.isatty()
-
-    def show(step, total, updates):
-        if tty:
-            click.echo(
-                f"\rreplaying step {step}/{total} ({updates} weights changed)", nl=step == total
-            )
-        elif step == total or step % max(1, total // 10) == 0:
-            click.echo(f"replayed step {step}/{total}")
-
-    return show
+    last = max(list_checkpoints(load_dir), default=0)
+    with _Bars(unit="step") as bars:
+        bars("replaying", trainer.step, last)  # shown before the first step, which may be slow
+        show = lambda step, last, changed: bars("replaying", step, last, f"{changed} changed")
+        return replay(load_dir, trainer, last, show)
 
 
 @click.command()

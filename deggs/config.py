@@ -131,6 +131,8 @@ class SamplingConfig:
 class EvalConfig:
     every_steps: int = 10  # the validation loss of every this many steps (0: never)
     windows: int = 64  # fixed windows of val.bin it is measured on
+    health_every_steps: int = 50  # weight and activation statistics (0: never)
+    saturation_warning: float = 0.05  # the coordinator warns above this share at +-127
 
 
 @dataclass(frozen=True)
@@ -516,6 +518,8 @@ def _validate(c: Config):
     _require(s.every_steps >= 1, "sampling.every_steps", "must be at least 1")
     _require(c.eval.every_steps >= 0, "eval.every_steps", "must not be negative")
     _require(1 <= c.eval.windows <= 65536, "eval.windows", "must be in 1..65536")
+    _require(c.eval.health_every_steps >= 0, "eval.health_every_steps", "must not be negative")
+    _require(0 <= c.eval.saturation_warning <= 1, "eval.saturation_warning", "must be in [0, 1]")
     k = c.coordinator
     _require(0 <= k.port <= 65535, "coordinator.port", "must be in 0..65535")
     _require(k.straggler_timeout_s > 0, "coordinator.straggler_timeout_s", "must be positive")

@@ -7,12 +7,13 @@ Panels, each drawn only when some record has the data for it:
 - tokens/s against step;
 - weights changed per step (updates_max) against step;
 - learning rate (lr) against step;
-- saturation share per matrix against step, from the records' "health" dict.
+- saturation share per matrix against step, from the records' "health" dict;
+- bit entropy per matrix against step, from the same dict.
 
 A record's "health" maps a matrix name to either its saturation share (a number) or a
-dict of figures in which the share is the first of SATURATION_KEYS present. Keys that are
-absent, null, or not finite numbers are skipped record by record, so older and newer
-metrics files both plot.
+dict of figures in which the share is the first of SATURATION_KEYS present and the bit
+entropy is "entropy". Keys that are absent, null, or not finite numbers are skipped
+record by record, so older and newer metrics files both plot.
 
 Matplotlib is optional (pip install 'deggs[plot]'); it is imported only when plotting, and
 drawn through the Agg canvas directly, so pyplot's global state and the interactive
@@ -64,6 +65,7 @@ class Panel:
     series: list[Series]
     ymin: float | None = None  # a fixed lower limit (shares start at 0)
     legend: bool = True
+    low_first: bool = False  # a trimmed legend names the lowest series, not the highest
 
 
 def _number(value: Any) -> float | None:
@@ -101,18 +103,23 @@ def saturation_share(entry: Any) -> float | None:
     return _number(entry)
 
 
-def _health_series(records: Iterable[Mapping[str, Any]]) -> list[Series]:
+def bit_entropy(entry: Any) -> float | None:
+    """A matrix's bit entropy from its health entry (only a dict of figures has one)."""
+    return _number(entry.get("entropy")) if isinstance(entry, Mapping) else None
+
+
+def _health_series(records: Iterable[Mapping[str, Any]], figure=saturation_share) -> list[Series]:
     by_matrix: dict[str, Series] = {}
     for r in records:
         step, health = _number(r.get("step")), r.get("health")
         if step is None or not isinstance(health, Mapping):
             continue
         for name, entry in health.items():
-            share = saturation_share(entry)
-            if share is not None:
+            value = figure(entry)
+            if value is not None:
                 s = by_matrix.setdefault(str(name), Series(str(name)))
                 s.xs.append(step)
-                s.ys.append(share)
+                s.ys.append(value)
     return list(by_matrix.values())
 
 
@@ -143,6 +150,11 @@ def collect_panels(records: list[dict]) -> list[Panel]:
         panels.append(
             Panel("saturation share per matrix", "step", "share saturated", health, ymin=0)
         )
+    entropy = _health_series(records, bit_entropy)
+    if entropy:  # a matrix whose entropy falls uses fewer of its 256 values
+        panels.append(
+            Panel("bit entropy per matrix", "step", "bits", entropy, ymin=0, low_first=True)
+        )
     kept = []
     for p in panels:
         p.series = [s for s in p.series if s.xs]
@@ -171,8 +183,11 @@ def _draw_panel(ax: Any, panel: Panel) -> None:
     ax.grid(True, alpha=0.3)
     series = panel.series
     named = set()
-    if len(series) > MAX_LEGEND:  # name only the most saturated matrices
-        ranked = sorted(series, key=lambda s: max(s.ys), reverse=True)
+    if len(series) > MAX_LEGEND:  # name only the most telling: most saturated, least entropy
+        if panel.low_first:
+            ranked = sorted(series, key=lambda s: min(s.ys))
+        else:
+            ranked = sorted(series, key=lambda s: max(s.ys), reverse=True)
         named = {id(s) for s in ranked[:MAX_LEGEND]}
     for s in series:
         label = s.label if (not named or id(s) in named) else "_nolegend_"
@@ -183,7 +198,8 @@ def _draw_panel(ax: Any, panel: Panel) -> None:
     if panel.ymin is not None:
         ax.set_ylim(bottom=panel.ymin)
     if panel.legend and any(s.label for s in series):
-        title = f"top {MAX_LEGEND} of {len(series)}" if named else None
+        which = "lowest" if panel.low_first else "top"
+        title = f"{which} {MAX_LEGEND} of {len(series)}" if named else None
         ax.legend(fontsize="small", title=title, title_fontsize="small", ncol=1 + (len(series) > 6))
 
 
@@ -235,7 +251,8 @@ def plot(save_dir: str | Path, out_path: str | Path | None = None) -> Path:
     help="image to write (default: SAVE_DIR/metrics.png)",
 )
 def plot_main(save_dir, out):
-    """Plot SAVE_DIR's metrics.jsonl: loss, throughput, weights changed, learning rate."""
+    """Plot SAVE_DIR's metrics.jsonl: loss, throughput, weights changed, learning rate,
+    and the model health's saturation and bit entropy per matrix."""
     try:
         path = plot(save_dir, out)
     except PlotError as e:

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import io
 import os
-import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import BinaryIO
@@ -54,7 +53,6 @@ from .data import (
 
 CHUNK_BYTES = 1 << 20  # text decoded and encoded at a time
 BATCH_PIECES = 4  # pieces per encode_batch call (the tokenizers library's threads share them)
-PROGRESS_EVERY_S = 5.0
 DEFAULT_VAL_FRACTION = 0.05
 ERRORS = ("strict", "replace", "ignore")  # what to do with bytes that are not UTF-8
 
@@ -174,23 +172,6 @@ class _Text:
             ) from None
 
 
-class _Progress:
-    """A line through `report` every `every_s` seconds at most."""
-
-    def __init__(self, report: Callable[[str], None] | None, total: int, every_s: float):
-        self.report, self.total, self.every_s = report, total, every_s
-        self.last = time.monotonic()
-
-    def update(self, what: str, done: int, tokens: int | None = None):
-        now = time.monotonic()
-        if self.report is None or now - self.last < self.every_s:
-            return
-        self.last = now
-        share = f" ({100 * done / self.total:.0f}%)" if self.total else ""
-        count = f", {tokens} tokens" if tokens is not None else ""
-        self.report(f"{what}: {done / 1e6:.1f} of {self.total / 1e6:.1f} MB{share}{count}")
-
-
 def _batches(items: Iterator, n: int) -> Iterator[list]:
     batch = []
     for item in items:
@@ -217,8 +198,7 @@ def prepare(
     cfg: Config | None = None,
     errors: str = "strict",
     chunk_bytes: int = CHUNK_BYTES,
-    progress: Callable[[str], None] | None = None,
-    progress_every_s: float = PROGRESS_EVERY_S,
+    progress: Callable[[str, int, int], None] | None = None,
 ) -> dict:
     """Write input.bin, val.bin (when val_fraction > 0), meta.json and, for a BPE vocab,
     decoding.bin and tokenizer.json into `out`.
@@ -229,7 +209,10 @@ def prepare(
       and val.bin at least seq_len + 1 (its other tables are not used: vocab_size rules).
     errors: bytes that are not UTF-8 are refused ("strict", the error says where),
       replaced by U+FFFD ("replace") or dropped ("ignore").
-    progress: called with a progress line every `progress_every_s` seconds.
+    progress: called as progress(stage, bytes of text done, bytes in all) as the text is
+      read to train the tokenizer ("training the tokenizer"; then "learning the merges",
+      with nothing to count: 0 of 0) and as it is encoded ("encoding"); each stage starts
+      at 0 bytes.
 
     Raises DataError (a ValueError) for text or sizes that cannot make usable data;
     nothing is replaced in `out` then."""
@@ -246,21 +229,22 @@ def prepare(
         raise DataError(f"{text.name}: empty, there is no text to prepare")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    meter = _Progress(progress, text.size, progress_every_s)
+    report = progress or (lambda stage, done, total: None)
     tokenizer, pieces = None, None
     if vocab_size != 256:
-        tokenizer, pieces = _train(text, vocab_size, meter)
+        tokenizer, pieces = _train(text, vocab_size, report)
     encode = _encoder(tokenizer)
     dtype = np.dtype(dtype_name(vocab_size)).newbyteorder("<")
     tmp_train, tmp_val = out / (TRAIN_FILE + ".tmp"), out / (VAL_FILE + ".tmp")
     try:
         total = 0
+        report("encoding", 0, text.size)
         with open(tmp_train, "wb") as f:
             for batch in _batches(text.pieces(), BATCH_PIECES):
                 for ids in encode([piece for _, piece in batch]):
                     f.write(np.asarray(ids, dtype).tobytes())
                     total += len(ids)
-                meter.update("encoding", batch[-1][0], total)
+                report("encoding", batch[-1][0], text.size)
         n_val = int(total * val_fraction)
         n_train = total - n_val
         _check_sizes(text.name, total, n_train, n_val, val_fraction, cfg)
@@ -294,17 +278,17 @@ def prepare(
     return {**meta, "tokens": total, "text_bytes": text.size}
 
 
-def _train(text: _Text, vocab_size: int, meter: _Progress):
+def _train(text: _Text, vocab_size: int, report: Callable[[str, int, int], None]):
     """The BPE tokenizer of the text and its token bytes, read in pieces."""
     failure: list[DataError] = []
 
     def texts() -> Iterator[str]:
         try:  # an exception must not cross the tokenizers library: kept, raised after
+            report("training the tokenizer", 0, text.size)
             for done, piece in text.pieces():
-                meter.update("training the tokenizer", done)
+                report("training the tokenizer", done, text.size)
                 yield piece
-            if meter.report is not None:
-                meter.report("training the tokenizer: text read, learning the merges")
+            report("learning the merges", 0, 0)
         except DataError as e:
             failure.append(e)
 

@@ -8,17 +8,19 @@ cd "$(dirname "$0")/.."
 steps="${1:-30}"
 run=runs/quickstart
 
-if [[ ! -x .venv/bin/deggs-worker ]]; then
+if [[ ! -x .venv/bin/python ]]; then
     python3 -m venv .venv
     .venv/bin/python -m pip install --quiet --upgrade pip
-    .venv/bin/python -m pip install --quiet .   # a regular install, as users make it
 fi
+# Every time: a .venv left from an older checkout would run that checkout's code.
+.venv/bin/python -m pip install --quiet . ||   # a regular install, as users make it
+    { echo "quickstart: installing deggs into .venv failed (pip's message is above)" >&2; exit 1; }
 bin=.venv/bin
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1
 
 rm -rf "$run"
 mkdir -p "$run"
-$bin/deggs-prepare --vocab-size 256 --out "$run/data"
+$bin/deggs-prepare --config scripts/quickstart.toml --out "$run/data"
 $bin/deggs-print-arch --config scripts/quickstart.toml | tail -n 2
 
 workers=()

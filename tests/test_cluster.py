@@ -224,6 +224,30 @@ def test_two_workers_give_the_one_worker_losses(cluster, baseline):
     assert "using the coordinator's config" in log_of(b)
 
 
+def test_three_workers_each_get_their_figures(cluster, baseline):
+    """Three worker processes, started before their coordinator so that all of them join
+    the run at its start: each one's figures reach metrics.jsonl, the chunks they count
+    add up to every step's, and the losses are the one-worker run's."""
+    port, save = free_port(), cluster.root / "save"
+    workers = [cluster.worker(port) for _ in range(3)]
+    for worker in workers:  # up and knocking before anyone listens
+        wait_until(lambda w=worker: "retrying" in log_of(w), "a worker trying to connect", [worker])
+    coord = cluster.coordinator(save, STEPS, port=port)
+    out = cluster.finish(coord)
+    assert losses(save) == first(STEPS, baseline)
+    records = ckpt.read_metrics(save)
+    n_chunks = 64 // 16  # TINY's population over its chunk size
+    for r in records:
+        figures = r["workers"].values()
+        assert sum(w["chunks"] for w in figures) == n_chunks, r["workers"]
+        assert all(w["busy_s"] > 0 and w["member_tokens_per_s"] > 0 for w in figures if w["chunks"])
+        assert all(w["idle_s"] >= 0 for w in figures)
+    assert len(set().union(*(r["workers"] for r in records))) == 3  # one connection each
+    assert "Workers " in out
+    for worker in workers:
+        assert worker.wait(timeout=30) == 0, log_of(worker)
+
+
 def test_killed_and_late_workers_give_the_same_losses(cluster, baseline):
     coord = cluster.coordinator(cluster.root / "save", STEPS)
     # a process that takes a chunk and is stopped (not killed: its connection stays open)
@@ -423,13 +447,17 @@ def test_a_cluster_trains_as_the_reference_did(tmp_path, golden_path):
     assert {s: records[s]["updates_max"] for s in updates} == updates
 
 
-def test_validation_loss_reaches_the_metrics(cluster):
+def test_validation_loss_and_health_reach_the_metrics(cluster):
     """With val.bin beside the data (deggs prepare holds out the end of the text), the
     worker that takes the first chunk of every
     eval.every_steps-th step reports the unperturbed model's validation loss, and the
-    coordinator records it in the step's metrics line, in its units and in bits."""
+    coordinator records it in the step's metrics line, in its units and in bits; so for
+    the model's health on eval.health_every_steps-th steps, every parameter slice's and
+    the activations' on validation windows."""
     assert (cluster.data / "val.bin").stat().st_size > 1000  # deggs prepare held it out
-    cluster.config.write_text(TINY + "\n[eval]\nevery_steps = 2\nwindows = 5\n")
+    cluster.config.write_text(
+        TINY + "\n[eval]\nevery_steps = 2\nwindows = 5\nhealth_every_steps = 3\n"
+    )
     coord = cluster.coordinator(cluster.root / "save", 3)
     cluster.worker(coord.port)
     out = cluster.finish(coord)
@@ -441,3 +469,9 @@ def test_validation_loss_reaches_the_metrics(cluster):
         first["val_bits_per_token"]
     )  # byte tokens: one byte each
     assert "validation at step 0: loss" in out and "validation at step 2" in out
+    assert [s for s, r in sorted(records.items()) if "health" in r] == [0]
+    health = records[0]["health"]
+    assert list(health)[:2] == ["embedding", "emb_bias"] and len(health) == 8 + 12 + 2 + 2
+    assert health["layers.0.ln_1"] == {"mean": 16.0, "std": 0.0, "saturation": 0.0, "entropy": 0.0}
+    assert 0 < health["act.final_norm"]["std"] and 0 < health["act.final_norm"]["entropy"] <= 8
+    assert "health at step 0: 24 entries" in out

@@ -87,6 +87,10 @@ def test_json_round_trip():
         (dict(sampling=dict(temperature=float("inf"))), "sampling.temperature must be a finite"),
         (dict(optimizer=dict(lr_schedule=[[0, float("nan")]])), "optimizer.lr_schedule entries"),
         (dict(coordinator=dict(host="")), "coordinator.host: must not be empty"),
+        (dict(eval=dict(health_every_steps=-1)), "eval.health_every_steps: must not be negative"),
+        (dict(eval=dict(health_every_steps=2.5)), "eval.health_every_steps must be an integer"),
+        (dict(eval=dict(saturation_warning=1.5)), "eval.saturation_warning: must be in [0, 1]"),
+        (dict(eval=dict(saturation_warning="5%")), "eval.saturation_warning must be a finite"),
     ],
 )
 def test_impossible_values_are_refused_by_name(tables, message):

@@ -24,15 +24,18 @@ from sync import async_wait_until
 from deggs.config import Config, ConfigError
 from deggs.runtime import auth
 from deggs.runtime import checkpoint as ckpt
-from deggs.runtime.coordinator import Coordinator
+from deggs.runtime.coordinator import Coordinator, format_workers_line
 from deggs.runtime.protocol import (
     NO_FINGERPRINT,
     OPCODE_NAMES,
     WAIT,
     Auth,
     Challenge,
+    Evaluation,
     FrameReader,
     Goodbye,
+    Health,
+    HealthEntry,
     Hello,
     HelloReply,
     JobRequest,
@@ -338,6 +341,111 @@ def test_results_for_another_step_are_ignored():
     run(go())
 
 
+# --- per-worker figures ------------------------------------------------------------------
+
+
+async def taken(coord, n_done):
+    """Wait until the coordinator has taken `n_done` chunks' RESULTs (they get no reply)."""
+    await async_wait_until(lambda: coord.state.n_done >= n_done, 5, f"{n_done} chunks in")
+
+
+def test_worker_figures_are_the_hand_computed_ones(tmp_path, info_logs):
+    """Workers at different speeds, on a fake clock: chunks that counted, busy time
+    (chunks held at once counted once), idle time (waiting for a chunk, WAITs and the
+    wait for the step's slowest chunk included) and member-tokens/s, in metrics.jsonl."""
+    clock = FakeClock()  # starts at 1000.0
+    config = SMALL.replace(coordinator={"straggler_timeout_s": 30})
+    tokens = CHUNK * SMALL.model.seq_len  # member-tokens of one chunk
+
+    async def go():
+        async with coordinator(config, save_dir=tmp_path, clock=clock) as coord:
+            fast, slow = await Client.connect(coord), await Client.connect(coord)
+            # step 0: fast holds chunks 0 and 1 at once, slow takes chunk 2 for 10 s
+            f0, f1, s2 = await fast.request(0), await fast.request(0), await slow.request(0)
+            assert [j.data_position for j in (f0, f1, s2)] == [0, CHUNK, 2 * CHUNK]
+            clock.now = 1001.0
+            await fast.result(f0)
+            await taken(coord, 1)
+            clock.now = 1003.0
+            await fast.result(f1)  # busy from 1000 to 1003: 3 s, not 1 + 3
+            await taken(coord, 2)
+            clock.now = 1003.5
+            f3 = await fast.request(0)  # free for 0.5 s
+            clock.now = 1005.0
+            await fast.result(f3)
+            assert (await fast.request(0)).data_position == WAIT  # free until the seal
+            clock.now = 1010.0
+            await slow.result(s2)
+            await settle(coord, 1)
+
+            # step 1: slow holds chunk 0 for 41 s; fast takes the other three at once,
+            # waits 39 s until chunk 0 is re-assigned to it, and still holds it when
+            # slow's RESULT seals the step; a third worker waits 9 s and leaves
+            clock.now = 1020.0
+            for client in (slow, fast):
+                assert (await client.request(0)).last_step == 1  # step 0's update
+            s0 = await slow.request(1)
+            assert s0.data_position == 0
+            fast_jobs = [await fast.request(1) for _ in range(3)]
+            late = await Client.connect(coord)
+            assert (await late.request(0)).last_step == 1
+            clock.now = 1021.0
+            for job in fast_jobs:
+                await fast.result(job)
+            assert (await fast.request(1)).data_position == WAIT
+            assert (await late.request(1)).data_position == WAIT
+            clock.now = 1030.0
+            await late.close()
+            await async_wait_until(lambda: len(coord.peers) == 2, 5, "the third worker gone")
+            clock.now = 1060.0
+            assert (await fast.request(1)).data_position == 0
+            clock.now = 1061.0
+            await slow.result(s0)
+            await settle(coord, 2)
+            return [f"127.0.0.1:{c.port}" for c in (fast, slow, late)]
+
+    fast, slow, late = run_value(go())
+    records = ckpt.read_metrics(tmp_path)
+
+    def figures(chunks, busy, idle, returned=None):
+        returned = chunks if returned is None else returned
+        speed = round(returned * tokens / busy, 1) if busy else 0.0
+        return {"chunks": chunks, "member_tokens_per_s": speed, "busy_s": busy, "idle_s": idle}
+
+    assert records[0]["workers"] == {
+        fast: figures(3, busy=3.0 + 1.5, idle=0.5 + 5.0),
+        slow: figures(1, busy=10.0, idle=0.0),
+    }
+    assert records[0]["workers"][fast]["member_tokens_per_s"] == 426.7  # 3 x 640 / 4.5 s
+    assert records[1]["workers"] == {
+        slow: figures(1, busy=41.0, idle=0.0),
+        fast: figures(3, busy=1.0 + 1.0, idle=39.0),  # chunk 0 still held at the seal
+        late: figures(0, busy=0.0, idle=9.0),
+    }
+    lines = [r.getMessage() for r in info_logs.records if r.getMessage().startswith("Workers ")]
+    assert lines[0] == (
+        f"Workers 2 | {slow} 1 chunk 64 tok/s idle 0.00 s | {fast} 3 chunks 427 tok/s idle 5.50 s"
+    )
+    assert lines[1].startswith(f"Workers 3 | {late} 0 chunks 0 tok/s idle 9.00 s | {slow} ")
+
+
+def test_workers_line_names_the_slowest_then_the_most_idle():
+    workers = {
+        f"gpu{i}": {
+            "chunks": 4,
+            "member_tokens_per_s": 10_000_000.0 + i * 100_000,
+            "busy_s": 1.0,
+            "idle_s": 0.01 * i,
+        }
+        for i in range(12)
+    }
+    line = format_workers_line(workers)
+    named = [part.split()[0] for part in line.split(" | ")[1:-1]]
+    assert named == ["gpu0", "gpu1", "gpu2", "gpu3", "gpu11", "gpu10", "gpu9", "gpu8"]
+    assert line.startswith("Workers 12 | gpu0 4 chunks 10.00 M tok/s idle 0.00 s | gpu1 ")
+    assert line.endswith(" | gpu8 4 chunks 10.80 M tok/s idle 0.08 s | and 4 more")
+
+
 # --- bad input ---------------------------------------------------------------------------
 
 
@@ -377,6 +485,10 @@ BAD_INPUTS = {
         "carries seed 0",
     ),
     "disconnect mid-frame": (_header(0, 24) + bytes(10), "disconnected mid-frame"),
+    "HEALTH without HELLO": (
+        Health(0, (HealthEntry("w_q", 0.0, 1.0, 0.0, 2.0),)).encode(),
+        "HEALTH from a peer that did not say HELLO",
+    ),
 }
 
 
@@ -705,8 +817,10 @@ def test_checkpoint_files_have_the_reference_layout(tmp_path):
         "bytes_sent",
         "bytes_received",
         "time",
+        "workers",
     }
     assert records[1]["tokens"] == 2 * 40 * 64 and records[0]["transmissions"] == 4
+    assert [w["chunks"] for w in records[0]["workers"].values()] == [N_CHUNKS]
 
 
 def test_restart_from_load_dir_restores_state_and_history(tmp_path):
@@ -1166,3 +1280,172 @@ def test_metrics_survive_a_torn_last_line(tmp_path):
     assert [(r["step"], r["loss"]) for r in ckpt.read_metrics(tmp_path)] == [(0, 1.0), (1, 0.25)]
     ckpt.tidy_metrics(tmp_path, 1)
     assert path.read_text().splitlines() == ['{"step": 0, "loss": 1.0}']
+
+
+# --- model health and TensorBoard ------------------------------------------------------------
+
+HEALTH = (
+    HealthEntry("embedding", 0.01, 8.8, 0.0, 4.9),
+    HealthEntry("layers.1.w_q", -0.5, 30.0, 0.07, 6.5),
+    HealthEntry("layers.3.w_up", 2.0, 60.0, 0.2, 7.0),
+    HealthEntry("act.final_norm", -2.3, 18.8, 0.01, 6.2),
+)
+
+
+def figures(entries) -> dict:
+    return {
+        e.name: {"mean": e.mean, "std": e.std, "saturation": e.saturation, "entropy": e.entropy}
+        for e in entries
+    }
+
+
+async def train_with_health(coord, steps=2):
+    """A deggs worker reports its model's health and validation loss before its first
+    chunk of step 0 (another worker's later report of the step, and a report of a past
+    step, count for nothing); then it trains `steps` steps."""
+    a, b = await Client.connect(coord), await Client.connect(coord)
+    await a.hello(), await b.hello()
+    await a.send(Evaluation(0, 2, 128, 1024, 300.0, 128))
+    await a.send(Health(0, HEALTH))
+    await b.send(Health(0, HEALTH[:1]))
+    for step in range(steps):
+        await train_step(a, step, last=step == steps - 1)
+        if step == 0:
+            await a.send(Health(0, HEALTH))
+    await settle(coord, steps)
+
+
+def test_health_reaches_the_metrics_and_saturation_is_warned(tmp_path, info_logs):
+    async def go():
+        async with coordinator(save_dir=tmp_path) as coord:
+            await train_with_health(coord)
+
+    run(go())
+    records = ckpt.read_metrics(tmp_path)
+    assert records[0]["health"] == figures(HEALTH)
+    assert "health" not in records[1]
+    warnings = [r.getMessage() for r in info_logs.records if r.levelno == logging.WARNING]
+    assert warnings == [
+        "saturation at step 0 above eval.saturation_warning = 5% in 2 of 4: "
+        "layers.3.w_up 20.00%, layers.1.w_q 7.00%"
+    ]
+    assert any(
+        r.getMessage().startswith(
+            "health at step 0: 4 entries, most saturated layers.3.w_up (20.00%), lowest "
+            "entropy embedding (4.90 bits)"
+        )
+        for r in info_logs.records
+    )
+
+
+def test_health_with_more_entries_than_the_model_has_is_refused(info_logs):
+    too_many = tuple(HealthEntry(f"e{i}", 0.0, 1.0, 0.0, 1.0) for i in range(61))
+
+    async def go():
+        async with coordinator() as coord:
+            assert coord.health_entries == 60  # 58 parameter slices at 4 layers, 2 activations
+            a = await Client.connect(coord)
+            await a.hello()
+            await a.send(Health(0, too_many))
+            assert await a.closed()
+            assert coord.state.health is None
+
+    run(go())
+    assert any(
+        "HEALTH with 61 entries, the model has 60" in r.getMessage() for r in info_logs.records
+    )
+
+
+def read_events(directory: Path) -> dict:
+    """{(step, tag): value} of the one TensorBoard event file in DIRECTORY, every record's
+    length and data checked against their CRCs (TFRecord framing)."""
+    from tensorboardX.proto.event_pb2 import Event
+    from tensorboardX.record_writer import masked_crc32c
+
+    (path,) = directory.glob("events.out.tfevents.*")
+    data, pos, scalars = path.read_bytes(), 0, {}
+    while pos < len(data):
+        head, (head_crc,) = data[pos : pos + 8], struct.unpack_from("<I", data, pos + 8)
+        (length,) = struct.unpack("<Q", head)
+        body = data[pos + 12 : pos + 12 + length]
+        (body_crc,) = struct.unpack_from("<I", data, pos + 12 + length)
+        assert (head_crc, body_crc) == (masked_crc32c(head), masked_crc32c(body))
+        event = Event.FromString(body)
+        for value in event.summary.value:
+            scalars[event.step, value.tag] = value.simple_value
+        pos += 12 + length + 4
+    return scalars
+
+
+def test_tensorboard_gets_the_scalars_of_the_metrics(tmp_path):
+    async def go():
+        async with coordinator(save_dir=tmp_path / "run", tensorboard_dir=tmp_path / "tb") as coord:
+            await train_with_health(coord)
+
+    run(go())
+    records = ckpt.read_metrics(tmp_path / "run")
+    scalars = read_events(tmp_path / "tb")
+    for r in records:
+        for key in ("loss", "tokens_per_s", "lr"):
+            assert scalars[r["step"], key] == pytest.approx(r[key], rel=1e-6)  # float32
+    assert scalars[0, "val_loss"] == pytest.approx(records[0]["val_loss"]) == 0.5
+    assert scalars[0, "val_bits_per_token"] == pytest.approx(records[0]["val_bits_per_token"])
+    assert scalars[0, "val_bits_per_byte"] == pytest.approx(records[0]["val_bits_per_byte"])
+    for e in HEALTH:
+        assert scalars[0, f"saturation/{e.name}"] == pytest.approx(e.saturation)
+        assert scalars[0, f"entropy/{e.name}"] == pytest.approx(e.entropy)
+    assert (1, "val_loss") not in scalars and (1, "saturation/embedding") not in scalars
+    assert {step for step, _ in scalars} == {0, 1}
+
+
+def test_a_failing_tensorboard_disk_is_warned_once_and_training_goes_on(tmp_path, info_logs):
+    async def go():
+        async with coordinator(save_dir=tmp_path / "run", tensorboard_dir=tmp_path / "tb") as coord:
+            writes = []
+
+            def full(event):
+                writes.append(event.step)
+                raise OSError(28, "No space left on device")
+
+            coord.tensorboard._writer.write_event = full
+            await train_with_health(coord, steps=3)
+            assert writes == [0] and not coord.tensorboard.active
+
+    run(go())
+    assert [r["step"] for r in ckpt.read_metrics(tmp_path / "run")] == [0, 1, 2]
+    warnings = [r.getMessage() for r in info_logs.records if "TensorBoard" in r.getMessage()]
+    assert warnings == [
+        f"cannot write TensorBoard events in {tmp_path / 'tb'} (No space left on device): no "
+        "more TensorBoard output in this run; metrics.jsonl goes on"
+    ]
+
+
+def test_tensorboard_that_cannot_start_is_one_line(tmp_path, monkeypatch):
+    from deggs.runtime.tensorboard import TensorBoard, TensorBoardError
+
+    (tmp_path / "file").write_text("")
+    with pytest.raises(TensorBoardError, match="cannot write TensorBoard events in .*file"):
+        TensorBoard(tmp_path / "file")
+    for name in [m for m in sys.modules if m.split(".")[0] == "tensorboardX"]:
+        monkeypatch.setitem(sys.modules, name, None)  # as if it were not installed
+    with pytest.raises(TensorBoardError, match=re.escape("pip install 'deggs[tensorboard]'")):
+        TensorBoard(tmp_path / "tb")
+    assert not (tmp_path / "tb").exists()
+
+
+def test_cli_without_tensorboardx_says_which_extra_to_install(tmp_path):
+    (tmp_path / "small.toml").write_text(SMALL_TOML)
+    hidden = "import sys; sys.modules['tensorboardX'] = None; "  # as if it were not installed
+    proc = subprocess.run(
+        [sys.executable, "-c", hidden + CLI[2]]
+        + ["--config", str(tmp_path / "small.toml"), "--port", "0"]
+        + ["--save-dir", str(tmp_path / "run"), "--tensorboard", str(tmp_path / "tb")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=CLI_ENV,
+    )
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith("deggs-coordinator: error: --tensorboard needs the tensorboardX ")
+    assert line.endswith("): pip install 'deggs[tensorboard]'")

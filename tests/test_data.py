@@ -303,17 +303,23 @@ def test_pieces_are_cut_where_the_bpe_would_cut_anyway(tmp_path):
 def test_streaming_encode_equals_one_encode_of_the_whole_text(tmp_path):
     path = tmp_path / "mixed.txt"
     path.write_bytes(MIXED.encode())
-    lines: list[str] = []
-    prepare(
-        path, 300, tmp_path / "small", chunk_bytes=300, progress=lines.append, progress_every_s=0
-    )
+    seen: list[tuple[str, int, int]] = []
+    prepare(path, 300, tmp_path / "small", chunk_bytes=300, progress=lambda *at: seen.append(at))
     prepare(MIXED, 300, tmp_path / "whole", chunk_bytes=1 << 24)
     tokenizer = train_tokenizer(MIXED, 300)
     assert stream(tmp_path / "small", "<u4").tolist() == tokenizer.encode(MIXED).ids
     for name in ("input.bin", "val.bin", "decoding.bin", "tokenizer.json", "meta.json"):
         assert (tmp_path / "small" / name).read_bytes() == (tmp_path / "whole" / name).read_bytes()
-    assert any(line.startswith("training the tokenizer: ") for line in lines)
-    assert any(line.startswith("encoding: ") and line.endswith(" tokens") for line in lines)
+    # the stages in order, each counting the text's bytes from 0 to its size
+    order = ["training the tokenizer", "learning the merges", "encoding"]
+    ranks = [order.index(stage) for stage, _, _ in seen]
+    assert ranks == sorted(ranks) and set(ranks) == {0, 1, 2}
+    assert ("learning the merges", 0, 0) in seen
+    size = path.stat().st_size
+    for stage in ("training the tokenizer", "encoding"):
+        done = [d for s, d, total in seen if s == stage and total == size]
+        assert len(done) == ranks.count(order.index(stage)) > 2, stage
+        assert done[0] == 0 and done[-1] == size and done == sorted(done), stage
 
 
 def test_a_long_run_without_whitespace_is_cut_at_a_character_boundary(tmp_path):

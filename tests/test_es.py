@@ -29,6 +29,17 @@ def test_a_chunk_is_scored_and_packed():
     assert result.packed == pack_trits(expected.fitness) and len(result.packed) == 1  # 4 pairs
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_cpu_reports_a_chunks_progress_batch_by_batch(threads):
+    trainer = Trainer(CpuBackend(CFG, threads=threads))
+    trainer.backend.batch = 2  # four batches in a chunk of 8
+    seen: list[tuple[int, int]] = []
+    result = trainer.score_chunk(DATA, 2, lambda *at: seen.append(at))
+    assert seen == [(2, 8), (4, 8), (6, 8), (8, 8)]
+    whole = Trainer(CpuBackend(CFG, threads=1)).score_chunk(DATA, 2)  # one batch
+    assert np.array_equal(result.losses, whole.losses) and result.packed == whole.packed
+
+
 def test_apply_moves_to_the_next_step_and_seed():
     trainer = Trainer(CpuBackend(CFG, threads=1))
     before = {k: v.copy() for k, v in trainer.backend.params.items()}

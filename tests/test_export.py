@@ -1,8 +1,10 @@
 """Exported models (deggs.runtime.export): the safetensors file, resuming a replay from
 it, its validation, and the deggs-export / deggs-generate --model commands."""
 
+import io
 import json
 import struct
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -10,7 +12,7 @@ import pytest
 from click.testing import CliRunner
 from tiny import tiny_config
 
-from deggs.cli import export_main, generate_main
+from deggs.cli import _replay_run, export_main, generate_main
 from deggs.data import detokenize, save_tokens
 from deggs.numerics.cpu import CpuBackend
 from deggs.numerics.es import Trainer
@@ -95,6 +97,34 @@ def test_an_export_round_trips(run, tmp_path):
         k: np.prod(s) * (4 if d == "F32" else 1) for k, (d, s) in expected_tensors(CFG).items()
     }
     assert path.stat().st_size == 8 + length + sum(sizes.values())
+
+
+def test_save_reports_the_bytes_written(run, tmp_path):
+    seen: list[tuple[int, int]] = []
+    trainer = trainer_from_model(run[1][1], "cpu")
+    path = save_model(tmp_path / "m.safetensors", trainer, lambda *at: seen.append(at))
+    size = path.stat().st_size
+    assert len(seen) == 1 + len(expected_tensors(CFG))  # the header, then each tensor
+    assert {total for _, total in seen} == {size} and seen[-1][0] == size
+    (header,) = struct.unpack("<Q", path.read_bytes()[:8])
+    done = [d for d, _ in seen]
+    assert done == sorted(set(done)) and done[0] == 8 + header
+
+
+class Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+@pytest.mark.parametrize("stderr", [Terminal, io.StringIO], ids=["terminal", "log file"])
+def test_a_replay_shows_a_bar_on_a_terminal_only(run, monkeypatch, stderr):
+    save_dir, models = run
+    monkeypatch.setattr(sys, "stderr", stderr())
+    trainer = _replay_run(save_dir, None, CFG, "cpu")
+    assert_same(snapshot(trainer), models[STEPS])
+    shown = sys.stderr.getvalue()
+    assert ("replaying: 100%" in shown and f" {STEPS}/{STEPS} " in shown) == (stderr is Terminal)
+    assert (shown == "") == (stderr is io.StringIO)
 
 
 def test_the_safetensors_library_reads_and_writes_the_format(run, tmp_path):
@@ -321,7 +351,7 @@ def test_export_then_generate_from_it_samples_as_the_replay_does(run, tmp_path):
     out = tmp_path / "model.safetensors"
     result = invoke(export_main, "--load-dir", save_dir, "--out", out, "--backend", "cpu")
     assert result.exit_code == 0, result.output
-    assert f"replayed step {STEPS}/{STEPS}" in result.stdout
+    assert result.stderr == ""  # stderr is no terminal here: no bars in the logs
     assert f"step {STEPS}: wrote {out}" in result.stdout
     assert_same(load_model(out), models[STEPS])
 
@@ -329,7 +359,7 @@ def test_export_then_generate_from_it_samples_as_the_replay_does(run, tmp_path):
     replayed = invoke(generate_main, "--load-dir", save_dir, *common)
     exported = invoke(generate_main, "--model", out, *common)
     assert replayed.exit_code == 0 and exported.exit_code == 0, replayed.output + exported.output
-    assert "replayed" not in exported.stdout  # no replay at all
+    assert replayed.stderr == exported.stderr == ""
     lines = exported.stdout.splitlines()
     assert lines == replayed.stdout.splitlines()[-2:]
     # the text is the model's own sample

@@ -63,6 +63,8 @@ from deggs.runtime.protocol import (
     Evaluation,
     FrameReader,
     Goodbye,
+    Health,
+    HealthEntry,
     Hello,
     HelloReply,
     JobRequest,
@@ -129,6 +131,23 @@ MESSAGE_STRATEGIES = {
         i64,
         st.floats(0, 1e12),
         u64,
+    ),
+    Health: st.builds(
+        Health,
+        u64,
+        st.lists(
+            st.builds(
+                HealthEntry,
+                st.from_regex(r"[A-Za-z0-9_.]{1,48}", fullmatch=True),
+                st.floats(-128, 127),
+                st.floats(0, 128),
+                st.floats(0, 1),
+                st.floats(0, 8),
+            ),
+            min_size=1,
+            max_size=4,
+            unique_by=lambda e: e.name,
+        ).map(tuple),
     ),
 }
 assert set(MESSAGE_STRATEGIES) == set(MESSAGES.values())
@@ -718,7 +737,7 @@ class Fuzzer:
                     announced,
                 ]
             )
-            version = r.choice([protocol.DEGGS_PROTOCOL, 1, 3, r.getrandbits(16)])
+            version = r.choice([protocol.DEGGS_PROTOCOL, 1, 2, r.getrandbits(16)])
             nonce = r.randbytes(r.choice([NONCE_SIZE, 0, 15, 17]))
         payload = (
             struct.pack(">H", version) + fingerprint + struct.pack(">I", announced) + config + nonce

@@ -262,6 +262,28 @@ def test_health_panel_one_series_per_matrix():
     }
 
 
+def test_health_as_the_coordinator_writes_it_gives_saturation_and_entropy_panels(tmp_path):
+    def health(step):  # 30 matrices; matrix i loses entropy as the steps go by
+        return {
+            f"layers.{i}.w_up": {
+                "mean": 0.1,
+                "std": 9.0,
+                "saturation": 0.001 * i,
+                "entropy": 5 - 0.001 * i * step,
+            }
+            for i in range(30)
+        }
+
+    records = [record(s, health=health(s)) for s in range(0, 150, 50)]
+    saturation, entropy = collect_panels(records)[-2:]
+    assert saturation.title == "saturation share per matrix" and not saturation.low_first
+    assert entropy.title == "bit entropy per matrix" and entropy.low_first and entropy.ymin == 0
+    assert entropy.series[29].label == "layers.29.w_up"
+    assert entropy.series[29].xs == [0, 50, 100]
+    assert entropy.series[29].ys == [5 - 0.001 * 29 * step for step in (0, 50, 100)]
+    assert_png(plot(write_metrics(tmp_path / "run", records)))
+
+
 def test_saturation_share_forms():
     assert saturation_share(0.25) == 0.25
     assert saturation_share({"mean_abs": 3.0, "saturated": 0.5}) == 0.5

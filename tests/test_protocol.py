@@ -1,4 +1,5 @@
 import socket
+import struct
 import threading
 import time
 
@@ -125,19 +126,19 @@ def test_log_message_replaces_bad_utf8():
 
 def test_hello():
     fp, nonce = bytes(range(1, 9)), bytes(range(16))
-    raw = header(4, 2 + 8 + 4 + 2 + 16) + b"\x00\x02" + fp + u32(2) + b"{}" + nonce
+    raw = header(4, 2 + 8 + 4 + 2 + 16) + b"\x00\x03" + fp + u32(2) + b"{}" + nonce
     assert Hello(fp, "{}", nonce).encode() == raw
-    assert Hello.decode(raw[10:]) == Hello(fp, "{}", nonce, 2)
+    assert Hello.decode(raw[10:]) == Hello(fp, "{}", nonce, 3)
     with pytest.raises(ProtocolError, match="HELLO payload ends inside nonce"):
         Hello.decode(raw[10:-1])
     with pytest.raises(ProtocolError, match="inside fingerprint"):
-        Hello.decode(b"\x00\x02\x00")
+        Hello.decode(b"\x00\x03\x00")
     with pytest.raises(ProtocolError, match="config of 70000 bytes exceeds 65536"):
-        Hello.decode(b"\x00\x02" + fp + u32(70000))
+        Hello.decode(b"\x00\x03" + fp + u32(70000))
     with pytest.raises(ValueError, match="8 bytes"):
         Hello(b"short").encode()
     # another version's HELLO is read only as far as its version
-    assert Hello.decode(b"\x00\x01" + fp).deggs_protocol == 1
+    assert Hello.decode(b"\x00\x02" + fp).deggs_protocol == 2
 
 
 def test_hello_reply():
@@ -260,3 +261,75 @@ def test_evaluation():
     nan = body[:28] + struct.pack(">d", float("nan")) + body[36:]
     with pytest.raises(ProtocolError, match="impossible figures"):
         Evaluation.decode(nan)
+
+
+def f64(x):
+    return struct.pack(">d", x)
+
+
+def health_entry_bytes(name: bytes, *figures) -> bytes:
+    return bytes([len(name)]) + name + b"".join(f64(x) for x in figures)
+
+
+def test_health():
+    from deggs.runtime.protocol import Health, HealthEntry
+
+    report = Health(
+        5,
+        (
+            HealthEntry("layers.0.w_q", -0.25, 8.5, 0.125, 4.75),
+            HealthEntry("act.final_norm", 3.0, 20.0, 0.0, 6.0),
+        ),
+    )
+    body = (
+        u64(5)
+        + b"\x00\x02"
+        + health_entry_bytes(b"layers.0.w_q", -0.25, 8.5, 0.125, 4.75)
+        + health_entry_bytes(b"act.final_norm", 3.0, 20.0, 0.0, 6.0)
+    )
+    assert report.encode() == header(10, len(body)) + body
+    assert Health.decode(body) == report
+    assert decode_message(10, body) == report
+    with pytest.raises(ValueError, match="cannot be sent"):
+        Health(0, (HealthEntry("w q", 0, 0, 0, 0),)).encode()
+
+
+ENTRY = health_entry_bytes(b"w_q", 0.0, 1.0, 0.5, 2.0)
+
+
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        (u64(1) + b"\x00\x00", "HEALTH with 0 entries"),
+        (u64(1) + b"\x10\x01" + ENTRY, "HEALTH with 4097 entries"),
+        (u64(1) + b"\x00\x02" + ENTRY, "HEALTH payload ends inside name length"),
+        (u64(1) + b"\x00\x01" + ENTRY[:-1], "HEALTH payload ends inside figures"),
+        (u64(1) + b"\x00\x01" + ENTRY + b"\x00", "1 bytes after its last entry"),
+        (u64(1) + b"\x00\x01" + b"\x00" + ENTRY[4:], "entry 0 has a name of 0 bytes"),
+        (u64(1) + b"\x00\x01" + b"\x31" + b"a" * 49 + ENTRY[4:], "a name of 49 bytes"),
+        (u64(1) + b"\x00\x01" + health_entry_bytes(b"w\nq", 0, 1, 0, 2), r"name b'w\\nq'"),
+        (u64(1) + b"\x00\x01" + health_entry_bytes(b"w\xffq", 0, 1, 0, 2), "name b'w"),
+        (u64(1) + b"\x00\x02" + ENTRY + ENTRY, "names w_q twice"),
+        (u64(1) + b"\x00\x01" + health_entry_bytes(b"w", float("nan"), 1, 0, 2), "mean nan"),
+        (u64(1) + b"\x00\x01" + health_entry_bytes(b"w", 200, 1, 0, 2), "mean 200.0 outside"),
+        (u64(1) + b"\x00\x01" + health_entry_bytes(b"w", 0, -1, 0, 2), "std -1.0 outside"),
+        (u64(1) + b"\x00\x01" + health_entry_bytes(b"w", 0, 1, 1.5, 2), "saturation 1.5"),
+        (u64(1) + b"\x00\x01" + health_entry_bytes(b"w", 0, 1, 0, float("inf")), "entropy inf"),
+        (u64(1) + b"\x00\x01" + health_entry_bytes(b"w", 0, 1, 0, 8.5), "entropy 8.5 outside"),
+    ],
+)
+def test_malformed_health_is_refused(body, message):
+    from deggs.runtime.protocol import Health
+
+    with pytest.raises(ProtocolError, match=message):
+        Health.decode(body)
+
+
+def test_health_frames_are_bounded_by_the_models_entries():
+    from deggs.runtime.protocol import HEALTH, limits_from_worker
+
+    # step and count, then per entry a length byte, a name of up to 48 and four f64
+    assert limits_from_worker(1, health_entries=60)[HEALTH] == 10 + 60 * (1 + 48 + 32)
+    assert limits_from_worker(1)[HEALTH] == 10 + 4096 * 81
+    with pytest.raises(ProtocolError, match="HEALTH payload of 4871 bytes exceeds the limit"):
+        FrameReader(limits_from_worker(1, health_entries=60)).feed(header(10, 4871))

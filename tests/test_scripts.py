@@ -19,7 +19,12 @@ from deggs.data import DataError, load_decoding, load_tokens, save_decoding
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_run_workers_starts_one_worker_per_gpu_and_stops_them(tmp_path):
+@pytest.mark.parametrize(
+    "count, visible, devices",
+    [(["3"], None, [0, 1, 2]), ([], "5,7", [5, 7])],
+    ids=["a count", "an inherited CUDA_VISIBLE_DEVICES"],
+)
+def test_run_workers_starts_one_worker_per_gpu_and_stops_them(tmp_path, count, visible, devices):
     fake = tmp_path / "fake-worker"
     # It says it is up once its TERM trap is set; then it runs until it is stopped (the
     # `sleep 0.1` is its idle loop, which lets the trap run within 0.1 s of a TERM).
@@ -28,9 +33,13 @@ def test_run_workers_starts_one_worker_per_gpu_and_stops_them(tmp_path):
         'echo "gpu=$CUDA_VISIBLE_DEVICES args=$*"\nwhile true; do sleep 0.1; done\n'
     )
     fake.chmod(0o755)
-    env = {**os.environ, "DEGGS_WORKER": str(fake)}
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    env["DEGGS_WORKER"] = str(fake)
+    if visible is not None:  # a Slurm job's GPUs, say
+        env["CUDA_VISIBLE_DEVICES"] = visible
+    n = len(devices)
     proc = subprocess.Popen(
-        ["bash", ROOT / "run-workers.sh", "10.0.0.7", "3", "--", "--port", "999"],
+        ["bash", ROOT / "run-workers.sh", "10.0.0.7", *count, "--", "--port", "999"],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -50,12 +59,12 @@ def test_run_workers_starts_one_worker_per_gpu_and_stops_them(tmp_path):
     def all_up():  # every worker has said it is up (and has its trap), and the script too
         while not lines.empty():
             seen.append(lines.get())
-        return sum("] gpu=" in line for line in seen) == 3 and any(
-            line.startswith("started 3 workers") for line in seen
+        return sum("] gpu=" in line for line in seen) == n and any(
+            line.startswith(f"started {n} workers") for line in seen
         )
 
     try:
-        wait_until(all_up, 20, lambda: f"3 workers up; output so far: {seen}")
+        wait_until(all_up, 20, lambda: f"{n} workers up; output so far: {seen}")
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=20)
         reader.join(timeout=20)  # to the end of the output: its sed stages may outlive it
@@ -67,9 +76,9 @@ def test_run_workers_starts_one_worker_per_gpu_and_stops_them(tmp_path):
     while not lines.empty():
         seen.append(lines.get())
     out = "".join(seen)
-    for gpu in range(3):
+    for gpu in devices:
         assert f"[gpu {gpu}] gpu={gpu} args=10.0.0.7 --port 999" in out
-    assert out.count("stopped") == 3
+    assert out.count("stopped") == n
 
 
 def test_run_workers_rejects_a_bad_gpu_count():
@@ -77,6 +86,11 @@ def test_run_workers_rejects_a_bad_gpu_count():
         ["bash", ROOT / "run-workers.sh", "host", "two"], capture_output=True, text=True
     )
     assert result.returncode == 2 and "positive integer" in result.stderr
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "2,3"}
+    result = subprocess.run(
+        ["bash", ROOT / "run-workers.sh", "host", "4"], capture_output=True, text=True, env=env
+    )
+    assert result.returncode == 2 and "CUDA_VISIBLE_DEVICES lists 2 GPUs" in result.stderr
 
 
 def run_cli(*args, cwd=None):

@@ -14,12 +14,16 @@ import subprocess
 import sys
 import threading
 import time
+from functools import partial
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from click.testing import CliRunner
+from threadpoolctl import threadpool_info, threadpool_limits
 from tiny import tiny_config
 
+from deggs.cli import worker_main
 from deggs.runtime import auth
 from deggs.runtime import worker as worker_module
 from deggs.runtime.protocol import (
@@ -27,6 +31,7 @@ from deggs.runtime.protocol import (
     Auth,
     Challenge,
     Goodbye,
+    Health,
     Hello,
     HelloReply,
     JobRequest,
@@ -37,7 +42,7 @@ from deggs.runtime.protocol import (
     decode_message,
     recv_frame,
 )
-from deggs.runtime.worker import Worker, WorkerError
+from deggs.runtime.worker import ChunkProgress, Worker, WorkerError
 from deggs.ternary import pack_trits, packed_size
 
 CFG = tiny_config(
@@ -363,9 +368,13 @@ def test_something_that_is_not_a_coordinator_is_named(data_dir):
 def test_a_chunk_is_scored_and_the_generation_is_plain_text(data_dir):
     def script(peer):
         peer.welcome()
-        peer.send(JobResponse(SEED, 0, 0))  # chunk 0 of step 0: it brings a generation
+        peer.send(JobResponse(SEED, 0, 0))  # chunk 0 of step 0: a generation, the health
         text = peer.expect(LogMessage).text
         assert "GENERATION" in text and "\x1b" not in text
+        report = peer.expect(Health)  # no val.bin here: the weights' alone
+        assert report.step == 0 and len(report.entries) == 8 + 12 + 2
+        first = report.entries[0]
+        assert first.name == "embedding" and first.saturation == 0 and 0 < first.entropy < 8
         result = peer.expect(Result)
         assert (result.last_step, result.data_position) == (0, 0)
         assert len(result.data) == packed_size(CFG.training.chunk_size // 2)
@@ -377,6 +386,38 @@ def test_a_chunk_is_scored_and_the_generation_is_plain_text(data_dir):
     run_worker(worker)
     fake.check()
     assert worker.chunks_done == 1
+
+
+def test_a_long_chunk_logs_its_progress(data_dir, monkeypatch):
+    def script(peer):
+        peer.welcome()
+        peer.send(JobResponse(SEED, 0, CFG.training.chunk_size))  # chunk 1: no generation
+        peer.expect(Result)
+        peer.expect(JobRequest)
+        finish(peer)
+
+    ticks = iter(range(0, 10_000, 5))  # 5 s a batch: a line every other batch
+    clock = lambda: float(next(ticks))
+    monkeypatch.setattr(worker_module, "ChunkProgress", partial(ChunkProgress, clock=clock))
+    fake = FakeCoordinator(script)
+    worker = make_worker(fake.port, data_dir)
+    worker.training.trainer.backend.batch = 2  # eight batches in a chunk of 16
+    run_worker(worker)
+    fake.check()
+    # members done, 8 tokens each over the time so far, and the rest at that speed
+    assert [line for line in worker.lines if " members, " in line] == [
+        f"[worker] step 0 chunk 1: {done}/16 members, 3 member-tokens/s, about {left} s left"
+        for done, left in [(4, 30), (8, 20), (12, 10)]
+    ]
+
+
+def test_a_slow_chunk_is_warned_about_at_start(data_dir, monkeypatch):
+    assert not any("warning" in line for line in make_worker(1, data_dir).lines)
+    monkeypatch.setattr(worker_module, "SLOW_CHUNK_S", 0.0)  # every chunk is slow now
+    warnings = [line for line in make_worker(1, data_dir).lines if "warning" in line]
+    assert len(warnings) == 1
+    assert warnings[0].startswith("[worker] warning: a chunk of 16 members will take this CPU")
+    assert "(an estimate from timing 16 members)" in warnings[0]
 
 
 def reference_at_step_1(then):
@@ -594,3 +635,23 @@ def test_cli_exits_2_on_a_bad_secret_setting(tmp_path, data_dir):
     result = run_cli(tmp_path, data_dir, 1, DEGGS_SECRET="a", DEGGS_SECRET_FILE="/nonexistent")
     assert result.returncode == 2
     assert "not both" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_threads_limit_numpys_blas_pool_too(tmp_path, monkeypatch):
+    pools = []
+
+    class Recorder:  # the worker's place: what the thread pools are when it would run
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def run(self):
+            pools.extend(threadpool_info())
+
+    monkeypatch.setattr(worker_module, "Worker", Recorder)
+    (tmp_path / "tiny.toml").write_text(TOML)
+    args = ["127.0.0.1", "--config", str(tmp_path / "tiny.toml"), "--threads", "1"]
+    with threadpool_limits(limits=4):  # more than 1 on any machine; restored on exit
+        result = CliRunner().invoke(worker_main, args)
+    assert result.exit_code == 0, result.output
+    assert any(pool["user_api"] == "blas" for pool in pools)
+    assert [pool["num_threads"] for pool in pools] == [1] * len(pools)

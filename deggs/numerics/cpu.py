@@ -8,9 +8,11 @@ NumPy arrays.
 from __future__ import annotations
 
 import os
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor, as_completed
 
 import numpy as np
+from threadpoolctl import threadpool_limits
 
 from ..config import Config
 from .model import (
@@ -28,6 +30,13 @@ from .sampling import generate
 
 # Members evaluated together: bounds the [members, positions, vocab] logits in memory.
 LOGIT_BUDGET = 1 << 23
+
+
+def limit_threads(n: int) -> threadpool_limits:
+    """Hold this process's BLAS and OpenMP pools to n threads (NumPy's BLAS would
+    otherwise run one a core beside the backend's own n). numba runs no pool here (no
+    parallel=True), so it needs no limit. restore_original_limits() on the result undoes it."""
+    return threadpool_limits(limits=n)
 
 
 class CpuBackend:
@@ -51,21 +60,48 @@ class CpuBackend:
             copy = lambda d: {k: np.array(v, np.float32) for k, v in d.items()}
             self.state = OptimizerState(copy(state.m), copy(state.v), copy(state.acc))
 
-    def losses(self, data: np.ndarray, step: int, step_seed: int, members) -> np.ndarray:
+    def losses(
+        self,
+        data: np.ndarray,
+        step: int,
+        step_seed: int,
+        members,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> np.ndarray:
+        """progress(members scored, members in all) is called after each batch, from
+        this thread: a chunk of a GPU-sized config takes the CPU minutes."""
         members = np.asarray(members, np.int64)
         batches = [members[i : i + self.batch] for i in range(0, len(members), self.batch)]
+        report = progress or (lambda done, total: None)
 
         def run(batch):
             return member_losses(
                 self.cfg, self.tables, self.params, self.overlays, data, step, step_seed, batch
             )
 
+        parts, done = [], 0
         if len(batches) == 1 or self.threads == 1:
-            parts = [run(b) for b in batches]
+            for batch in batches:
+                parts.append(run(batch))
+                done += len(batch)
+                report(done, len(members))
         else:
             with ThreadPoolExecutor(self.threads) as pool:
-                parts = list(pool.map(run, batches))
+                futures = {pool.submit(run, batch): len(batch) for batch in batches}
+                try:
+                    for future in as_completed(futures):
+                        done += futures[future]
+                        report(done, len(members))
+                except BaseException:  # a stop signal: drop the queued batches, not wait
+                    pool.shutdown(wait=False, cancel_futures=True)
+                    raise
+                parts = [future.result() for future in futures]  # in submission order
         return np.concatenate(parts) if parts else np.zeros(0, np.int32)
+
+    @property
+    def members_at_once(self) -> int:
+        """Members scored in one round of the backend's threads."""
+        return self.batch * self.threads
 
     def logits(self, tokens: np.ndarray) -> np.ndarray:
         """Integer logits of the unperturbed model for windows of tokens [window, position]."""

@@ -17,6 +17,7 @@ it; a chunk is `chunk_size` consecutive members. `Trainer` holds one replica of 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,6 +26,7 @@ from ..config import Config
 from ..seeds import next_step_seed
 from ..ternary import pack_trits
 from .backend import Backend
+from .cpu import CpuBackend
 from .fitness import chunk_fitness
 from .model import make_tables, sequence_loss
 
@@ -102,9 +104,18 @@ class Trainer:
         self.step = 0
         self.seed = self.cfg.training.seed
 
-    def score_chunk(self, data: np.ndarray, chunk: int) -> ChunkResult:
-        """A chunk's member losses at this step, their fitness and its packed form."""
-        losses = self.backend.losses(data, self.step, self.seed, chunk_members(self.cfg, chunk))
+    def score_chunk(
+        self, data: np.ndarray, chunk: int, progress: Callable[[int, int], None] | None = None
+    ) -> ChunkResult:
+        """A chunk's member losses at this step, their fitness and its packed form.
+
+        progress(members scored, members in all) is called as the CPU backend finishes
+        each batch of members (the GPU scores a chunk in about a second, all at once)."""
+        members = chunk_members(self.cfg, chunk)
+        if isinstance(self.backend, CpuBackend) and progress is not None:
+            losses = self.backend.losses(data, self.step, self.seed, members, progress)
+        else:
+            losses = self.backend.losses(data, self.step, self.seed, members)
         return chunk_result(self.cfg, chunk, losses)
 
     def score_population(self, data: np.ndarray) -> list[ChunkResult]:

@@ -44,6 +44,7 @@ from pathlib import Path
 import numpy as np
 
 from ..config import Config, ConfigError
+from ..numerics import health
 from ..seeds import next_step_seed
 from ..ternary import check_packed, pack_trits, packed_size, unpack_blocks
 from . import auth
@@ -52,6 +53,7 @@ from .protocol import (
     AUTH,
     DEGGS_PROTOCOL,
     EVALUATION,
+    HEALTH,
     HELLO,
     JOB_REQUEST,
     NO_FINGERPRINT,
@@ -62,6 +64,7 @@ from .protocol import (
     Evaluation,
     FrameReader,
     Goodbye,
+    Health,
     Hello,
     HelloReply,
     JobRequest,
@@ -74,12 +77,15 @@ from .protocol import (
     printable,
     set_keepalive,
 )
+from .tensorboard import TensorBoard
 
 log = logging.getLogger("deggs.runtime.coordinator")
 
 LOSS_SCALE = 16  # the worker sums losses in Q.4 fixed point
 FD_RESERVE = 64  # descriptors kept free of connections: checkpoints, metrics, logs
 LINGER_S = 1.0  # how long a GOODBYE waits for the peer to read it before the socket closes
+WORST_NAMED = 5  # saturated matrices a health warning names
+NAMED_WORKERS = 8  # workers the per-step line names: the slowest half, then the most idle
 
 
 class Drop(Exception):
@@ -88,6 +94,66 @@ class Drop(Exception):
     def __init__(self, reason: str, goodbye: bytes = b""):
         super().__init__(reason)
         self.goodbye = goodbye
+
+
+@dataclass(slots=True)
+class WorkerFigures:
+    """How one connection spent a step: the chunks it returned and where its time went.
+
+    It is busy while it holds at least one chunk, from the hand-out to its RESULT
+    (overlapping chunks count once), and free otherwise: from its first request of the
+    step, or its last RESULT, to the next chunk it gets, WAIT replies and round trips
+    included. Time after its connection closed is neither.
+    """
+
+    free_since: float | None = None  # when it last became free; None while busy or gone
+    busy_since: float = 0.0
+    holding: set[int] = field(default_factory=set)  # chunks handed to it, not returned yet
+    chunks: int = 0  # RESULTs that counted (the first for their chunk)
+    returned: int = 0  # RESULTs for chunks it held, duplicates of re-assigned ones included
+    busy_s: float = 0.0
+    idle_s: float = 0.0
+
+    def took(self, chunk: int, now: float):
+        if not self.holding:
+            self.busy_since = now
+            if self.free_since is not None:
+                self.idle_s += now - self.free_since
+                self.free_since = None
+        self.holding.add(chunk)
+
+    def gave_back(self, chunk: int, now: float):
+        """Its RESULT for `chunk`; a second one for the same chunk is no new work."""
+        if chunk not in self.holding:
+            return
+        self.holding.remove(chunk)
+        self.returned += 1
+        if not self.holding:
+            self.busy_s += now - self.busy_since
+            self.free_since = now
+
+    def left(self, now: float):
+        """Its connection closed: the time spent so far stays, nothing more adds up."""
+        if self.holding:
+            self.busy_s += now - self.busy_since
+            self.holding.clear()
+        elif self.free_since is not None:
+            self.idle_s += now - self.free_since
+        self.free_since = None
+
+    def record(self, now: float, member_tokens_per_chunk: int) -> dict:
+        """Its line in metrics.jsonl when the step is sealed at `now`: a chunk still held
+        is busy time until then (work that went to waste), a free worker idle time."""
+        busy = self.busy_s + (now - self.busy_since if self.holding else 0.0)
+        idle = self.idle_s + (now - self.free_since if self.free_since is not None else 0.0)
+        return {
+            "chunks": self.chunks,
+            "member_tokens_per_s": (
+                round(self.returned * member_tokens_per_chunk / busy, 1) if busy > 0 else 0.0
+            ),
+            "busy_s": round(busy, 6),
+            "idle_s": round(idle, 6),
+        }
 
 
 @dataclass
@@ -117,6 +183,8 @@ class StepState:
     bytes_sent: int = 0
     bytes_received: int = 0
     evaluation: Evaluation | None = None  # the validation loss, on eval.every_steps steps
+    health: Health | None = None  # weight and activation statistics, on health_every_steps
+    workers: dict[str, WorkerFigures] = field(default_factory=dict)  # by peer name
 
     @classmethod
     def fresh(cls, config: Config, step: int, seed: int, now: float) -> StepState:
@@ -152,7 +220,9 @@ class Coordinator:
     load_dir: resume from its newest checkpoint; older ones serve catch-up on demand.
     max_steps: stop handing out chunks once the run reaches this step; `finished` is set.
     secret: the shared secret workers must prove (None: anyone may join).
-    clock: monotonic seconds for step times and stragglers, injectable for tests.
+    tensorboard_dir: also write each step's scalars there as TensorBoard events.
+    clock: monotonic seconds for step times, stragglers and the workers' busy and idle
+        time, injectable for tests.
 
     `ended` is set when the run cannot go on without its operator: `finished` (max_steps
     reached) or `failure` (the reason a step could not be made durable).
@@ -168,6 +238,7 @@ class Coordinator:
         host: str | None = None,
         port: int | None = None,
         secret: bytes | None = None,
+        tensorboard_dir=None,
         clock=time.monotonic,
     ):
         self.config = config
@@ -178,13 +249,16 @@ class Coordinator:
         self.load_dir = Path(load_dir) if load_dir is not None else None
         self.max_steps = max_steps
         self.secret = secret
+        self.tensorboard_dir = tensorboard_dir
+        self.tensorboard: TensorBoard | None = None  # opened by start()
         self.clock = clock
 
         t = config.training
         self.chunk_size = t.chunk_size
         self.chunk_pairs = t.chunk_size // 2
         self.chunk_bytes = packed_size(self.chunk_pairs)
-        self.limits = limits_from_worker(self.chunk_bytes)
+        self.health_entries = health.entry_count(config)
+        self.limits = limits_from_worker(self.chunk_bytes, self.health_entries)
         self.history_dirs = [d for d in (self.save_dir, self.load_dir) if d is not None]
         self.max_connections = k.max_connections
 
@@ -228,6 +302,8 @@ class Coordinator:
             ckpt.tidy_metrics(self.save_dir, self.state.step)
             if self.load_dir is not None and self.load_dir.resolve() != self.save_dir.resolve():
                 await self._on_disk(ckpt.copy_history, self.load_dir, self.save_dir)
+        if self.tensorboard_dir is not None:
+            self.tensorboard = TensorBoard(self.tensorboard_dir)
         self.max_connections = _connection_budget(self.config.coordinator.max_connections)
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(lambda: Peer(self), self.host, self.port)
@@ -284,6 +360,8 @@ class Coordinator:
             await self._server.wait_closed()
             self._server = None
         await asyncio.get_running_loop().run_in_executor(None, self._disk.shutdown, True)
+        if self.tensorboard is not None:
+            self.tensorboard.close()
         log.info("stopped at step %d", self.state.step)
 
     def _check_finished(self):
@@ -332,6 +410,7 @@ class Coordinator:
         s = self.state
         if peer.step != s.step:
             return
+        peer.figures.left(self.clock())
         for chunk in peer.chunks:
             holders = s.holders.get(chunk)
             if holders is None:
@@ -366,6 +445,11 @@ class Coordinator:
             if not peer.welcomed:  # a deggs message: only from a worker that said HELLO
                 raise ProtocolError("EVALUATION from a peer that did not say HELLO")
             self._on_evaluation(peer, Evaluation.decode(payload))
+            return None
+        if opcode == HEALTH:
+            if not peer.welcomed:
+                raise ProtocolError("HEALTH from a peer that did not say HELLO")
+            self._on_health(peer, Health.decode(payload))
             return None
         # LOG_MESSAGE: a line per line of text, each marked with its sender, so a peer can
         # neither forge the coordinator's own lines nor drive the terminal.
@@ -487,6 +571,11 @@ class Coordinator:
 
     def _assign(self, peer: Peer) -> JobResponse:
         s, now = self.state, self.clock()
+        if peer.step != s.step:  # its first request of the step: free, waiting, from now
+            peer.step, peer.chunks = s.step, set()
+            # a name already there is a closed connection's (the OS reused its port)
+            peer.figures = s.workers.setdefault(peer.name, WorkerFigures())
+            peer.figures.free_since = now
         if s.pending:
             chunk = s.pending.popleft()
         elif s.in_progress:
@@ -501,9 +590,8 @@ class Coordinator:
         s.in_progress[chunk] = now
         s.in_progress.move_to_end(chunk)  # a re-assigned chunk becomes the newest
         s.holders.setdefault(chunk, set()).add(peer)
-        if peer.step != s.step:
-            peer.step, peer.chunks = s.step, set()
         peer.chunks.add(chunk)
+        peer.figures.took(chunk, now)
         return JobResponse(s.seed, s.step, chunk * self.chunk_size)
 
     def _on_result(self, peer: Peer, res: Result):
@@ -541,6 +629,7 @@ class Coordinator:
             check_packed(res.data, self.chunk_pairs)
         except ValueError as e:
             raise ProtocolError(f"RESULT fitness is malformed: {e}") from None
+        peer.figures.gave_back(chunk, self.clock())
         s.transmissions += 1  # duplicates count, as in the reference's statistics
         s.updates_total += res.updates_count
         s.updates_min = (
@@ -551,6 +640,7 @@ class Coordinator:
             log.info("ignoring a duplicate RESULT for chunk %d from %s", chunk, peer.name)
             return
         s.n_done += 1
+        peer.figures.chunks += 1
         s.in_progress.pop(chunk, None)
         s.holders.pop(chunk, None)
         s.sum_loss += res.sum_loss
@@ -577,6 +667,44 @@ class Coordinator:
             peer.name,
         )
 
+    def _on_health(self, peer: Peer, report: Health):
+        """A model health report of the step in progress, kept for its metrics line (the
+        first one counts); says which matrices are saturated past eval.saturation_warning."""
+        if len(report.entries) > self.health_entries:
+            raise ProtocolError(
+                f"HEALTH with {len(report.entries)} entries, the model has {self.health_entries}"
+            )
+        s = self.state
+        if report.step != s.step or s.health is not None:
+            return
+        s.health = report
+        by_share = sorted(report.entries, key=lambda e: e.saturation, reverse=True)
+        least = min(report.entries, key=lambda e: e.entropy)
+        log.info(
+            "health at step %d: %d entries, most saturated %s (%.2f%%), lowest entropy %s "
+            "(%.2f bits) (from %s)",
+            report.step,
+            len(report.entries),
+            by_share[0].name,
+            100 * by_share[0].saturation,
+            least.name,
+            least.entropy,
+            peer.name,
+        )
+        limit = self.config.eval.saturation_warning
+        over = [e for e in by_share if e.saturation > limit]
+        if over:
+            named = ", ".join(f"{e.name} {100 * e.saturation:.2f}%" for e in over[:WORST_NAMED])
+            log.warning(
+                "saturation at step %d above eval.saturation_warning = %g%% in %d of %d: %s%s",
+                report.step,
+                100 * limit,
+                len(over),
+                len(report.entries),
+                named,
+                ", ..." if len(over) > WORST_NAMED else "",
+            )
+
     # --- finishing a step --------------------------------------------------------------
 
     async def _seal(self, s: StepState):
@@ -597,7 +725,10 @@ class Coordinator:
                 )
                 return
         log.info(format_step_line(record, self._prev_loss))
+        log.info(format_workers_line(record["workers"]))
         self._prev_loss = record["loss"]
+        if self.tensorboard is not None:  # in order after the step's own files; never fails
+            self._on_disk(self.tensorboard.write, record)
         self._remember(s.step, packed)
         self.state = StepState.fresh(self.config, step, seed, self.clock())
         self._check_finished()
@@ -628,7 +759,8 @@ class Coordinator:
 
     def _metrics(self, s: StepState) -> dict:
         t, m = self.config.training, self.config.model
-        elapsed = max(self.clock() - s.started, 1e-9)
+        now = self.clock()
+        elapsed = max(now - s.started, 1e-9)
         step_tokens = t.population_size * m.seq_len
         return {
             "step": s.step,
@@ -646,6 +778,11 @@ class Coordinator:
             "bytes_received": s.bytes_received,
             "time": time.time(),
             **self._validation(s),
+            **self._health(s),
+            "workers": {
+                name: figures.record(now, t.chunk_size * m.seq_len)
+                for name, figures in s.workers.items()
+            },
         }
 
     @staticmethod
@@ -658,6 +795,22 @@ class Coordinator:
             "val_bits_per_token": ev.nats / ev.tokens / math.log(2),
             "val_bits_per_byte": ev.nats / max(ev.text_bytes, 1) / math.log(2),
             "val_tokens": ev.tokens,
+        }
+
+    @staticmethod
+    def _health(s: StepState) -> dict:
+        if s.health is None:
+            return {}
+        return {
+            "health": {
+                e.name: {
+                    "mean": e.mean,
+                    "std": e.std,
+                    "saturation": e.saturation,
+                    "entropy": e.entropy,
+                }
+                for e in s.health.entries
+            }
         }
 
 
@@ -686,8 +839,9 @@ class Peer(asyncio.Protocol):
         self.nonce: bytes | None = None  # our challenge's
         self.authenticated = False
         self.welcomed = False  # a deggs worker that passed the handshake
-        self.step: int | None = None  # the step of `chunks`
+        self.step: int | None = None  # the step it last asked for a chunk of
         self.chunks: set[int] = set()  # chunks handed to this connection in that step
+        self.figures = WorkerFigures()  # its share of that step; a new one each step
 
     @property
     def authorized(self) -> bool:
@@ -925,6 +1079,25 @@ def format_step_line(r: dict, prev_loss: float | None = None) -> str:
         f" (Tx: {_humanize(r['bytes_sent'], 1024, [' B', ' KB', ' MB', ' GB'])},"
         f" Rx: {_humanize(r['bytes_received'], 1024, [' B', ' KB', ' MB', ' GB'])})"
     )
+
+
+def format_workers_line(workers: dict) -> str:
+    """One line on the workers of a finished step, naming at most NAMED_WORKERS: the
+    slowest first, then the most idle of the rest, so that a slow GPU or one starved of
+    work shows however many there are."""
+    by_speed = sorted(workers, key=lambda name: workers[name]["member_tokens_per_s"])
+    slowest = by_speed[: NAMED_WORKERS // 2]
+    most_idle = sorted(by_speed[len(slowest) :], key=lambda name: -workers[name]["idle_s"])
+    named = slowest + most_idle[: NAMED_WORKERS - len(slowest)]
+    parts = [f"Workers {len(workers)}"]
+    for name in named:
+        w = workers[name]
+        speed = _humanize(round(w["member_tokens_per_s"]), 1000, ["", " K", " M", " B"])
+        chunks = f"{w['chunks']} chunk{'' if w['chunks'] == 1 else 's'}"
+        parts.append(f"{name} {chunks} {speed} tok/s idle {w['idle_s']:.2f} s")
+    if len(workers) > len(named):
+        parts.append(f"and {len(workers) - len(named)} more")
+    return " | ".join(parts)
 
 
 def _humanize(n: int, base: int, units: list[str]) -> str:

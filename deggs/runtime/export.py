@@ -35,6 +35,7 @@ import json
 import os
 import struct
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
@@ -140,16 +141,24 @@ def _layout(model: Model, name: str) -> tuple[bytes, list[np.ndarray]]:
     return _LENGTH.pack(len(text)) + text, arrays
 
 
-def save_model(path: str | Path, trainer: Trainer) -> Path:
-    """Write the trainer's model to `path` atomically; returns the path."""
+def save_model(
+    path: str | Path, trainer: Trainer, progress: Callable[[int, int], None] | None = None
+) -> Path:
+    """Write the trainer's model to `path` atomically; returns the path.
+
+    progress(bytes written, bytes in all) is called after the header and each tensor."""
     path = Path(path)
     head, arrays = _layout(model_of(trainer), str(path))
+    size = len(head) + sum(array.nbytes for array in arrays)
+    report = progress or (lambda done, total: None)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(head)
+            report(f.tell(), size)
             for array in arrays:
                 f.write(array.data)
+                report(f.tell(), size)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

@@ -15,11 +15,16 @@ u8, payload length u32) and then the payload. All integers are big-endian.
     CHALLENGE    6  coord -> worker  nonce 16 bytes, proof 32 bytes
     AUTH         7  worker -> coord  proof 32 bytes
     GOODBYE      8  coord -> worker  reason u8, UTF-8 text
+    EVALUATION   9  worker -> coord  step u64, windows u32, tokens u64, sum_loss i64,
+                                     nats f64, text_bytes u64
+    HEALTH      10  worker -> coord  step u64, count u16, then per entry: name_len u8,
+                                     ASCII name, mean, std, saturation, entropy (f64 each)
 
 A JOB_RESPONSE whose data_position is 2^64-1 means "no chunk free, ask again later".
 
-Opcodes 4..8 are deggs' own handshake and farewell (see auth.py for the proofs). The
-reference worker never sends HELLO, so without a shared secret the coordinator serves a
+Opcodes 4..10 are deggs' own: the handshake and farewell (see auth.py for the proofs),
+then a worker's validation loss and model health, sent only to a coordinator that answered
+HELLO. The reference worker never sends HELLO, so without a shared secret the coordinator serves a
 worker that starts with JOB_REQUEST as well. The reference coordinator ignores opcodes it
 does not know, so a deggs worker without a secret sends HELLO and JOB_REQUEST back to
 back and accepts a HELLO_REPLY (deggs) or a JOB_RESPONSE (reference) as the first answer.
@@ -34,6 +39,7 @@ a refusal that retrying cannot fix (Reason.permanent).
 from __future__ import annotations
 
 import math
+import re
 import socket
 import struct
 import time
@@ -44,7 +50,8 @@ from typing import Any, ClassVar, cast
 MAGIC = b"JOBS"
 VERSION = 1
 HEADER_SIZE = 10
-DEGGS_PROTOCOL = 2  # version of the HELLO handshake (2: nonces, CHALLENGE/AUTH, GOODBYE)
+DEGGS_PROTOCOL = 3  # version of the HELLO handshake (2: nonces, CHALLENGE/AUTH, GOODBYE;
+# 3: EVALUATION and HEALTH, which an older coordinator would drop a worker for)
 WAIT = 2**64 - 1  # JOB_RESPONSE.data_position: nothing to do yet
 NO_FINGERPRINT = bytes(8)  # HELLO from a worker that has no config yet
 NONCE_SIZE = 16
@@ -62,6 +69,7 @@ CHALLENGE = 6
 AUTH = 7
 GOODBYE = 8
 EVALUATION = 9  # deggs only: a worker's validation loss
+HEALTH = 10  # deggs only: a worker's weight and activation statistics
 OPCODE_NAMES = {
     JOB_REQUEST: "JOB_REQUEST",
     RESULT: "RESULT",
@@ -73,6 +81,7 @@ OPCODE_NAMES = {
     AUTH: "AUTH",
     GOODBYE: "GOODBYE",
     EVALUATION: "EVALUATION",
+    HEALTH: "HEALTH",
 }
 
 _HEADER = struct.Struct(">4sBBI")
@@ -395,6 +404,85 @@ class Evaluation:
         return message
 
 
+# HEALTH: at model.n_layers <= 256, 12 parameters a layer and a few more stay below this.
+MAX_HEALTH_ENTRIES = 4096
+MAX_HEALTH_NAME = 48  # "layers.255.mlp_bias_down" is 24
+_HEALTH_NAME = re.compile(rb"[A-Za-z0-9_.]+")
+# What each figure of int8 values can be; anything else is not a measurement.
+HEALTH_RANGES = {
+    "mean": (-128.0, 127.0),
+    "std": (0.0, 128.0),
+    "saturation": (0.0, 1.0),
+    "entropy": (0.0, 8.0),
+}
+
+
+@dataclass(frozen=True)
+class HealthEntry:
+    name: str  # a parameter ("embedding", "layers.3.w_up") or an activation ("act.NAME")
+    mean: float
+    std: float
+    saturation: float  # share of entries at +-127
+    entropy: float  # bits of the histogram of the 256 int8 values
+
+
+@dataclass(frozen=True)
+class Health:
+    """Statistics of the unperturbed model of `step` (numerics/health.py), sent only to a
+    deggs coordinator: one entry per weight matrix or vector and a few activations."""
+
+    step: int
+    entries: tuple[HealthEntry, ...]
+
+    OPCODE: ClassVar[int] = HEALTH
+    _HEAD: ClassVar[struct.Struct] = struct.Struct(">QH")
+    _FIGURES: ClassVar[struct.Struct] = struct.Struct(">dddd")
+
+    def encode(self) -> bytes:
+        parts = [self._HEAD.pack(self.step, len(self.entries))]
+        for e in self.entries:
+            name = e.name.encode("ascii")
+            if not (len(name) <= MAX_HEALTH_NAME and _HEALTH_NAME.fullmatch(name)):
+                raise ValueError(f"health entry name {e.name!r} cannot be sent")
+            figures = self._FIGURES.pack(e.mean, e.std, e.saturation, e.entropy)
+            parts.append(bytes([len(name)]) + name + figures)
+        return frame(self.OPCODE, b"".join(parts))
+
+    @classmethod
+    def decode(cls, payload: bytes) -> Health:
+        r = _Reader(payload, "HEALTH")
+        step = r.uint(8, "step")
+        count = r.uint(2, "count")
+        if not 1 <= count <= MAX_HEALTH_ENTRIES:
+            raise ProtocolError(f"HEALTH with {count} entries (1..{MAX_HEALTH_ENTRIES})")
+        entries: list[HealthEntry] = []
+        names: set[str] = set()
+        for i in range(count):
+            size = r.uint(1, "name length")
+            if not 1 <= size <= MAX_HEALTH_NAME:
+                raise ProtocolError(f"HEALTH entry {i} has a name of {size} bytes")
+            raw = r.take(size, "name")
+            if not _HEALTH_NAME.fullmatch(raw):
+                raise ProtocolError(f"HEALTH entry {i} has the name {raw!r} (A-Z a-z 0-9 _ . only)")
+            name = raw.decode("ascii")
+            if name in names:
+                raise ProtocolError(f"HEALTH names {name} twice")
+            names.add(name)
+            figures = cls._FIGURES.unpack(r.take(cls._FIGURES.size, "figures"))
+            for (field, (low, high)), value in zip(HEALTH_RANGES.items(), figures, strict=True):
+                if not low <= value <= high:  # NaN fails too
+                    raise ProtocolError(f"HEALTH {name} {field} {value!r} outside [{low}, {high}]")
+            entries.append(HealthEntry(name, *figures))
+        if r.pos != len(payload):
+            raise ProtocolError(f"HEALTH has {len(payload) - r.pos} bytes after its last entry")
+        return cls(step, tuple(entries))
+
+
+def health_size(entries: int) -> int:
+    """The largest HEALTH payload of this many entries."""
+    return Health._HEAD.size + entries * (1 + MAX_HEALTH_NAME + Health._FIGURES.size)
+
+
 MESSAGES = {
     cls.OPCODE: cls
     for cls in (
@@ -408,6 +496,7 @@ MESSAGES = {
         Auth,
         Goodbye,
         Evaluation,
+        Health,
     )
 }
 
@@ -427,8 +516,11 @@ def decode_message(opcode: int, payload: bytes):
 # before anything is allocated. An opcode missing from the table is refused too.
 
 
-def limits_from_worker(chunk_bytes: int) -> dict[int, int]:
-    """The largest payload a coordinator accepts of each message a worker sends."""
+def limits_from_worker(
+    chunk_bytes: int, health_entries: int = MAX_HEALTH_ENTRIES
+) -> dict[int, int]:
+    """The largest payload a coordinator accepts of each message a worker sends
+    (health_entries: the most HEALTH entries its model can have)."""
     return {
         JOB_REQUEST: JobRequest._FIELDS.size,
         RESULT: Result._FIELDS.size + chunk_bytes,
@@ -436,6 +528,7 @@ def limits_from_worker(chunk_bytes: int) -> dict[int, int]:
         HELLO: 2 + 8 + 4 + MAX_CONFIG_JSON + NONCE_SIZE,
         AUTH: PROOF_SIZE,
         EVALUATION: Evaluation._FIELDS.size,
+        HEALTH: health_size(min(health_entries, MAX_HEALTH_ENTRIES)),
     }
 
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import socket
 import time
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -38,7 +38,9 @@ import numpy as np
 from ..config import Config, ConfigError, WorkerConfig
 from ..data import DataError, check_meta, detokenize, load_decoding, load_tokens
 from ..numerics.backend import BackendError, make_backend
+from ..numerics.cpu import CpuBackend
 from ..numerics.es import Trainer, evaluate, validation_windows
+from ..numerics.health import activation_health, weight_health
 from ..numerics.sampling import prompt_window
 from ..ternary import packed_size, unpack_trits
 from . import auth, protocol
@@ -47,6 +49,8 @@ from .protocol import (
     Challenge,
     Evaluation,
     Goodbye,
+    Health,
+    HealthEntry,
     Hello,
     HelloReply,
     JobRequest,
@@ -63,6 +67,9 @@ from .protocol import (
 WAIT_S = 0.1  # the reference worker's pause after a WAIT
 FIRST_PAUSE_S = 0.5  # the first pause between reconnects; doubles to worker.retry_max_s
 CONNECT_TIMEOUT_S = 10.0
+HEALTH_WINDOWS = 4  # validation windows the activations' health is measured on
+PROGRESS_EVERY_S = 10.0  # a line this often while a long chunk is scored
+SLOW_CHUNK_S = 300.0  # a chunk estimated to take longer is warned about at start
 
 
 class WorkerError(Exception):
@@ -79,6 +86,36 @@ class Finished(Exception):
 
 class CoordinatorAway(Exception):
     """The coordinator said GOODBYE for now (stopped, or its disk failed); it may return."""
+
+
+def duration(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+class ChunkProgress:
+    """Logs a chunk's progress every `every_s` seconds while it is scored: members done,
+    member-tokens/s and the time left at that speed (called as progress(done, total))."""
+
+    def __init__(self, log, what: str, seq_len: int, every_s=PROGRESS_EVERY_S, clock=None):
+        self.log, self.what, self.seq_len, self.every_s = log, what, seq_len, every_s
+        self.clock = clock or time.monotonic
+        self.started = self.last = self.clock()
+
+    def __call__(self, done: int, total: int):
+        now = self.clock()
+        if done >= total or now - self.last < self.every_s:
+            return  # the chunk's own line follows the last batch
+        self.last = now
+        elapsed = max(now - self.started, 1e-9)
+        self.log(
+            f"[worker] {self.what}: {done:,}/{total:,} members, "
+            f"{done * self.seq_len / elapsed:,.0f} member-tokens/s, "
+            f"about {duration((total - done) * elapsed / done)} left"
+        )
 
 
 @dataclass
@@ -119,7 +156,7 @@ class Worker:
         self.training: Training | None = None  # once the config is known
         self.last_updates = 0
         self.chunks_done = 0
-        self.deggs_coordinator = False  # may we send deggs messages (EVALUATION)?
+        self.deggs_coordinator = False  # may we send deggs messages (EVALUATION, HEALTH)?
         self._windows: np.ndarray | None = None  # validation windows, once loaded
         self._pause = FIRST_PAUSE_S  # before the next reconnect
         self._heard = False  # has this connection delivered a frame yet?
@@ -149,6 +186,29 @@ class Worker:
             f"[worker] {len(tokens)} tokens, backend {backend.name}, "
             f"config {cfg.fingerprint().hex()}"
         )
+        self._warn_if_slow(self.training)
+
+    def _warn_if_slow(self, training: Training):
+        """Warn when a chunk will take this CPU longer than SLOW_CHUNK_S: a config sized
+        for a GPU leaves a CPU worker silent for a long time otherwise. The estimate times
+        one round of the backend's threads, after a pair that loads numba's compiled code."""
+        trainer = training.trainer
+        backend = trainer.backend
+        if not isinstance(backend, CpuBackend):
+            return
+        c = trainer.cfg.training.chunk_size
+        probe = np.arange(min(c, backend.members_at_once))
+        backend.losses(training.tokens, trainer.step, trainer.seed, probe[:2])
+        started = time.perf_counter()
+        backend.losses(training.tokens, trainer.step, trainer.seed, probe)
+        estimate = (time.perf_counter() - started) * c / len(probe)
+        if estimate > SLOW_CHUNK_S:
+            self.log(
+                f"[worker] warning: a chunk of {c:,} members will take this CPU about "
+                f"{duration(estimate)} (an estimate from timing {len(probe)} members): this "
+                "config is sized for a GPU (--backend gpu on one), or make training.chunk_size "
+                f"or the model smaller; progress is logged every {PROGRESS_EVERY_S:g} s"
+            )
 
     @property
     def step(self) -> int:
@@ -453,8 +513,12 @@ class Worker:
         every = cfg.eval.every_steps
         if chunk == 0 and every and trainer.step % every == 0 and self.deggs_coordinator:
             self._send_validation(sock, training)
+        every = cfg.eval.health_every_steps
+        if chunk == 0 and every and trainer.step % every == 0 and self.deggs_coordinator:
+            self._send_health(sock, trainer)
         started = time.perf_counter()
-        result = trainer.score_chunk(training.tokens, chunk)
+        progress = ChunkProgress(self.log, f"step {trainer.step} chunk {chunk}", cfg.model.seq_len)
+        result = trainer.score_chunk(training.tokens, chunk, progress)
         self._send(
             sock,
             Result(
@@ -469,32 +533,50 @@ class Worker:
             f"{c * cfg.model.seq_len / seconds:,.0f} member-tokens/s"
         )
 
+    def _validation_windows(self, cfg: Config) -> np.ndarray:
+        """The eval.windows windows of val.bin beside input.bin (none without one)."""
+        if self._windows is None:
+            path = self.data_dir / "val.bin"
+            self._windows = np.zeros((0, 0), np.int64)
+            if path.exists():
+                try:
+                    val = load_tokens(path, cfg)
+                    self._windows = validation_windows(cfg, val, cfg.eval.windows)
+                except (DataError, ValueError) as e:
+                    self.log(f"[worker] no validation loss nor activation health: {e}")
+        return self._windows
+
     def _send_validation(self, sock: socket.socket, training: Training):
         """The validation loss of our model (the first chunk of every eval.every_steps-th
         step brings it): on val.bin beside input.bin, when there is one."""
         trainer = training.trainer
-        if self._windows is None:
-            path = self.data_dir / "val.bin"
-            if not path.exists():
-                return
-            try:
-                val = load_tokens(path, trainer.cfg)
-                self._windows = validation_windows(trainer.cfg, val, trainer.cfg.eval.windows)
-            except (DataError, ValueError) as e:
-                self.log(f"[worker] no validation loss: {e}")
-                self._windows = np.zeros((0, 0), np.int64)
-        if not len(self._windows):
+        windows = self._validation_windows(trainer.cfg)
+        if not len(windows):
             return
         token_bytes = None
         if training.pieces is not None:
             token_bytes = np.array([len(piece) for piece in training.pieces], np.int64)
-        v = evaluate(trainer.backend, self._windows, token_bytes)
+        v = evaluate(trainer.backend, windows, token_bytes)
         self._send(
             sock,
             Evaluation(
                 trainer.step, v.windows, v.tokens, v.sum_loss, v.nats, v.text_bytes
             ).encode(),
         )
+
+    def _send_health(self, sock: socket.socket, trainer: Trainer):
+        """Our model's health (the first chunk of every eval.health_every_steps-th step
+        brings it): every weight slice, and activations on a few validation windows."""
+        cfg = trainer.cfg
+        params = trainer.backend.params  # one copy: the GPU backend fetches it from the device
+        stats = weight_health(cfg, params)
+        windows = self._validation_windows(cfg)
+        if len(windows):
+            spread = np.linspace(0, len(windows) - 1, min(HEALTH_WINDOWS, len(windows)))
+            few = windows[spread.astype(np.int64)]
+            stats |= activation_health(cfg, params, trainer.backend.overlays, few[:, :-1])
+        entries = tuple(HealthEntry(name, *astuple(s)) for name, s in stats.items())
+        self._send(sock, Health(trainer.step, entries).encode())
 
     def generation_text(self) -> str:
         """A sample of the model, in plain text: the coordinator escapes control
