@@ -151,10 +151,11 @@ class Cluster:
         proc.port = int(proc.port_match.group(1))
         return proc
 
-    def worker(self, port, with_config=True, env=None):
+    def worker(self, port, with_config=True, env=None, extra=()):
         args = ["worker", "127.0.0.1", "--port", port, "--data-dir", self.data, "--threads", 1]
         if with_config:
             args += ["--config", self.config]
+        args += list(extra)
         proc = deggs(*args, cwd=self.root, log=self._log("worker"), env=env)
         self.procs.append(proc)
         return proc
@@ -229,7 +230,8 @@ def test_three_workers_each_get_their_figures(cluster, baseline):
     the run at its start: each one's figures reach metrics.jsonl, the chunks they count
     add up to every step's, and the losses are the one-worker run's."""
     port, save = free_port(), cluster.root / "save"
-    workers = [cluster.worker(port) for _ in range(3)]
+    # retries 0.1 s apart, so that none is still pausing when the short run is over
+    workers = [cluster.worker(port, extra=("--set", "worker.retry_max_s=0.1")) for _ in range(3)]
     for worker in workers:  # up and knocking before anyone listens
         wait_until(lambda w=worker: "retrying" in log_of(w), "a worker trying to connect", [worker])
     coord = cluster.coordinator(save, STEPS, port=port)
