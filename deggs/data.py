@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 
 import numpy as np
 
 from .config import Config
+from .runtime.checkpoint import write_atomic
 
 META_FILE = "meta.json"
 TRAIN_FILE = "input.bin"
@@ -155,19 +155,8 @@ def file_sha256(path: str | Path) -> str:
     return digest.hexdigest()
 
 
-def write_atomically(path: str | Path, data: bytes) -> None:
-    """Write a small file whole or not at all: a temporary file, fsync, rename."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def write_meta(data_dir: str | Path, meta: dict) -> None:
-    write_atomically(Path(data_dir) / META_FILE, (json.dumps(meta, indent=2) + "\n").encode())
+    write_atomic(Path(data_dir) / META_FILE, (json.dumps(meta, indent=2) + "\n").encode())
 
 
 def read_meta(data_dir: str | Path) -> dict | None:

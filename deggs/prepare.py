@@ -47,9 +47,9 @@ from .data import (
     dtype_name,
     file_sha256,
     min_tokens,
-    write_atomically,
     write_meta,
 )
+from .runtime.checkpoint import write_atomic
 
 CHUNK_BYTES = 1 << 20  # text decoded and encoded at a time
 BATCH_PIECES = 4  # pieces per encode_batch call (the tokenizers library's threads share them)
@@ -258,7 +258,7 @@ def prepare(
     if not n_val:
         (out / VAL_FILE).unlink(missing_ok=True)  # a stale one would pass for this run's
     if tokenizer is not None and pieces is not None:
-        write_atomically(out / "decoding.bin", decoding_bytes(pieces))
+        write_atomic(out / "decoding.bin", decoding_bytes(pieces))
         tmp = out / (TOKENIZER_FILE + ".tmp")
         tokenizer.save(str(tmp))
         _sync_replace(tmp, out / TOKENIZER_FILE)

@@ -243,6 +243,13 @@ def check_mlp_up(b):
     return setup, launch, reference, result, g.nbytes + b.rows * 4 * b.d + 8 * b.rows
 
 
+def head_loss_reference(b, g, sb, tokens):
+    """Each member's loss from the head's GEMM output g and its input dot sb."""
+    v = b.cfg.model.vocab_size
+    lgt = projection_terms(b, "embedding", None, g, sb, v) >> b.cfg.quantization.shift_logit
+    return model.sequence_loss(b.cfg, b.tables, lgt, tokens[:, 1:].astype(np.int64))
+
+
 def check_sequence_loss(b):
     v = b.cfg.model.vocab_size
     g = b.ints(-(2**22), 2**22, (b.m, b.t, v))
@@ -258,9 +265,7 @@ def check_sequence_loss(b):
         b.gpu._loss(b.ctx, d_tok, loss)
 
     def reference():
-        out = projection_terms(b, "embedding", None, g.astype(np.int64), sb, v)
-        lgt = out >> b.cfg.quantization.shift_logit
-        return model.sequence_loss(b.cfg, b.tables, lgt, tokens[:, 1:].astype(np.int64))
+        return head_loss_reference(b, g.astype(np.int64), sb, tokens)
 
     def result():
         return loss.get()
@@ -285,8 +290,7 @@ def check_head_loss(b):
 
     def reference():
         g = model.int_matmul(y, b.weights.arrays("embedding")[0])
-        lgt = projection_terms(b, "embedding", None, g, sb, v) >> b.cfg.quantization.shift_logit
-        return model.sequence_loss(b.cfg, b.tables, lgt, tokens[:, 1:].astype(np.int64))
+        return head_loss_reference(b, g, sb, tokens)
 
     def result():
         return loss.get()

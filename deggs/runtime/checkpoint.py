@@ -35,8 +35,11 @@ import re
 import struct
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 from ..config import Config, ConfigError
 from ..ternary import check_packed, packed_size
@@ -108,13 +111,15 @@ def decode_checkpoint(data: bytes, name: str, n_pairs: int | None = None) -> Che
     return Checkpoint(step, seed, fitness)
 
 
-def write_atomic(path: str | Path, data: bytes) -> None:
-    """Replace `path` with `data` so that a crash never leaves a partial file."""
+@contextmanager
+def atomic_file(path: str | Path) -> Iterator[BinaryIO]:
+    """A file to write that replaces `path` when the block ends: whole and fsynced, or,
+    on a crash or an error, not at all (and no temporary file is left behind)."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -122,6 +127,12 @@ def write_atomic(path: str | Path, data: bytes) -> None:
         Path(tmp).unlink(missing_ok=True)
         raise
     _fsync_dir(path.parent)  # make the rename itself durable
+
+
+def write_atomic(path: str | Path, data: bytes) -> None:
+    """Replace `path` with `data` so that a crash never leaves a partial file."""
+    with atomic_file(path) as f:
+        f.write(data)
 
 
 def _fsync_dir(directory: Path) -> None:

@@ -34,7 +34,6 @@ from __future__ import annotations
 import json
 import os
 import struct
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
@@ -45,7 +44,7 @@ from ..config import Config, ConfigError
 from ..numerics.es import Trainer
 from ..numerics.optimizer import OptimizerState
 from ..numerics.params import overlay_shapes, param_shapes
-from .checkpoint import _fsync_dir, list_checkpoints, read_checkpoint, saved_config
+from .checkpoint import atomic_file, list_checkpoints, read_checkpoint, saved_config
 
 FORMAT = "deggs-model-1"
 MAX_HEADER_BYTES = 16 << 20  # the JSON header; a default model's is about 10 KiB
@@ -151,21 +150,12 @@ def save_model(
     head, arrays = _layout(model_of(trainer), str(path))
     size = len(head) + sum(array.nbytes for array in arrays)
     report = progress or (lambda done, total: None)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(head)
+    with atomic_file(path) as f:
+        f.write(head)
+        report(f.tell(), size)
+        for array in arrays:
+            f.write(array.data)
             report(f.tell(), size)
-            for array in arrays:
-                f.write(array.data)
-                report(f.tell(), size)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
     return path
 
 
