@@ -164,7 +164,7 @@ def check_qkv_rope(b):
     return setup, launch, reference, result, g.nbytes + sb.nbytes + 3 * b.rows * b.d
 
 
-def check_attention_mix(b):
+def check_attention_mix(b, tensor_cores=False):
     q, k, v = (b.ints(-127, 128, (b.m, b.t, b.d), np.int8) for _ in range(3))
     layer = b.weights.at(0)
 
@@ -172,7 +172,7 @@ def check_attention_mix(b):
         b.put("qkv", np.stack([q, k, v]))
 
     def launch():
-        b.gpu._attention_mix(b.ctx, 0)
+        b.gpu._attention_mix(b.ctx, 0, tensor_cores)
 
     def reference():
         mixed = model.attention_mix(
@@ -190,6 +190,11 @@ def check_attention_mix(b):
         return b.get("y", (b.m, b.t, b.d), np.int64), b.get("sbd", (b.m, b.t), np.int64)
 
     return setup, launch, reference, result, 4 * b.rows * b.d + 4 * b.rows
+
+
+def check_attention_mma(b):
+    """attention_mix on the tensor cores (attention.cu), against the same reference."""
+    return check_attention_mix(b, tensor_cores=True)
 
 
 def check_residual(b):

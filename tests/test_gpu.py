@@ -196,23 +196,30 @@ def test_gpu_matches_cpu_at_the_size_limits(name):
     assert np.array_equal(gpu.generate(prompt, 5), cpu.generate(prompt, 5))
 
 
+SMALL_MODEL = dict(hidden_dim=64, head_dim=32, n_layers=1, seq_len=16, vocab_size=512)
+
+
 @pytest.mark.parametrize(
     "switches",
-    [{}, dict(adaptive_noise=dict(mode=2), noise=dict(perturb_distribution="three_sample"))],
-    ids=["default", "mode 2"],
+    [
+        {},
+        dict(adaptive_noise=dict(mode=2), noise=dict(perturb_distribution="three_sample")),
+        # attention_mma over 5 query tiles (one warp takes two) and three 32-key chunks,
+        # the last padded; 80 x 2^18 x 127 >= 2^31, so its sums are 64-bit
+        dict(model=dict(SMALL_MODEL, hidden_dim=128, head_dim=64, seq_len=80)),
+    ],
+    ids=["default", "mode 2", "seq 80, 64-bit attention sums"],
 )
 def test_every_kernel_matches_its_cpu_reference(switches):
     """scripts/kernels.py: each kernel alone, bit-exact with the CPU specification."""
     import kernels as harness
 
     cfg = Config().replace(
-        model=dict(hidden_dim=64, head_dim=32, n_layers=1, seq_len=16, vocab_size=512),
-        training=dict(population_size=8, chunk_size=8),
-        **switches,
+        **{"model": SMALL_MODEL, "training": dict(population_size=8, chunk_size=8), **switches}
     )
     lines = []
     ok = harness.run(cfg, sorted(harness.CHECKS), members=6, repeats=1, out=lines.append)
-    assert ok and len(lines) == len(harness.CHECKS) == 11, "\n".join(lines)
+    assert ok and len(lines) == len(harness.CHECKS) == 12, "\n".join(lines)
 
 
 def test_validation_logits_match_cpu():

@@ -54,7 +54,7 @@ def test_every_kernel_signature_is_read_from_the_shipped_sources():
     assert set(kernels) == set(
         re.findall(r'extern "C" __global__ void (?:__launch_bounds__\(.*?\)\s*)?(\w+)\(', source)
     )
-    assert len(kernels) == 14 and set(shared_memory(Config())) <= set(kernels)
+    assert len(kernels) == 15 and set(shared_memory(Config())) <= set(kernels)
     embed = {p.name: p for p in kernels["embed"]}
     assert embed["tokens"].pointer and embed["tokens"].dtype is np.int32
     assert not embed["off_emb"].pointer and embed["off_emb"].dtype is np.uint32
@@ -95,12 +95,20 @@ def test_head_loss_fits_two_blocks_an_sm_at_the_default_and_gives_way_when_too_b
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc on this machine")
 @pytest.mark.parametrize(
     "model",
-    [{}, dict(hidden_dim=64, head_dim=32, seq_len=8, vocab_size=1000)],
-    ids=["default", "tiny, vocabulary not a multiple of a tile"],
+    [
+        {},
+        dict(hidden_dim=64, head_dim=32, seq_len=8, vocab_size=1000),
+        dict(hidden_dim=2048, head_dim=128, seq_len=256, vocab_size=65536),
+    ],
+    ids=[
+        "default",
+        "tiny, vocabulary not a multiple of a tile",
+        "the largest, attention sums in 64 bits",
+    ],
 )
 def test_the_sources_compile_for_hopper_without_spills(model, tmp_path):
-    """nvcc compiles what NVRTC will (no GPU needed); head_loss keeps to the 128 registers
-    its __launch_bounds__ allows two blocks an SM, with nothing spilled."""
+    """nvcc compiles what NVRTC will (no GPU needed); the tensor-core kernels keep to
+    the 128 registers their __launch_bounds__ allow, with nothing spilled."""
     cfg = config(**model)
     source = tmp_path / "deggs.cu"
     source.write_text(kernel_source())
@@ -112,6 +120,7 @@ def test_the_sources_compile_for_hopper_without_spills(model, tmp_path):
         text=True,
     )
     assert run.returncode == 0, run.stderr
-    usage = run.stderr.split("Function properties for head_loss")[1].splitlines()[1:3]
-    assert "0 bytes spill stores" in usage[0], usage
-    assert int(re.search(r"Used (\d+) registers", usage[1]).group(1)) <= 128, usage
+    for kernel in ("head_loss", "attention_mma"):
+        usage = run.stderr.split(f"Function properties for {kernel}")[1].splitlines()[1:3]
+        assert "0 bytes spill stores" in usage[0], (kernel, usage)
+        assert int(re.search(r"Used (\d+) registers", usage[1]).group(1)) <= 128, (kernel, usage)

@@ -14,7 +14,9 @@ Structure (kernels/*.cu, KERNEL_FILES; kernels named after model.py's functions)
 - except the head: in training, head_loss.cu computes the logits on the int8 tensor
   cores and the loss in the same kernel, so no logit is written (the unfused pair,
   cuBLAS then sequence_loss, remains for validation logits, for generation and where
-  the kernel's tiles do not fit the device's shared memory);
+  the kernel's tiles do not fit the device's shared memory); and attention, whose
+  scores and mix run on the int8 tensor cores (attention.cu) where head_dim is a
+  multiple of 32 (elsewhere attention_mix, on CUDA cores);
 - the update builds, per matrix, the pairs' noise as int8 matrices [index, pair] (the
   output side times the ternary fitness) and gets every vote with one int8 GEMM, then
   runs the quantised AdamW step and the overlay update in elementwise kernels. The whole
@@ -59,9 +61,17 @@ except Exception:  # pragma: no cover - depends on the machine
     cp = None
 
 
-KERNEL_FILES = ("common.cuh", "forward.cu", "head_loss.cu", "generate.cu", "update.cu")
+KERNEL_FILES = (
+    "common.cuh",
+    "forward.cu",
+    "attention.cu",
+    "head_loss.cu",
+    "generate.cu",
+    "update.cu",
+)
 NT = 256  # threads of the row kernels
 ATT_SPLIT = 2  # attention_mix: threads per query, each accumulating 1/ATT_SPLIT of a head
+ATT_WARPS = 4  # attention_mma: at most this many warps a block, 16 queries a warp at a time
 LOSS_REGISTER_LPT = 16  # sequence_loss keeps up to this many logits a thread in registers
 # (more read the logits twice: 20% faster at vocab 8192, where 32 in registers cut occupancy)
 TILE_WARPS, TILE_N = 8, 64  # head_loss: 32 rows a warp, vocabulary tiles of 64 embedding rows
@@ -137,6 +147,7 @@ def kernel_defines(cfg: Config, tables) -> dict[str, int]:
         SAMPLE_STRIDE=SAMPLE_STRIDE,
         NT=NT,
         ATT_SPLIT=ATT_SPLIT,
+        ATT_WARPS=min(ATT_WARPS, -(-m.seq_len // 16)),
         TILE_WARPS=TILE_WARPS,
         TILE_N=TILE_N,
         EXP_MAX=lut0,
@@ -153,6 +164,14 @@ def head_loss_shared(cfg: Config, warps: int = TILE_WARPS) -> int:
     members = rows // m.seq_len if rows % m.seq_len == 0 else rows // m.seq_len + 2
     tiles = (rows + 2 * TILE_N) * (m.hidden_dim + 16)
     return tiles + 4 * (2 * members * TILE_N + cfg.softmax.lut_size)
+
+
+def attention_shared(cfg: Config) -> int:
+    """Bytes of dynamic shared memory of attention_mma (attention.cu's layout): the
+    head's keys and its transposed values (keys padded to 32), the exp table, o's input
+    noise and factors."""
+    keys, d = -(-cfg.model.seq_len // 32) * 32, cfg.model.head_dim
+    return keys * (d + 16) + d * (keys + 16) + 4 * cfg.softmax.lut_size + 8 * d
 
 
 def supports(cfg: Config, shared_optin: int) -> list[str]:
@@ -322,6 +341,10 @@ class GpuBackend:
         self.fused = shared <= optin if fused is None else fused
         if self.fused:
             self.dynamic_shared["head_loss"] = shared
+        # Attention on the tensor cores (attention.cu) where a head fills whole MMAs.
+        self.tensor_attention = m.head_dim % 32 == 0 and attention_shared(cfg) <= optin
+        if self.tensor_attention:
+            self.dynamic_shared["attention_mma"] = attention_shared(cfg)
         for name, size in self.dynamic_shared.items():
             if size > STATIC_SHARED - shared_memory(cfg).get(name, (0, 0))[1]:
                 self.kernels[name].function.max_dynamic_shared_size_bytes = size
@@ -690,7 +713,7 @@ class GpuBackend:
             self._project(w, buf["y"], buf["g"][i * d :], d, r, d, ldc=3 * d)
         self._qkv(ctx, layer, start)
         if cache is None:
-            self._attention_mix(ctx, layer)
+            self._attention_mix(ctx, layer, self.tensor_attention)
         else:
             self._cached_attention(ctx, cache, start)
         self._project(self._param("w_o", layer)[0], buf["y"], buf["g"], d, r, d)
@@ -728,15 +751,19 @@ class GpuBackend:
             rows=r,
         )
 
-    def _attention_mix(self, ctx, layer):
-        """q, k, v of buf["qkv"] -> mixed values in buf["y"], their o-input dot in buf["sbd"]."""
+    def _attention_mix(self, ctx, layer, tensor_cores=False):
+        """q, k, v of buf["qkv"] -> mixed values in buf["y"], their o-input dot in
+        buf["sbd"]: attention_mix on CUDA cores, attention_mma on the tensor cores."""
         buf, seeds, signs, nb, seq, r = ctx
         q, k, v = self._qkv_parts(ctx)
         _, (ov_o_in, _), (_, o_b) = self._param("w_o", layer)
         cp.cuda.runtime.memsetAsync(buf["sbd"].data.ptr, 0, r * 4, cp.cuda.get_current_stream().ptr)
-        threads = (self.defines["ATT_SPLIT"] * seq + 31) // 32 * 32
+        if tensor_cores:
+            name, threads = "attention_mma", 32 * self.defines["ATT_WARPS"]
+        else:
+            name, threads = "attention_mix", (self.defines["ATT_SPLIT"] * seq + 31) // 32 * 32
         self._launch(
-            "attention_mix",
+            name,
             (nb, self.cfg.model.n_heads),
             (threads,),
             q=q,

@@ -96,6 +96,18 @@ __device__ __forceinline__ int output_term(int sb, int av, int sign) {
     return ((int)p) >> MSHIFT;
 }
 
+// C's truncating n / d for 1 <= d < 2^10, given inverse = 1/d rounded: where |n| < 2^22
+// the float quotient is within 1/2 of n / d, so truncating it is off by at most one,
+// which the remainder corrects; about half the instructions of a general division.
+__device__ __forceinline__ int divide(int n, int d, float inverse) {
+    if (n >= (1 << 22) || n <= -(1 << 22)) return n / d;
+    int quotient = __float2int_rz(__fmul_rn(__int2float_rn(n), inverse));
+    const int r = n - quotient * d;
+    if (n >= 0) quotient += (r >= d) - (r < 0);
+    else quotient -= (r <= -d) - (r > 0);
+    return quotient;
+}
+
 __device__ __forceinline__ int wrap_add(int a, int b) { return (int)((u32)a + (u32)b); }
 __device__ __forceinline__ int clip8(int v) { return v > MAXV ? MAXV : (v < -MAXV ? -MAXV : v); }
 
@@ -186,4 +198,26 @@ __device__ __forceinline__ void max_abs_normalize_row(const int* buf, i8* out) {
         int v = (int)fmaxf(-127.0f, fminf(127.0f, r));
         out[f] = (i8)v;
     }
+}
+
+// --- int8 tensor cores (sm_80+): D = A B + D, m16n8k32, A row-major, B column-major ----
+// Fragments (g = lane / 4, tig = lane % 4): a[0] row g, k = 4 tig..+3; a[1] row g + 8;
+// a[2], a[3] the same rows at k + 16. b[0] column g, k = 4 tig..+3; b[1] at k + 16.
+// c[0], c[1] row g, columns 2 tig, 2 tig + 1; c[2], c[3] row g + 8.
+
+__device__ __forceinline__ void mma_s8(int* c, const u32* a, const u32* b) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// The same with A unsigned (bytes 0..255).
+__device__ __forceinline__ void mma_u8s8(int* c, const u32* a, const u32* b) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }

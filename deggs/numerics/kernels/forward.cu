@@ -60,13 +60,17 @@ extern "C" __global__ void standard_norm(const i8* x, i8* y, const u32* seeds, c
     const int sign = signs[m];
     const i8* ovs[3] = {ov0, ov1, ov2};
     const u32 offs[3] = {off0, off1, off2};
+    // Loops over the dots run to 3 with a test, unrolled: runtime-indexed arrays would
+    // live in local memory, read and written for every element.
     for (int f = threadIdx.x; f < HIDDEN; f += blockDim.x) {
         s_w[f] = w[f] + vector_noise(ov_w, seed, w_a, w_b, f, sign);
         s_bias[f] = b[f] + vector_noise(ov_b, seed, b_a, b_b, f, sign);
-        for (int p = 0; p < ndots; p++) {
-            s_n[p * HIDDEN + f] = noise(seed + offs[p], f);
-            s_f[p * HIDDEN + f] = adaptive_factor(ovs[p], seed + offs[p], f);
-        }
+#pragma unroll
+        for (int p = 0; p < 3; p++)
+            if (p < ndots) {
+                s_n[p * HIDDEN + f] = noise(seed + offs[p], f);
+                s_f[p * HIDDEN + f] = adaptive_factor(ovs[p], seed + offs[p], f);
+            }
     }
     __syncthreads();
     for (int t = WARP; t < seq; t += NWARPS) {
@@ -81,18 +85,23 @@ extern "C" __global__ void standard_norm(const i8* x, i8* y, const u32* seeds, c
         }
         int mean = (int)(warp_sum_u32(s) / HIDDEN);
         if (mean == 0) mean = 1;
+        const float inverse = __frcp_rn(__int2float_rn(mean));
         u32 dots[3] = {0u, 0u, 0u};
 #pragma unroll
         for (int i = 0; i < FPL; i++) {
             const int f = LANE + 32 * i;
-            const int v = clip8((xv[i] * s_w[f]) / mean + s_bias[f]);
+            const int v = clip8(divide(xv[i] * s_w[f], mean, inverse) + s_bias[f]);
             y[row * HIDDEN + f] = (i8)v;
-            for (int p = 0; p < ndots; p++) dots[p] += (u32)scaled(v * s_n[p * HIDDEN + f], s_f[p * HIDDEN + f]);
+#pragma unroll
+            for (int p = 0; p < 3; p++)
+                if (p < ndots) dots[p] += (u32)scaled(v * s_n[p * HIDDEN + f], s_f[p * HIDDEN + f]);
         }
-        for (int p = 0; p < ndots; p++) {
-            const u32 total = warp_sum_u32(dots[p]);
-            if (LANE == 0) sb[(long)p * rows + row] = (int)total;
-        }
+#pragma unroll
+        for (int p = 0; p < 3; p++)
+            if (p < ndots) {
+                const u32 total = warp_sum_u32(dots[p]);
+                if (LANE == 0) sb[(long)p * rows + row] = (int)total;
+            }
     }
 }
 

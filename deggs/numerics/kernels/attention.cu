@@ -1,0 +1,198 @@
+// attention_mma: attention_mix (forward.cu) on the int8 tensor cores.
+//
+// attention_mix spends its time on CUDA-core dot products: every query's scores twice
+// (peak, then weights) and a multiply-add per key and dimension for the mix. Here a
+// block per (member, head) keeps the head's keys and values in shared memory and its
+// warps take tiles of 16 queries. Per tile and 32-key chunk, the scores S = Q K^T are
+// mma.sync products (m16n8k32, int8 in, int32 out); pass 1 finds each query's peak,
+// pass 2 recomputes S (cheaper than keeping it) and turns it into LUT weights. A weight
+// is at most EXP_MAX (2^18 at the default), too wide for an int8 operand, so the mix
+// W V runs once per byte of the weights (ATT_PLANES unsigned byte planes, u8 x s8 MMAs)
+// and acc = sum_p (W_p V) << 8 p. Integer sums are exact in any order (ATTN_ACC_LL picks
+// 64 bits where the sum could pass 2^31, as attention_mix does); the division, the clip
+// and the o-projection's input dot are attention_mix's, so the two agree bit for bit.
+//
+// The mix sums over keys, so within a chunk the keys may be taken in any order both
+// operands agree on: the weights stay where S's accumulator fragment put them (thread
+// tig of a quad holds keys 8 j + 2 tig + e, j < 4, e < 2) and become the A fragment as
+// they are, and the values are stored transposed with each key at that slot (key_slot).
+//
+// Needs HEAD_DIM % 32 == 0; defines ATT_WARPS (warps a block) and EXP_MAX;
+// gpu.attention_shared() sizes the dynamic shared memory from the layout below.
+
+#define ATT_TILES ((SEQ + 15) / 16)      // 16-query tiles of a sequence
+#define ATT_KEYS ((SEQ + 31) / 32 * 32)  // keys, padded to whole 32-key chunks (zeros)
+#define ATT_LDK (HEAD_DIM + 16)          // bytes a key row, a value column in shared
+#define ATT_LDV (ATT_KEYS + 16)          // memory: the padding spreads a fragment's
+                                         // 32 loads over the 32 banks
+#define ATT_PLANES (EXP_MAX < 256 ? 1 : EXP_MAX < 65536 ? 2 : EXP_MAX < 16777216 ? 3 : 4)
+#define ATT_DG (ATTN_ACC_LL || HEAD_DIM < 64 ? 32 : 64)  // value dimensions a pass mixes
+
+// Where key s (< 32) of a chunk sits in the A fragment of the mix, as a k index.
+__device__ __forceinline__ int key_slot(int s) {
+    const int j = s >> 3, r = s & 7;  // r = 2 tig + e
+    return (j >> 1) * 16 + (r >> 1) * 4 + (j & 1) * 2 + (r & 1);
+}
+
+// Byte `p` of four weights, packed into one fragment register (sel = p | (4 + p) << 4).
+__device__ __forceinline__ u32 byte_plane(u32 w0, u32 w1, u32 w2, u32 w3, u32 sel) {
+    return __byte_perm(__byte_perm(w0, w1, sel), __byte_perm(w2, w3, sel), 0x5410);
+}
+
+extern "C" __global__ void __launch_bounds__(32 * ATT_WARPS, 16 / ATT_WARPS)
+attention_mma(const i8* q, const i8* k, const i8* v, i8* mixed, int* sb_o, const u32* seeds,
+              const i8* ov_o_in, u32 o_b, const int* exp_tab) {
+    extern __shared__ __align__(16) unsigned char attention_shared[];
+    i8* s_k = (i8*)attention_shared;                // [ATT_KEYS][ATT_LDK]
+    i8* s_vt = s_k + ATT_KEYS * ATT_LDK;             // [HEAD_DIM][ATT_LDV], key_slot order
+    int* s_exp = (int*)(s_vt + HEAD_DIM * ATT_LDV);  // [LUT_SIZE]
+    int* s_bn = s_exp + LUT_SIZE;                    // [HEAD_DIM] o's input noise
+    float* s_bf = (float*)(s_bn + HEAD_DIM);         // [HEAD_DIM] and its factor
+    const int m = blockIdx.x, h = blockIdx.y;
+    const u32 seed = seeds[m];
+    const long head = (long)m * SEQ * HIDDEN + h * HEAD_DIM;  // (member, position 0, head)
+
+    for (int i = threadIdx.x; i < ATT_KEYS * (HEAD_DIM / 16); i += blockDim.x) {
+        const int s = i / (HEAD_DIM / 16), c = (i % (HEAD_DIM / 16)) * 16;
+        int4 kk = make_int4(0, 0, 0, 0), vv = kk;
+        if (s < SEQ) {
+            kk = *(const int4*)(k + head + (long)s * HIDDEN + c);
+            vv = *(const int4*)(v + head + (long)s * HIDDEN + c);
+        }
+        *(int4*)(s_k + s * ATT_LDK + c) = kk;
+        const int slot = (s & ~31) + key_slot(s & 31);
+        const u32 words[4] = {(u32)vv.x, (u32)vv.y, (u32)vv.z, (u32)vv.w};
+#pragma unroll
+        for (int e = 0; e < 16; e++) s_vt[(c + e) * ATT_LDV + slot] = (i8)(words[e >> 2] >> (8 * (e & 3)));
+    }
+    for (int i = threadIdx.x; i < LUT_SIZE; i += blockDim.x) s_exp[i] = exp_tab[i];
+    for (int i = threadIdx.x; i < HEAD_DIM; i += blockDim.x) {
+        s_bn[i] = noise(seed + o_b, h * HEAD_DIM + i);
+        s_bf[i] = adaptive_factor(ov_o_in, seed + o_b, h * HEAD_DIM + i);
+    }
+    __syncthreads();
+
+    const int lane = threadIdx.x & 31, g = lane >> 2, tig = lane & 3;
+    for (int tile = threadIdx.x >> 5; tile < ATT_TILES; tile += ATT_WARPS) {
+        const int tq[2] = {tile * 16 + g, tile * 16 + g + 8};  // the thread's two queries
+        u32 qa[HEAD_DIM / 32][4];  // Q's A fragments
+#pragma unroll
+        for (int kc = 0; kc < HEAD_DIM / 32; kc++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                const int t = tq[i & 1];
+                const i8* p = q + head + (long)t * HIDDEN + kc * 32 + 4 * tig + 16 * (i >> 1);
+                qa[kc][i] = t < SEQ ? *(const u32*)p : 0u;
+            }
+        const int chunks = min(tile * 16 + 15, SEQ - 1) / 32 + 1;
+
+        // sc[j][i]: score of key 32 c + 8 j + 2 tig + (i & 1) for query tq[i >> 1].
+        auto scores = [&](int (&sc)[4][4], int c) {
+#pragma unroll
+            for (int j = 0; j < 4; j++)
+#pragma unroll
+                for (int i = 0; i < 4; i++) sc[j][i] = 0;
+#pragma unroll
+            for (int kc = 0; kc < HEAD_DIM / 32; kc++)
+#pragma unroll
+                for (int j = 0; j < 4; j++) {
+                    const i8* p = s_k + (c * 32 + 8 * j + g) * ATT_LDK + kc * 32 + 4 * tig;
+                    const u32 b[2] = {*(const u32*)p, *(const u32*)(p + 16)};
+                    mma_s8(sc[j], qa[kc], b);
+                }
+        };
+#define ATT_KEY(c, j, i) ((c) * 32 + 8 * (j) + 2 * tig + ((i) & 1))
+
+        int top[2] = {INT_MIN_, INT_MIN_};  // pass 1: the peaks, then peak >> SHIFT_ATTN
+        for (int c = 0; c < chunks; c++) {
+            int sc[4][4];
+            scores(sc, c);
+#pragma unroll
+            for (int j = 0; j < 4; j++)
+#pragma unroll
+                for (int i = 0; i < 4; i++)
+                    if (ATT_KEY(c, j, i) <= tq[i >> 1]) top[i >> 1] = max(top[i >> 1], sc[j][i]);
+        }
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            int p = max(top[r], __shfl_xor_sync(0xffffffffu, top[r], 1));
+            p = max(p, __shfl_xor_sync(0xffffffffu, p, 2));
+            top[r] = p >> SHIFT_ATTN;
+        }
+
+        u32 total[2] = {0u, 0u};  // the weights' sums (int in attention_mix: wraps alike)
+        for (int d0 = 0; d0 < HEAD_DIM; d0 += ATT_DG) {
+            attn_acc acc[ATT_DG / 8][4];
+#pragma unroll
+            for (int nt = 0; nt < ATT_DG / 8; nt++)
+#pragma unroll
+                for (int i = 0; i < 4; i++) acc[nt][i] = 0;
+            for (int c = 0; c < chunks; c++) {
+                int sc[4][4];
+                scores(sc, c);
+                u32 w[4][4];
+#pragma unroll
+                for (int j = 0; j < 4; j++)
+#pragma unroll
+                    for (int i = 0; i < 4; i++) {
+                        int idx = top[i >> 1] - (sc[j][i] >> SHIFT_ATTN);
+                        idx = idx < 0 ? 0 : (idx > LUT_SIZE - 1 ? LUT_SIZE - 1 : idx);
+                        w[j][i] = ATT_KEY(c, j, i) <= tq[i >> 1] ? (u32)s_exp[idx] : 0u;
+                        if (d0 == 0) total[i >> 1] += w[j][i];
+                    }
+#pragma unroll
+                for (int p = 0; p < ATT_PLANES; p++) {
+                    const u32 sel = p | ((4 + p) << 4);
+                    const u32 a[4] = {byte_plane(w[0][0], w[0][1], w[1][0], w[1][1], sel),
+                                      byte_plane(w[0][2], w[0][3], w[1][2], w[1][3], sel),
+                                      byte_plane(w[2][0], w[2][1], w[3][0], w[3][1], sel),
+                                      byte_plane(w[2][2], w[2][3], w[3][2], w[3][3], sel)};
+#pragma unroll
+                    for (int nt = 0; nt < ATT_DG / 8; nt++) {
+                        const i8* pb = s_vt + (d0 + nt * 8 + g) * ATT_LDV + c * 32 + 4 * tig;
+                        const u32 b[2] = {*(const u32*)pb, *(const u32*)(pb + 16)};
+                        int part[4] = {0, 0, 0, 0};
+                        mma_u8s8(part, a, b);
+#pragma unroll
+                        for (int i = 0; i < 4; i++)
+#if ATTN_ACC_LL
+                            acc[nt][i] += (long long)part[i] * (1ll << (8 * p));
+#else
+                            acc[nt][i] = (int)((u32)acc[nt][i] + ((u32)part[i] << (8 * p)));
+#endif
+                    }
+                }
+            }
+            if (d0 == 0)
+#pragma unroll
+                for (int r = 0; r < 2; r++) {
+                    total[r] += __shfl_xor_sync(0xffffffffu, total[r], 1);
+                    total[r] += __shfl_xor_sync(0xffffffffu, total[r], 2);
+                    if (total[r] == 0u) total[r] = 1u;
+                }
+
+            // Epilogue: the thread's two queries, dimensions d0 + 8 nt + 2 tig + (0, 1).
+            u32 dot[2] = {0u, 0u};
+#pragma unroll
+            for (int nt = 0; nt < ATT_DG / 8; nt++)
+#pragma unroll
+                for (int r = 0; r < 2; r++) {
+                    const int d = d0 + nt * 8 + 2 * tig;
+                    const attn_acc div = (attn_acc)(int)total[r];
+                    const int v0 = clip8((int)(acc[nt][2 * r] / div));
+                    const int v1 = clip8((int)(acc[nt][2 * r + 1] / div));
+                    dot[r] += (u32)scaled(v0 * s_bn[d], s_bf[d]) + (u32)scaled(v1 * s_bn[d + 1], s_bf[d + 1]);
+                    if (tq[r] < SEQ)
+                        *(unsigned short*)(mixed + head + (long)tq[r] * HIDDEN + d) =
+                            (unsigned short)((v0 & 255) | ((v1 & 255) << 8));
+                }
+#pragma unroll
+            for (int r = 0; r < 2; r++) {
+                u32 total_dot = dot[r] + __shfl_xor_sync(0xffffffffu, dot[r], 1);
+                total_dot += __shfl_xor_sync(0xffffffffu, total_dot, 2);
+                if (tig == 0 && tq[r] < SEQ) atomicAdd((u32*)&sb_o[(long)m * SEQ + tq[r]], total_dot);
+            }
+        }
+#undef ATT_KEY
+    }
+}
