@@ -65,6 +65,7 @@ KERNEL_FILES = (
     "common.cuh",
     "forward.cu",
     "attention.cu",
+    "tiles.cuh",
     "head_loss.cu",
     "generate.cu",
     "update.cu",

@@ -11,103 +11,8 @@
 // operation is sequence_loss's: the two agree bit for bit (scripts/kernels.py checks
 // both against the CPU).
 //
-// Needs HIDDEN % 32 == 0 and defines TILE_WARPS, TILE_N (64), EXP_MAX (the exp table's
-// largest entry); gpu.head_loss_shared() sizes the dynamic shared memory from the layout.
-
-#define TILE_M (32 * TILE_WARPS)            // rows of a block
-#define TILE_LD (HIDDEN + 16)               // bytes per row in shared memory: the padding
-                                            // makes the fragment loads conflict-free
-#define TILE_PIECES (HIDDEN / 16)           // 16-byte pieces of a row
-// Members a block's rows can belong to (rows start at a multiple of TILE_M).
-#define TILE_MEMBERS (TILE_M % SEQ == 0 ? TILE_M / SEQ : TILE_M / SEQ + 2)
-#define ONE_MEMBER_A_WARP (SEQ % 32 == 0)  // then a thread's four rows share a member
-// __launch_bounds__(TILE_M, 16 / TILE_WARPS): 16 warps an SM, at most 128 registers each
-
-__device__ __forceinline__ void copy16_async(void* shared, const void* global) {
-    const u32 to = (u32)__cvta_generic_to_shared(shared);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(to), "l"(global));
-}
-
-__device__ __forceinline__ void copy_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-
-template <int N>
-__device__ __forceinline__ void copy_wait() {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
-
-// Rows [first, first + n) of a K-contiguous int8 matrix into shared rows of TILE_LD
-// bytes, asynchronously; rows at or past `valid` are zeros.
-__device__ __forceinline__ void rows_to_shared(i8* to, const i8* from, int first, int n, int valid) {
-    for (int i = threadIdx.x; i < n * TILE_PIECES; i += blockDim.x) {
-        const int r = i / TILE_PIECES, c = (i % TILE_PIECES) * 16;
-        i8* dst = to + r * TILE_LD + c;
-        if (first + r < valid)
-            copy16_async(dst, from + (long)(first + r) * HIDDEN + c);
-        else
-            *(int4*)dst = make_int4(0, 0, 0, 0);
-    }
-}
-
-// c = the warp's 32 rows of s_a times the TILE_N rows of s_b (both TILE_LD apart), K =
-// HIDDEN. Accumulator c[s >> 1][nt][2 (s & 1) + j] is the thread's row 8 s + g (of the
-// warp's) and tile column 8 nt + 2 tig + j, with g = lane / 4, tig = lane % 4.
-__device__ __forceinline__ void warp_tile_product(int (&c)[2][TILE_N / 8][4], const i8* s_a,
-                                                  const i8* s_b) {
-    const int lane = threadIdx.x & 31, g = lane >> 2, tig = lane & 3;
-#pragma unroll
-    for (int mt = 0; mt < 2; mt++)
-#pragma unroll
-        for (int nt = 0; nt < TILE_N / 8; nt++)
-#pragma unroll
-            for (int i = 0; i < 4; i++) c[mt][nt][i] = 0;
-    const i8* a_rows = s_a + ((threadIdx.x >> 5) * 32 + g) * TILE_LD + tig * 4;
-    const i8* b_rows = s_b + g * TILE_LD + tig * 4;
-#pragma unroll 2
-    for (int k = 0; k < HIDDEN; k += 32) {
-        u32 a[2][4];
-#pragma unroll
-        for (int mt = 0; mt < 2; mt++) {
-            const i8* p = a_rows + mt * 16 * TILE_LD + k;
-            a[mt][0] = *(const u32*)p;
-            a[mt][1] = *(const u32*)(p + 8 * TILE_LD);
-            a[mt][2] = *(const u32*)(p + 16);
-            a[mt][3] = *(const u32*)(p + 8 * TILE_LD + 16);
-        }
-#pragma unroll
-        for (int nt = 0; nt < TILE_N / 8; nt++) {
-            const i8* q = b_rows + nt * 8 * TILE_LD + k;
-            const u32 b[2] = {*(const u32*)q, *(const u32*)(q + 16)};
-            mma_s8(c[0][nt], a[0], b);
-            mma_s8(c[1][nt], a[1], b);
-        }
-    }
-}
-
-// The thread's four rows (row0 + warp * 32 + 8 s + g): their input dot times their
-// member's sign (u32: wraps as the CPU's int32), their member counted from the block's
-// first (m0), and whether they exist.
-struct ThreadRows {
-    u32 sbs[4];
-    int member[4];
-    bool valid[4];
-    __device__ __forceinline__ ThreadRows(const int* sb, const int* signs, int row0, int m0, int rows) {
-#pragma unroll
-        for (int s = 0; s < 4; s++) {
-            const int row = row0 + (threadIdx.x >> 5) * 32 + 8 * s + ((threadIdx.x & 31) >> 2);
-            valid[s] = row < rows;
-            const int m = valid[s] ? row / SEQ : m0;
-            member[s] = m - m0;
-            sbs[s] = valid[s] ? (u32)sb[row] * (u32)signs[m] : 0u;
-        }
-    }
-    // A per-member table entry of row s (a thread's rows share it when ONE_MEMBER_A_WARP).
-    template <typename T>
-    __device__ __forceinline__ T of(const T* table, int s, int col) const {
-        return table[(ONE_MEMBER_A_WARP ? member[0] : member[s]) * TILE_N + col];
-    }
-};
-
-__device__ __forceinline__ int rank1_term(u32 sbs, int av) { return ((int)(sbs * (u32)av)) >> MSHIFT; }
+// Built on tiles.cuh; needs EXP_MAX (the exp table's largest entry);
+// gpu.head_loss_shared() sizes the dynamic shared memory from the layout.
 
 // Two sweeps of the vocabulary:
 //   pass 1: the row's peak, max_j (g_j + term_j), shifted once at the end (an arithmetic
@@ -141,17 +46,12 @@ head_loss(const i8* y, const i8* emb_t, const int* sb, const int* tokens, const 
     for (int i = threadIdx.x; i < LUT_SIZE; i += blockDim.x) s_exp[i] = exp_tab[i];
     const ThreadRows mine(sb, signs, row0, m0, rows);
 
-    // One tile's embedding rows (async) and its members' output noise av = (int)(a * f).
+    // One tile's embedding rows (async) and its members' output noise.
     auto load_tile = [&](int tile, int buf) {
-        const int v0 = tile * TILE_N;
-        rows_to_shared(s_b + buf * TILE_N * TILE_LD, emb_t, v0, TILE_N, VOCAB);
+        rows_to_shared(s_b + buf * TILE_N * TILE_LD, emb_t, tile * TILE_N, TILE_N, VOCAB);
         copy_commit();
-        int* av = s_av + buf * TILE_MEMBERS * TILE_N;
-        for (int i = threadIdx.x; i < n_members * TILE_N; i += blockDim.x) {
-            const int j = v0 + i % TILE_N;
-            const u32 seed = seeds[m0 + i / TILE_N] + off_a;
-            av[i] = j < VOCAB ? scaled(noise(seed, j), adaptive_factor(ov_out, seed, j)) : 0;
-        }
+        tile_noise(s_av + buf * TILE_MEMBERS * TILE_N, n_members, m0, seeds, off_a, ov_out,
+                   tile * TILE_N, VOCAB);
     };
 
     int peak[4];
@@ -160,18 +60,7 @@ head_loss(const i8* y, const i8* emb_t, const int* sb, const int* tokens, const 
     for (int s = 0; s < 4; s++) peak[s] = INT_MIN_;
 
     for (int pass = 0; pass < 2; pass++) {
-        load_tile(0, 0);
-        for (int tile = 0; tile < tiles; tile++) {
-            const int buf = tile & 1;
-            if (tile + 1 < tiles) {
-                load_tile(tile + 1, buf ^ 1);
-                copy_wait<1>();
-            } else {
-                copy_wait<0>();
-            }
-            __syncthreads();
-            int c[2][TILE_N / 8][4];
-            warp_tile_product(c, s_a, s_b + buf * TILE_N * TILE_LD);
+        sweep(tiles, s_a, s_b, load_tile, [&](int (&c)[2][TILE_N / 8][4], int tile, int buf) {
             const int* av = s_av + buf * TILE_MEMBERS * TILE_N;
             const int v0 = tile * TILE_N;
 #if TOTAL32
@@ -202,8 +91,7 @@ head_loss(const i8* y, const i8* emb_t, const int* sb, const int* tokens, const 
 #pragma unroll
                 for (int s = 0; s < 4; s++) total[s] += part[s];
 #endif
-            __syncthreads();  // before the next load overwrites this buffer
-        }
+        });
         if (pass == 0) {  // the quad of threads holding a row shares its peak
 #pragma unroll
             for (int s = 0; s < 4; s++) {
