@@ -9,8 +9,8 @@ Structure (kernels/*.cu, KERNEL_FILES; kernels named after model.py's functions)
 - every integer matrix product is one cuBLAS int8 x int8 -> int32 GEMM (exact: int32
   accumulation of int8 products), weights stored transposed Wt[out, in];
 - the per-member rank-1 terms, norms, RoPE, attention, GELU table, residuals and the
-  integer cross-entropy are fused into a few row kernels, one thread block per member,
-  which regenerate each member's noise by hashing;
+  integer cross-entropy are fused into a few row kernels, one thread block per member
+  (attention: per member and head), which regenerate each member's noise by hashing;
 - except the head: in training, head_loss.cu computes the logits on the int8 tensor
   cores and the loss in the same kernel, so no logit is written (the unfused pair,
   cuBLAS then sequence_loss, remains for validation logits, for generation and where
