@@ -20,31 +20,19 @@ from pathlib import Path
 import numpy as np
 import pytest
 import sync
+from tiny import tiny_config, toml_of
 
 from deggs.runtime import checkpoint as ckpt
 from deggs.ternary import pack_trits
 from golden import golden_config
 from golden import tokens as golden_tokens
 
-TINY = """
-[model]
-hidden_dim = 32
-head_dim = 32
-n_layers = 1
-seq_len = 8
-vocab_size = 256
-
-[training]
-population_size = 64
-chunk_size = 16
-
-[coordinator]
-straggler_timeout_s = 2
-disk_retry_s = 1
-
-[worker]
-retry_max_s = 0.5
-"""
+TINY_CFG = tiny_config(
+    training=dict(population_size=64, chunk_size=16),
+    coordinator=dict(straggler_timeout_s=2, disk_retry_s=1),
+    worker=dict(retry_max_s=0.5),
+)
+TINY = toml_of(TINY_CFG)
 STEPS = 6
 CHAOS_STEPS = 20
 TIMEOUT_S = 120
@@ -238,7 +226,7 @@ def test_three_workers_each_get_their_figures(cluster, baseline):
     out = cluster.finish(coord)
     assert losses(save) == first(STEPS, baseline)
     records = ckpt.read_metrics(save)
-    n_chunks = 64 // 16  # TINY's population over its chunk size
+    n_chunks = TINY_CFG.training.population_size // TINY_CFG.training.chunk_size
     for r in records:
         figures = r["workers"].values()
         assert sum(w["chunks"] for w in figures) == n_chunks, r["workers"]
@@ -411,15 +399,6 @@ def test_metrics_lines_are_json(cluster):
     assert [json.loads(line)["step"] for line in lines] == [0]
 
 
-def toml_of(cfg) -> str:
-    """A config as config.toml text (JSON arrays and numbers are valid TOML)."""
-    lines = []
-    for table, values in cfg.to_dict().items():
-        lines.append(f"[{table}]")
-        lines += [f"{key} = {json.dumps(value)}" for key, value in values.items()]
-    return "\n".join(lines) + "\n"
-
-
 def test_a_cluster_trains_as_the_reference_did(tmp_path, golden_path):
     """A coordinator and two worker processes on the reference's tiny_bytes run: each
     step's sum_loss, fitness (the checkpoints) and update count are the golden ones, so
@@ -457,9 +436,8 @@ def test_validation_loss_and_health_reach_the_metrics(cluster):
     the model's health on eval.health_every_steps-th steps, every parameter slice's and
     the activations' on validation windows."""
     assert (cluster.data / "val.bin").stat().st_size > 1000  # deggs prepare held it out
-    cluster.config.write_text(
-        TINY + "\n[eval]\nevery_steps = 2\nwindows = 5\nhealth_every_steps = 3\n"
-    )
+    evaluated = TINY_CFG.replace(eval=dict(every_steps=2, windows=5, health_every_steps=3))
+    cluster.config.write_text(toml_of(evaluated))
     coord = cluster.coordinator(cluster.root / "save", 3)
     cluster.worker(coord.port)
     out = cluster.finish(coord)

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 from threadpoolctl import threadpool_info, threadpool_limits
-from tiny import tiny_config
+from tiny import tiny_config, toml_of
 
 from deggs.cli import worker_main
 from deggs.runtime import auth
@@ -49,23 +49,7 @@ CFG = tiny_config(
     training={"population_size": 64, "chunk_size": 16},
     worker={"retry_max_s": 0.2, "reply_timeout_s": 2, "frame_timeout_s": 1},
 )
-TOML = """
-[model]
-hidden_dim = 32
-head_dim = 32
-n_layers = 1
-seq_len = 8
-vocab_size = 256
-
-[training]
-population_size = 64
-chunk_size = 16
-
-[worker]
-retry_max_s = 0.2
-reply_timeout_s = 2
-frame_timeout_s = 1
-"""
+TOML = toml_of(CFG)
 SEED = CFG.training.seed
 N_PAIRS = CFG.training.n_pairs
 SECRET = b"correct horse battery staple"

@@ -1,5 +1,7 @@
 """The smallest model the tests train: shared, so each test states only what it changes."""
 
+import json
+
 from deggs.config import Config
 
 TINY = Config().replace(
@@ -11,3 +13,13 @@ TINY = Config().replace(
 def tiny_config(**tables) -> Config:
     """TINY with some keys changed: tiny_config(model=dict(vocab_size=70))."""
     return TINY.replace(**tables) if tables else TINY
+
+
+def toml_of(cfg: Config) -> str:
+    """A config as config.toml text (JSON arrays and numbers are valid TOML), for the
+    tests that start deggs commands with --config."""
+    lines = []
+    for table, values in cfg.to_dict().items():
+        lines.append(f"[{table}]")
+        lines += [f"{key} = {json.dumps(value)}" for key, value in values.items()]
+    return "\n".join(lines) + "\n"
