@@ -5,7 +5,8 @@
 #
 # N_GPUS defaults to the count nvidia-smi reports, or to the GPUs an inherited
 # CUDA_VISIBLE_DEVICES lists (a Slurm job's, say): worker i then gets its i-th entry, so
-# a shared node's other GPUs are left alone. Ctrl-C (or SIGTERM) stops them all.
+# a shared node's other GPUs are left alone. Each worker's CPU thread pools get
+# nproc / N_GPUS threads. Ctrl-C (or SIGTERM) stops them all.
 set -euo pipefail
 
 usage="usage: $0 HOST [N_GPUS] [-- deggs-worker options...]"
@@ -48,6 +49,14 @@ if [[ ${#devices[@]} -gt 0 && "$gpus" -gt ${#devices[@]} ]]; then
 fi
 
 worker="${DEGGS_WORKER:-deggs-worker}"
+# Each worker's CPU thread pools (NumPy's BLAS, OpenMP, numba) get its share of this
+# machine's cores rather than all of them each: the workers' updates and Python then do
+# not contend. A value set by the caller is kept.
+cores=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)  # nproc obeys those two
+share=$(( cores / gpus )); (( share >= 1 )) || share=1
+for pool in OMP_NUM_THREADS OPENBLAS_NUM_THREADS MKL_NUM_THREADS NUMBA_NUM_THREADS; do
+    export "$pool=${!pool:-$share}"
+done
 pids=()
 stop() {
     trap - INT TERM

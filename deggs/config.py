@@ -542,4 +542,9 @@ def _validate(c: Config):
         _require(
             0 < getattr(w, key) < 1e6, f"worker.{key}", "must be positive and below 1e6 seconds"
         )
+    _require(
+        w.reply_timeout_s >= 2,
+        "worker.reply_timeout_s",
+        "must be at least 2 seconds (a coordinator may hold a request for work for 1 s)",
+    )
     _require(w.resolve_tries >= 1, "worker.resolve_tries", "must be at least 1")

@@ -12,7 +12,13 @@ more load processes (--processes splits the connections). Each connection is a f
 worker that does no work: it asks for a job (JOB_REQUEST), answers every chunk at once
 with a valid RESULT (the same pre-packed chunk fitness every time) pipelined with its
 next JOB_REQUEST in one send, applies catch-up responses (step and seed advance as a real
-worker's would), and asks again after --wait-ms when told to WAIT. Without --secret a
+worker's would), and asks again after --wait-ms when told to WAIT. With --chunk-ms and
+--update-ms a fake worker takes that long per chunk and per update, as a GPU worker does:
+
+    python scripts/loadtest.py --population 327680 --chunk 40960 --connections 8 \
+        --chunk-ms 192 --update-ms 23 --wait-ms 100 --hello --seconds 20
+
+models the runtime's share of a step on eight GPUs (see docs/PERFORMANCE.md). Without --secret a
 connection starts with JOB_REQUEST like the reference worker (or HELLO first with
 --hello); with --secret the coordinator gets a random DEGGS_SECRET and every connection
 does the HELLO / CHALLENGE / AUTH handshake first.
@@ -48,6 +54,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import heapq
 import json
 import multiprocessing
 import os
@@ -61,7 +68,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections import deque
 from pathlib import Path
 
 import numpy as np
@@ -278,7 +284,19 @@ def metrics_lines(save_dir: Path) -> list[dict]:
 
 
 class Conn:
-    __slots__ = ("sock", "fd", "send", "recv", "buf", "out", "seed", "step", "nonce", "ready")
+    __slots__ = (
+        "sock",
+        "fd",
+        "send",
+        "recv",
+        "buf",
+        "out",
+        "seed",
+        "step",
+        "position",
+        "nonce",
+        "ready",
+    )
 
     def __init__(self, sock: socket.socket, seed: int):
         self.sock, self.fd = sock, sock.fileno()
@@ -286,6 +304,7 @@ class Conn:
         self.buf = bytearray()
         self.out = b""  # bytes the socket did not take yet
         self.seed, self.step = seed, 0
+        self.position = 0  # of the chunk being "scored" (--chunk-ms)
         self.nonce = auth.new_nonce()
         self.ready = False  # past the handshake
 
@@ -304,9 +323,13 @@ class Load:
         self.hello = opts["hello"] or self.secret is not None
         self.fingerprint = bytes.fromhex(opts["fingerprint"])
         self.wait_s = opts["wait_ms"] / 1000
+        self.chunk_s = opts["chunk_ms"] / 1000
+        self.update_s = opts["update_ms"] / 1000
         self.catchup_bytes = packed_size(opts["population"] // 2)
         self.counts = [0] * len(COUNTER_NAMES)
-        self.waiting: deque = deque()  # (due, conn), due in order: every wait is as long
+        # (due, n, send, conn): a request after a WAIT or an update, a RESULT after a chunk
+        self.waiting: list = []
+        self._n = 0  # breaks ties between equal due times
         self.ep = select.epoll()
         self.conns: dict[int, Conn] = {}
         rng = np.random.default_rng(12345)
@@ -427,6 +450,13 @@ class Load:
         elif opcode != LOG_MESSAGE:
             raise LoadError(f"unexpected opcode {opcode} from the coordinator")
 
+    def _later(self, seconds: float, send, c: Conn):
+        if seconds <= 0:
+            send(c)
+            return
+        self._n += 1
+        heapq.heappush(self.waiting, (time.monotonic() + seconds, self._n, send, c))
+
     def _response(self, c: Conn, seed: int, step: int, position: int, size: int):
         counts = self.counts
         if size:  # catch-up: the fitness of step `step - 1`
@@ -435,22 +465,27 @@ class Load:
             c.step = step
             c.seed = next_step_seed(c.seed, step)
             counts[CATCHUPS] += 1
-            self._request(c)
+            self._later(self.update_s, self._request, c)
         elif position == WAIT:
             counts[WAITS] += 1
-            self.waiting.append((time.monotonic() + self.wait_s, c))
+            self._later(self.wait_s, self._request, c)
         else:
             if step != c.step or seed != c.seed:
                 raise LoadError(
                     f"chunk of step {step} (seed {seed}) for a worker at step "
                     f"{c.step} (seed {c.seed})"
                 )
-            pair = self.pair
-            _SEED_STEP_POS.pack_into(pair, 10, seed, step, position)
-            _SEED_STEP_POS.pack_into(pair, self.request_at, seed, step, 0)
-            counts[RESULTS] += 1
-            counts[REQUESTS] += 1
-            self._send(c, pair)
+            c.position = position
+            self._later(self.chunk_s, self._result, c)
+
+    def _result(self, c: Conn):
+        """The chunk's RESULT and the next JOB_REQUEST, in one send."""
+        pair = self.pair
+        _SEED_STEP_POS.pack_into(pair, 10, c.seed, c.step, c.position)
+        _SEED_STEP_POS.pack_into(pair, self.request_at, c.seed, c.step, 0)
+        self.counts[RESULTS] += 1
+        self.counts[REQUESTS] += 1
+        self._send(c, pair)
 
     def _lost(self, c: Conn, why: str):
         if c.buf:
@@ -476,7 +511,8 @@ class Load:
             while True:
                 now = clock()
                 while waiting and waiting[0][0] <= now:
-                    self._request(waiting.popleft()[1])
+                    _, _, send, c = heapq.heappop(waiting)
+                    send(c)
                 if now >= mark:
                     break
                 timeout = mark - now
@@ -672,6 +708,8 @@ def measure(args, coord: CoordinatorProcess, port: int, save_dir: Path, opts: di
         "secret": bool(args.secret),
         "hello": bool(args.hello or args.secret),
         "wait_ms": args.wait_ms,
+        "chunk_ms": args.chunk_ms,
+        "update_ms": args.update_ms,
         "profiled": bool(args.coordinator_profile),
         "cpus": os.cpu_count(),
     }
@@ -688,6 +726,8 @@ def parse_args(argv):
         "--processes", type=int, default=1, help="load processes, the connections split among them"
     )
     p.add_argument("--wait-ms", type=float, default=5.0, help="pause after a WAIT")
+    p.add_argument("--chunk-ms", type=float, default=0.0, help="a fake worker's time per chunk")
+    p.add_argument("--update-ms", type=float, default=0.0, help="its time per update")
     p.add_argument(
         "--secret",
         action="store_true",
@@ -715,8 +755,8 @@ def parse_args(argv):
             p.error(f"--{name} must be at least 1")
     if args.processes > args.connections:
         p.error("--processes must not exceed --connections")
-    if args.seconds <= 0 or args.warmup < 0 or args.wait_ms < 0:
-        p.error("--seconds must be positive, --warmup and --wait-ms not negative")
+    if args.seconds <= 0 or min(args.warmup, args.wait_ms, args.chunk_ms, args.update_ms) < 0:
+        p.error("--seconds must be positive; --warmup and the --*-ms not negative")
     return args
 
 
@@ -752,6 +792,8 @@ def main(argv=None) -> int:
         "fingerprint": config.fingerprint().hex(),
         "seed": config.training.seed,
         "wait_ms": args.wait_ms,
+        "chunk_ms": args.chunk_ms,
+        "update_ms": args.update_ms,
         "population": args.population,
         "chunk": args.chunk,
     }

@@ -24,6 +24,7 @@ from sync import async_wait_until
 from deggs.config import Config, ConfigError
 from deggs.runtime import auth
 from deggs.runtime import checkpoint as ckpt
+from deggs.runtime import coordinator as coordinator_module
 from deggs.runtime.coordinator import Coordinator, format_workers_line
 from deggs.runtime.protocol import (
     NO_FINGERPRINT,
@@ -1161,6 +1162,68 @@ def test_chunk_of_a_departed_worker_is_handed_out_at_once(info_logs):
 
     run(go())
     assert any("chunk 0 of step 0 back in the queue" in r.getMessage() for r in info_logs.records)
+
+
+def test_a_deggs_workers_request_is_held_until_there_is_work(monkeypatch):
+    """A reference worker finds WAIT at once and polls; a deggs worker holding no chunk
+    has its request answered as soon as there is work (the step's update, a chunk that
+    came back), and WAIT only after HOLD_S."""
+    monkeypatch.setattr(coordinator_module, "HOLD_S", 1.0)
+
+    async def go():
+        async with coordinator() as coord:
+            owner = await Client.connect(coord)  # takes every chunk
+            jobs = [await owner.request(0) for _ in range(N_CHUNKS)]
+            reference = await Client.connect(coord)
+            assert (await reference.request(0)).data_position == WAIT  # no HELLO: at once
+            waiter = await Client.connect(coord)
+            await waiter.hello()
+
+            started = time.monotonic()  # nothing happens: WAIT after HOLD_S
+            assert (await waiter.request(0)).data_position == WAIT
+            assert time.monotonic() - started >= 1.0
+
+            await waiter.send(JobRequest(SEED0, 0))  # held while every chunk is out ...
+            for job in jobs:
+                await owner.result(job)
+            update = await waiter.recv()  # ... and answered with the update once sealed
+            assert (update.last_step, update.data) == (1, pack_trits(step_fitness(0)))
+
+            leaver = await Client.connect(coord)
+            jobs = [await leaver.request(1) for _ in range(N_CHUNKS)]
+            await waiter.send(JobRequest(seed_of(1), 1))  # held ...
+            await leaver.close()
+            job = await waiter.recv()  # ... and given a chunk its holder left behind
+            assert (job.last_step, job.data) == (1, b"") and job.data_position != WAIT
+
+            # A worker holding a chunk is answered at once (recv gives up after 5 s): its
+            # RESULT is not kept waiting behind its request.
+            other = await Client.connect(coord)
+            for _ in range(N_CHUNKS - 1):
+                assert (await other.request(1)).data_position != WAIT
+            monkeypatch.setattr(coordinator_module, "HOLD_S", 30.0)
+            assert (await waiter.request(1)).data_position == WAIT
+
+    run(go())
+
+
+def test_a_held_request_gets_a_stragglers_chunk_at_its_deadline(monkeypatch):
+    monkeypatch.setattr(coordinator_module, "HOLD_S", 30.0)
+    config = SMALL.replace(coordinator={"straggler_timeout_s": 0.3})
+
+    async def go():
+        async with coordinator(config) as coord:
+            slow = await Client.connect(coord)
+            for _ in range(N_CHUNKS):
+                await slow.request(0)
+            fast = await Client.connect(coord)
+            await fast.hello()
+            started = time.monotonic()
+            job = await fast.request(0)  # held until chunk 0 is 0.3 s old, not 30 s
+            assert job.data_position == 0
+            assert time.monotonic() - started < 10
+
+    run(go())
 
 
 def test_a_peer_that_does_not_read_its_replies_is_bounded_and_closed():

@@ -1127,21 +1127,17 @@ async def until(condition, what: str, timeout: float = 10.0):
 
 async def finish_step(client: Client, coord, step: int, held: list) -> None:
     """Return `held` jobs' results, take and return the rest of the step's chunks in
-    whatever order they come, and wait for the step's update."""
+    whatever order they come, and wait for the step's update (a deggs worker's request
+    is held until the update is ready; WAIT only if that takes more than HOLD_S)."""
     for job in held:
         await client.result(job)
-    while True:
-        job = await client.request(step)
-        if job.data_position == protocol.WAIT:
-            break
-        assert (job.last_step, job.seed) == (step, seed_of(step))
-        await client.result(job)
     deadline = time.monotonic() + 10
-    while not (update := await client.request(step)).data:  # WAIT while the step is sealed
-        assert update.data_position == protocol.WAIT, update
-        assert time.monotonic() < deadline, f"step {step} still not sealed (WAIT) after 10 s"
-        await asyncio.sleep(0.005)  # WAIT means "ask again": a poll interval, as a worker's
-    assert update.last_step == step + 1 and update.data == pack_trits(step_fitness(step))
+    while not (job := await client.request(step)).data:
+        assert time.monotonic() < deadline, f"step {step} still not sealed after 10 s"
+        if job.data_position != protocol.WAIT:
+            assert (job.last_step, job.seed) == (step, seed_of(step))
+            await client.result(job)
+    assert job.last_step == step + 1 and job.data == pack_trits(step_fitness(step))
     await until(lambda: coord.state.step == step + 1, f"step {step + 1}")
     assert coord.history[step] == pack_trits(step_fitness(step))
 

@@ -30,11 +30,14 @@ def test_run_workers_starts_one_worker_per_gpu_and_stops_them(tmp_path, count, v
     # `sleep 0.1` is its idle loop, which lets the trap run within 0.1 s of a TERM).
     fake.write_text(
         '#!/usr/bin/env bash\ntrap "echo stopped; exit 0" TERM\n'
-        'echo "gpu=$CUDA_VISIBLE_DEVICES args=$*"\nwhile true; do sleep 0.1; done\n'
+        'echo "gpu=$CUDA_VISIBLE_DEVICES threads=$OMP_NUM_THREADS,$NUMBA_NUM_THREADS args=$*"\n'
+        "while true; do sleep 0.1; done\n"
     )
     fake.chmod(0o755)
-    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    pools = ("CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "NUMBA_NUM_THREADS")
+    env = {k: v for k, v in os.environ.items() if k not in pools}
     env["DEGGS_WORKER"] = str(fake)
+    env["OMP_NUM_THREADS"] = "5"  # the caller's choice is kept; NUMBA's is the share
     if visible is not None:  # a Slurm job's GPUs, say
         env["CUDA_VISIBLE_DEVICES"] = visible
     n = len(devices)
@@ -76,8 +79,9 @@ def test_run_workers_starts_one_worker_per_gpu_and_stops_them(tmp_path, count, v
     while not lines.empty():
         seen.append(lines.get())
     out = "".join(seen)
+    share = max(1, len(os.sched_getaffinity(0)) // n)  # the cores, split between them
     for gpu in devices:
-        assert f"[gpu {gpu}] gpu={gpu} args=10.0.0.7 --port 999" in out
+        assert f"[gpu {gpu}] gpu={gpu} threads=5,{share} args=10.0.0.7 --port 999" in out
     assert out.count("stopped") == n
 
 

@@ -22,6 +22,12 @@ The rules that keep a run exact and the server alive, whoever connects:
 - Every read has a deadline (the handshake, each frame), every peer a bound on the
   replies queued to it, and the number of connections a bound below the descriptor limit.
 
+A reference worker that finds no work is answered WAIT at once and asks again 0.1 s
+later. A deggs worker's request is held instead (for at most HOLD_S) and answered the
+moment there is something to do: a chunk back in the queue or past the straggler
+timeout, or the step's update once it is durable. With one chunk a worker a step (eight
+GPUs at the default), the polling alone would cost each of them 50 ms a step on average.
+
 One asyncio event loop serves every connection through `Peer`, a Protocol that cuts
 frames from the bytes as they arrive and writes each batch of replies with one send.
 Disk work (checkpoints, metrics, reading old history) runs on a single background thread,
@@ -86,6 +92,7 @@ FD_RESERVE = 64  # descriptors kept free of connections: checkpoints, metrics, l
 LINGER_S = 1.0  # how long a GOODBYE waits for the peer to read it before the socket closes
 WORST_NAMED = 5  # saturated matrices a health warning names
 NAMED_WORKERS = 8  # workers the per-step line names: the slowest half, then the most idle
+HOLD_S = 1.0  # longest a deggs worker's request for work is held before WAIT (see above)
 
 
 class Drop(Exception):
@@ -265,6 +272,7 @@ class Coordinator:
         self.history: OrderedDict[int, bytes] = OrderedDict()  # step -> packed fitness
         self.finished = asyncio.Event()
         self.ended = asyncio.Event()
+        self._news = asyncio.Event()  # set (then replaced) when held requests should look again
         self.failure: str | None = None
         self.peers: set[Peer] = set()
         self._disk = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deggs-disk")
@@ -351,6 +359,7 @@ class Coordinator:
         goodbye = Goodbye(reason, text).encode()
         for peer in list(self.peers):
             peer.close_with(goodbye if peer.welcomed else b"")
+        self._tell_held()  # their connections are closing: nothing more to wait for
         deadline = time.monotonic() + LINGER_S + 0.5
         while self.peers and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
@@ -421,6 +430,7 @@ class Coordinator:
                 s.in_progress.pop(chunk, None)
                 s.pending.appendleft(chunk)
                 log.info("chunk %d of step %d back in the queue: %s left", chunk, s.step, peer.name)
+                self._tell_held()
 
     def handle(self, peer: Peer, opcode: int, payload: bytes):
         """The reply to one message: a frame, an awaitable of a frame, or None.
@@ -544,7 +554,41 @@ class Coordinator:
                 f"the worker's seed {req.seed} for step {s.step} differs from the "
                 f"coordinator's {s.seed} (another training.seed?)",
             )
-        return self._assign(peer).encode()
+        job = self._assign(peer)
+        if job.is_wait and peer.welcomed and not peer.figures.holding:
+            return self._held(peer, req)
+        return job.encode()
+
+    async def _held(self, peer: Peer, req: JobRequest):
+        """A deggs worker's request that found no work, answered when there is some (or
+        WAIT after HOLD_S). Only a worker that holds no chunk is held: its next message
+        could be that chunk's RESULT, which is not read while its request waits."""
+        give_up = time.monotonic() + HOLD_S
+        while True:
+            news, s = self._news, self.state
+            if s.step != req.last_step or self.finished.is_set():
+                reply = self._on_job_request(peer, req)  # the update, or the end
+                return await reply if asyncio.iscoroutine(reply) else reply
+            left = give_up - time.monotonic()
+            if s.in_progress:  # the oldest chunk out becomes free at its straggler deadline
+                handed_out = next(iter(s.in_progress.values()))
+                timeout = self.config.coordinator.straggler_timeout_s
+                left = min(left, handed_out + timeout - self.clock())
+            try:  # at least a millisecond: a deadline that rounds to now must not spin
+                await asyncio.wait_for(news.wait(), max(left, 1e-3))
+            except TimeoutError:
+                pass
+            if peer.closing:
+                return b""
+            if self.state is s and not self.finished.is_set():
+                job = self._assign(peer)
+                if not job.is_wait or time.monotonic() >= give_up:
+                    return job.encode()
+
+    def _tell_held(self):
+        """Wake every held request: the step moved on, or a chunk came back."""
+        self._news.set()
+        self._news = asyncio.Event()
 
     def _catch_up(self, peer: Peer, step: int):
         """The fitness of `step`, which moves a worker from `step` to `step + 1`."""
@@ -732,6 +776,7 @@ class Coordinator:
         self._remember(s.step, packed)
         self.state = StepState.fresh(self.config, step, seed, self.clock())
         self._check_finished()
+        self._tell_held()
 
     async def _durably(self, fn, *args):
         """fn on the disk thread, retried while it fails with OSError, for disk_retry_s."""

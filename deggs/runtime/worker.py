@@ -156,6 +156,7 @@ class Worker:
         self.training: Training | None = None  # once the config is known
         self.last_updates = 0
         self.chunks_done = 0
+        self._asked_at = 0.0  # when our last JOB_REQUEST went out
         self.deggs_coordinator = False  # may we send deggs messages (EVALUATION, HEALTH)?
         self._windows: np.ndarray | None = None  # validation windows, once loaded
         self._pause = FIRST_PAUSE_S  # before the next reconnect
@@ -310,14 +311,22 @@ class Worker:
         job = self._handshake(sock, pipelined)
         # A pipelined JOB_REQUEST is answered after the HELLO_REPLY: do not ask twice.
         asked = pipelined and job is None
+        result = b""  # a chunk's RESULT, sent with the next request in one write
         while not self._reached(max_steps):
             if job is None:
                 if not asked:
-                    self._send(sock, JobRequest(self.seed, self.step).encode())
+                    self._ask(sock, result)
+                    result = b""
                 asked = False
                 job = self._next_job(sock)
-            self._do_job(sock, job)
+            result = self._do_job(sock, job)
             job = None
+        if result:
+            self._send(sock, result)
+
+    def _ask(self, sock: socket.socket, *before: bytes):
+        self._send(sock, *before, JobRequest(self.seed, self.step).encode())
+        self._asked_at = time.monotonic()
 
     def _handshake(self, sock: socket.socket, pipelined: bool) -> JobResponse | None:
         """Introduce ourselves until the coordinator accepts us. Returns the JOB_RESPONSE a
@@ -326,7 +335,7 @@ class Worker:
         fingerprint = self.cfg.fingerprint() if self.cfg else protocol.NO_FINGERPRINT
         hello = Hello(fingerprint, self.cfg.to_json() if self.cfg else "", ours).encode()
         if pipelined:
-            self._send(sock, hello, JobRequest(self.seed, self.step).encode())
+            self._ask(sock, hello)
             hint = ""
         elif self.secret is None:
             self._send(sock, hello)
@@ -479,14 +488,18 @@ class Worker:
             )
         return "chunk"
 
-    def _do_job(self, sock: socket.socket, job: JobResponse):
+    def _do_job(self, sock: socket.socket, job: JobResponse) -> bytes:
+        """Do one job; returns a chunk's RESULT frame for the caller to send (else b"")."""
         kind = self._classify(job)
         if kind == "update":
             self._apply_update(job)
         elif kind == "wait":
-            time.sleep(WAIT_S)
+            # A deggs coordinator holds our request until there is work (up to a second),
+            # the reference answers at once: pause what is left of WAIT_S either way.
+            time.sleep(max(0.0, WAIT_S - (time.monotonic() - self._asked_at)))
         else:
-            self._run_chunk(sock, job)
+            return self._run_chunk(sock, job)
+        return b""
 
     def _apply_update(self, response: JobResponse):
         training = self._ready()
@@ -501,7 +514,7 @@ class Worker:
             f"({time.perf_counter() - started:.2f} s)"
         )
 
-    def _run_chunk(self, sock: socket.socket, response: JobResponse):
+    def _run_chunk(self, sock: socket.socket, response: JobResponse) -> bytes:
         training = self._ready()
         trainer = training.trainer
         cfg = trainer.cfg
@@ -519,12 +532,9 @@ class Worker:
         started = time.perf_counter()
         progress = ChunkProgress(self.log, f"step {trainer.step} chunk {chunk}", cfg.model.seq_len)
         result = trainer.score_chunk(training.tokens, chunk, progress)
-        self._send(
-            sock,
-            Result(
-                trainer.seed, trainer.step, start, self.last_updates, result.sum_loss, result.packed
-            ).encode(),
-        )
+        frame = Result(
+            trainer.seed, trainer.step, start, self.last_updates, result.sum_loss, result.packed
+        ).encode()
         self.last_updates = 0  # counted once, with the first chunk after the update
         self.chunks_done += 1
         seconds = time.perf_counter() - started
@@ -532,6 +542,7 @@ class Worker:
             f"[worker] step {trainer.step} chunk {chunk}: {seconds:.2f} s, "
             f"{c * cfg.model.seq_len / seconds:,.0f} member-tokens/s"
         )
+        return frame
 
     def _validation_windows(self, cfg: Config) -> np.ndarray:
         """The eval.windows windows of val.bin beside input.bin (none without one)."""
