@@ -206,7 +206,7 @@ __device__ __forceinline__ void max_abs_normalize_row(const int* buf, i8* out) {
 // c[0], c[1] row g, columns 2 tig, 2 tig + 1; c[2], c[3] row g + 8.
 
 __device__ __forceinline__ void mma_s8(int* c, const u32* a, const u32* b) {
-    asm volatile(
+    asm(  // no side effects: the scheduler may move it
         "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
         "{%8,%9}, {%0,%1,%2,%3};\n"
         : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
@@ -215,7 +215,7 @@ __device__ __forceinline__ void mma_s8(int* c, const u32* a, const u32* b) {
 
 // The same with A unsigned (bytes 0..255).
 __device__ __forceinline__ void mma_u8s8(int* c, const u32* a, const u32* b) {
-    asm volatile(
+    asm(  // no side effects: the scheduler may move it
         "mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
         "{%8,%9}, {%0,%1,%2,%3};\n"
         : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])

@@ -129,13 +129,19 @@ extern "C" __global__ void qkv_rope(const int* g, const int* sb, i8* out, const 
     const long long half = 1ll << (ROPE_SHIFT - 1);
     for (int t = WARP; t < seq; t += NWARPS) {
         const long row = (long)m * seq + t;
+        int gv[3][FPL];  // the row's loads first, all in flight together (see mlp_up)
+#pragma unroll
+        for (int p = 0; p < 3; p++)
+#pragma unroll
+            for (int i = 0; i < FPL; i++) gv[p][i] = g[row * 3 * HIDDEN + p * HIDDEN + LANE + 32 * i];
+#pragma unroll
         for (int p = 0; p < 3; p++) {
             const int s = sb[(long)p * rows + row];
             int v[FPL];
 #pragma unroll
             for (int i = 0; i < FPL; i++) {
                 const int f = LANE + 32 * i;
-                v[i] = wrap_add(g[row * 3 * HIDDEN + p * HIDDEN + f], output_term(s, s_av[p][f], sign));
+                v[i] = wrap_add(gv[p][i], output_term(s, s_av[p][f], sign));
             }
             if (p < 2) {
 #pragma unroll
@@ -309,6 +315,14 @@ extern "C" __global__ void mlp_up(const int* g, const int* sb_up, i8* hidden, in
     for (int t = WARP; t < seq; t += NWARPS) {
         const long row = (long)m * seq + t;
         const int s = sb_up[row];
+        // The row's loads first, all in flight together: the byte stores to `hidden`
+        // below could alias g as far as the compiler knows, and would keep each load
+        // waiting for the stores before it.
+        int gv[FPL][4];
+#pragma unroll
+        for (int i = 0; i < FPL; i++)
+#pragma unroll
+            for (int sub = 0; sub < 4; sub++) gv[i][sub] = g[row * UP + LANE + 32 * i + sub * HIDDEN];
         u32 total = 0;
 #pragma unroll
         for (int i = 0; i < FPL; i++) {
@@ -317,7 +331,7 @@ extern "C" __global__ void mlp_up(const int* g, const int* sb_up, i8* hidden, in
 #pragma unroll
             for (int sub = 0; sub < 4; sub++) {
                 const int j = j0 + sub * HIDDEN;
-                const int out = wrap_add(g[row * UP + j], output_term(s, s_av[j], sign));
+                const int out = wrap_add(gv[i][sub], output_term(s, s_av[j], sign));
                 const int pre = (out >> SHIFT_MLP_UP) + s_bias[j];
                 const int hv = s_gelu[(unsigned char)(i8)clip8(pre)];
                 hidden[row * UP + j] = (i8)hv;

@@ -40,37 +40,48 @@ __device__ __forceinline__ void rows_to_shared(i8* to, const i8* from, int first
     }
 }
 
+// Four 8x8 matrices of 16-bit elements (here: 8 rows x 16 bytes of int8) from shared
+// memory in one instruction; lanes 8 i .. 8 i + 7 give the row addresses of matrix i,
+// and lane l receives bytes 4 (l % 4) .. + 3 of row l / 4 of each matrix.
+__device__ __forceinline__ void load_matrices(u32 (&r)[4], const i8* rows) {
+    const u32 at = (u32)__cvta_generic_to_shared(rows);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(at));
+}
+
 // c = the warp's 32 rows of s_a times the TILE_N rows of s_b (both TILE_LD apart), K =
 // HIDDEN. Accumulator c[s >> 1][nt][2 (s & 1) + j] is the thread's row 8 s + g (of the
 // warp's) and tile column 8 nt + 2 tig + j, with g = lane / 4, tig = lane % 4.
+// The fragments come from ldmatrix: an A fragment (16 rows x 32 bytes) is the four
+// matrices rows 0-7 / 8-15 x bytes 0-15 / 16-31; a B pair (two 8-column groups) is
+// columns 0-7 x bytes 0-15, 16-31, then columns 8-15 likewise. The padded row stride
+// keeps each matrix's eight rows in distinct banks.
 __device__ __forceinline__ void warp_tile_product(int (&c)[2][TILE_N / 8][4], const i8* s_a,
                                                   const i8* s_b) {
-    const int lane = threadIdx.x & 31, g = lane >> 2, tig = lane & 3;
+    const int lane = threadIdx.x & 31;
 #pragma unroll
     for (int mt = 0; mt < 2; mt++)
 #pragma unroll
         for (int nt = 0; nt < TILE_N / 8; nt++)
 #pragma unroll
             for (int i = 0; i < 4; i++) c[mt][nt][i] = 0;
-    const i8* a_rows = s_a + ((threadIdx.x >> 5) * 32 + g) * TILE_LD + tig * 4;
-    const i8* b_rows = s_b + g * TILE_LD + tig * 4;
+    const i8* a_rows = s_a + ((threadIdx.x >> 5) * 32 + (lane & 15)) * TILE_LD + (lane >> 4) * 16;
+    const i8* b_rows = s_b + ((lane & 7) + (lane >> 4) * 8) * TILE_LD + ((lane >> 3) & 1) * 16;
 #pragma unroll 2
     for (int k = 0; k < HIDDEN; k += 32) {
         u32 a[2][4];
+        load_matrices(a[0], a_rows + k);
+        load_matrices(a[1], a_rows + 16 * TILE_LD + k);
 #pragma unroll
-        for (int mt = 0; mt < 2; mt++) {
-            const i8* p = a_rows + mt * 16 * TILE_LD + k;
-            a[mt][0] = *(const u32*)p;
-            a[mt][1] = *(const u32*)(p + 8 * TILE_LD);
-            a[mt][2] = *(const u32*)(p + 16);
-            a[mt][3] = *(const u32*)(p + 8 * TILE_LD + 16);
-        }
-#pragma unroll
-        for (int nt = 0; nt < TILE_N / 8; nt++) {
-            const i8* q = b_rows + nt * 8 * TILE_LD + k;
-            const u32 b[2] = {*(const u32*)q, *(const u32*)(q + 16)};
-            mma_s8(c[0][nt], a[0], b);
-            mma_s8(c[1][nt], a[1], b);
+        for (int nt = 0; nt < TILE_N / 8; nt += 2) {
+            u32 b[4];
+            load_matrices(b, b_rows + nt * 8 * TILE_LD + k);
+            const u32 lo[2] = {b[0], b[1]}, hi[2] = {b[2], b[3]};
+            mma_s8(c[0][nt], a[0], lo);
+            mma_s8(c[1][nt], a[1], lo);
+            mma_s8(c[0][nt + 1], a[0], hi);
+            mma_s8(c[1][nt + 1], a[1], hi);
         }
     }
 }
