@@ -206,6 +206,12 @@ class StepState:
             pending=deque(range(t.n_chunks)),
         )
 
+    def oldest_out(self, now: float) -> tuple[int, float]:
+        """The chunk out the longest (the only one that can have timed out first) and
+        how long it has been out."""
+        chunk, handed_out = next(iter(self.in_progress.items()))
+        return chunk, now - handed_out
+
     @property
     def complete(self) -> bool:
         return self.n_done == self.n_chunks
@@ -571,9 +577,8 @@ class Coordinator:
                 return await reply if asyncio.iscoroutine(reply) else reply
             left = give_up - time.monotonic()
             if s.in_progress:  # the oldest chunk out becomes free at its straggler deadline
-                handed_out = next(iter(s.in_progress.values()))
-                timeout = self.config.coordinator.straggler_timeout_s
-                left = min(left, handed_out + timeout - self.clock())
+                _, waited = s.oldest_out(self.clock())
+                left = min(left, self.config.coordinator.straggler_timeout_s - waited)
             try:  # at least a millisecond: a deadline that rounds to now must not spin
                 await asyncio.wait_for(news.wait(), max(left, 1e-3))
             except TimeoutError:
@@ -623,9 +628,7 @@ class Coordinator:
         if s.pending:
             chunk = s.pending.popleft()
         elif s.in_progress:
-            # The oldest chunk out is the only one that can have timed out first.
-            chunk, handed_out = next(iter(s.in_progress.items()))
-            waited = now - handed_out
+            chunk, waited = s.oldest_out(now)
             if waited < self.config.coordinator.straggler_timeout_s:
                 return JobResponse(s.seed, s.step, WAIT)
             log.info("re-assigning chunk %d after %.1f s", chunk, waited)
