@@ -117,6 +117,7 @@ async def _run_coordinator(coordinator: Coordinator) -> int:
         await coordinator.stop(Reason.DISK_FAILURE)
         return EXIT_DISK_FAILURE
     if coordinator.finished.is_set():
+        await coordinator.tell_latecomers(interrupted=stop)
         await coordinator.stop(Reason.FINISHED)
     else:
         logging.getLogger("deggs").info("signal received, shutting down")

@@ -1226,6 +1226,47 @@ def test_a_held_request_gets_a_stragglers_chunk_at_its_deadline(monkeypatch):
     run(go())
 
 
+def test_a_finished_run_stays_up_for_a_worker_that_may_be_reconnecting(monkeypatch, info_logs):
+    """A worker lost just before the end comes back within worker.retry_max_s: it is told
+    FINISHED rather than left retrying for ever a port where nobody listens. With no
+    worker lost in that time (nor a restart), the coordinator does not wait."""
+    monkeypatch.setattr(coordinator_module, "RECONNECT_S", 0.0)
+    config = SMALL.replace(worker={"retry_max_s": 2.0})
+    staying = "telling reconnecting workers the run is finished"
+
+    def stayed() -> bool:
+        return any(staying in r.getMessage() for r in info_logs.records)
+
+    async def go():
+        async with coordinator(config, max_steps=1) as coord:
+            await asyncio.sleep(2.1)  # past the start's own wait (for a restart's workers)
+            lost = await Client.connect(coord)
+            await lost.hello()
+            await lost.request(0)
+            await lost.close()
+            trainer = await Client.connect(coord)
+            await train_step(trainer, 0, last=True)
+            await settle(coord, 1)
+            interrupted = asyncio.Event()
+            stay = asyncio.create_task(coord.tell_latecomers(interrupted))
+            late = await Client.connect(coord)  # the lost worker, back
+            await late.hello()
+            await late.send(JobRequest(seed_of(1), 1))
+            assert (await late.goodbye()).reason == Reason.FINISHED
+            assert not stay.done()  # for 2 s after the loss at most: ended here by Ctrl-C
+            interrupted.set()
+            await stay
+            assert stayed()
+
+        info_logs.clear()
+        async with coordinator(SMALL.replace(worker={"retry_max_s": 0.3}), max_steps=0) as coord:
+            await asyncio.sleep(0.4)
+            await coord.tell_latecomers(asyncio.Event())
+            assert not stayed()
+
+    run(go())
+
+
 def test_a_peer_that_does_not_read_its_replies_is_bounded_and_closed():
     config = QUICK.replace(
         coordinator={"max_send_buffer": 1 << 16},

@@ -10,6 +10,7 @@ import os
 import queue
 import select
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -248,6 +249,30 @@ def test_shutting_down_reconnects_and_coordinator_text_is_escaped(data_dir):
         "[worker] the run is finished; this worker's model is at step 0 "
         "(the last step's update is kept in the checkpoints)"
     )
+
+
+def test_a_goodbye_left_before_a_reset_is_read_when_the_result_cannot_be_sent(data_dir, pauses):
+    """The coordinator finished while this worker scored a chunk (or was stopped), said
+    GOODBYE and reset the connection: the RESULT's send fails, the GOODBYE is still in
+    our socket and ends the run. Without it the worker would retry for ever."""
+
+    def finished_meanwhile(peer):
+        peer.welcome()
+        peer.send(
+            JobResponse(SEED, 0, CFG.training.chunk_size),
+            Goodbye(Reason.FINISHED, "the run reached step 1"),
+        )
+        # a reset, as LINGER_S running out sends one: closing with no lingering
+        peer.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        peer.sock.close()
+
+    fake = FakeCoordinator(finished_meanwhile)
+    worker = make_worker(fake.port, data_dir)
+    run_worker(worker)
+    fake.check()
+    assert worker.chunks_done == 1
+    assert "[coordinator] FINISHED: the run reached step 1" in worker.lines
+    assert not pauses  # no reconnect
 
 
 # --- the handshake --------------------------------------------------------------------------

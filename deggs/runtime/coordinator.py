@@ -93,6 +93,7 @@ LINGER_S = 1.0  # how long a GOODBYE waits for the peer to read it before the so
 WORST_NAMED = 5  # saturated matrices a health warning names
 NAMED_WORKERS = 8  # workers the per-step line names: the slowest half, then the most idle
 HOLD_S = 1.0  # longest a deggs worker's request for work is held before WAIT (see above)
+RECONNECT_S = 2.0  # a reconnecting worker's connect and handshake, after its backoff pause
 
 
 class Drop(Exception):
@@ -285,6 +286,7 @@ class Coordinator:
         self._server: asyncio.Server | None = None
         self._tasks: set[asyncio.Task] = set()
         self._prev_loss: float | None = None
+        self._last_lost = -float("inf")  # when a worker last lost its connection (see below)
         self._over_limit = _Burst(log, "refused {n} connection(s) over the limit of {limit}")
         self.state = self._initial_state()
 
@@ -324,6 +326,7 @@ class Coordinator:
         self.port = self._server.sockets[0].getsockname()[1]
         self._spawn(self._sweep_deadlines())
         self.state.started = self.clock()
+        self._last_lost = time.monotonic()  # a restart: the workers may be reconnecting
         t = self.config.training
         log.info(
             "listening on %s:%d (at most %d connections)",
@@ -379,6 +382,21 @@ class Coordinator:
             self.tensorboard.close()
         log.info("stopped at step %d", self.state.step)
 
+    async def tell_latecomers(self, interrupted: asyncio.Event) -> None:
+        """Once the run is finished, stay up while a worker may still be reconnecting, so
+        that it is told FINISHED instead of retrying for ever an address where nobody will
+        listen again. A worker retries at least every worker.retry_max_s, so one that
+        lost its connection (or its coordinator: a restart) has come back by then."""
+        due = self._last_lost + self.config.worker.retry_max_s + RECONNECT_S
+        left = due - time.monotonic()
+        if left <= 0:
+            return
+        log.info("telling reconnecting workers the run is finished for %.1f s more", left)
+        try:
+            await asyncio.wait_for(interrupted.wait(), left)
+        except TimeoutError:
+            pass
+
     def _check_finished(self):
         if self.max_steps is not None and self.state.step >= self.max_steps:
             if not self.finished.is_set():
@@ -422,6 +440,8 @@ class Coordinator:
     def forget(self, peer: Peer):
         """A connection closed: the chunks only it held go back to the queue at once."""
         self.peers.discard(peer)
+        if (peer.welcomed or peer.step is not None) and not self.finished.is_set():
+            self._last_lost = time.monotonic()  # a worker, which will reconnect
         s = self.state
         if peer.step != s.step:
             return

@@ -401,7 +401,32 @@ class Worker:
     def _send(self, sock: socket.socket, *frames: bytes):
         # The last read may have left a short timeout on the socket: sending has its own.
         sock.settimeout(self.settings.frame_timeout_s)
-        protocol.send_frame(sock, b"".join(frames))
+        try:
+            protocol.send_frame(sock, b"".join(frames))
+        except OSError:
+            self._read_last_words(sock)
+            raise
+
+    def _read_last_words(self, sock: socket.socket):
+        """A send failed: the coordinator may have said GOODBYE and closed while we were
+        busy (or stopped) and did not read. Its GOODBYE is still in our socket and says
+        more than a broken pipe: above all whether the run is finished, so that we end
+        instead of retrying an address where nobody will listen again."""
+        reader = protocol.FrameReader(self._limits())
+        frames = []
+        sock.settimeout(0)  # only what has already arrived
+        try:
+            while data := sock.recv(1 << 16):
+                frames += reader.feed(data)
+        except (OSError, ProtocolError):
+            pass  # nothing more, or not a frame: the send's own error is the news
+        for opcode, payload in frames:
+            try:
+                message = protocol.decode_message(opcode, payload)
+            except ProtocolError:
+                return
+            if isinstance(message, Goodbye):
+                self._goodbye(message)
 
     def _next_job(self, sock: socket.socket) -> JobResponse:
         message = self._receive(sock)
