@@ -220,17 +220,6 @@ def check_residual(b):
     return setup, launch, reference, result, g.nbytes + 2 * x.nbytes + sb.nbytes
 
 
-def mlp_up_reference(b, names, g, sb):
-    """GELU'd hidden and the down-projection's input dot, from the up-projection g."""
-    q = b.cfg.quantization
-    out = projection_terms(b, names.up, None, g, sb, 4 * b.d)
-    pre = (out >> q.shift_mlp_up) + b.weights.vector(names.bias_up)
-    hidden = b.tables.gelu[model.clip8(pre) & 0xFF]
-    off_b = offsets(b.cfg, names.down)[1]
-    ov_in = b.weights.arrays(names.down)[1][0]
-    return hidden, b.pert.input_dot_by_threads(hidden, off_b, ov_in)
-
-
 def check_mlp_up(b):
     g = b.ints(-(2**20), 2**20, (b.m, b.t, 4 * b.d))
     sb = b.ints(-(2**18), 2**18, (b.m, b.t))
@@ -244,38 +233,19 @@ def check_mlp_up(b):
         b.gpu._mlp_up(b.ctx, names, None)
 
     def reference():
-        return mlp_up_reference(b, names, g.astype(np.int64), sb)
+        q = b.cfg.quantization
+        out = projection_terms(b, names.up, None, g.astype(np.int64), sb, 4 * b.d)
+        pre = (out >> q.shift_mlp_up) + b.weights.vector(names.bias_up)
+        hidden = b.tables.gelu[model.clip8(pre) & 0xFF]
+        off_b = offsets(b.cfg, names.down)[1]
+        ov_in = b.weights.arrays(names.down)[1][0]
+        return hidden, b.pert.input_dot_by_threads(hidden, off_b, ov_in)
 
     def result():
         hidden = b.get("y", (b.m, b.t, 4 * b.d), np.int64)
         return hidden, b.get("sbd", (b.m, b.t), np.int64)
 
     return setup, launch, reference, result, g.nbytes + b.rows * 4 * b.d + 8 * b.rows
-
-
-def check_up_gelu(b):
-    """The up-projection's GEMM and mlp_up fused (up_gelu.cu): no products in memory."""
-    y = b.ints(-127, 128, (b.m, b.t, b.d), np.int8)
-    sb = b.ints(-(2**18), 2**18, (b.m, b.t))
-    names = EMB_MLP
-
-    def setup():
-        b.put("y", y)
-        b.put("sb", sb)
-
-    def launch():
-        b.gpu._up_gelu(b.ctx, names, None)
-
-    def reference():
-        g = model.int_matmul(y, b.weights.arrays(names.up)[0])
-        return mlp_up_reference(b, names, g, sb)
-
-    def result():
-        hidden = b.buf["hidden"][: b.rows * 4 * b.d].get().reshape(b.m, b.t, 4 * b.d)
-        return hidden.astype(np.int64), b.get("sbd", (b.m, b.t), np.int64)
-
-    moved = y.nbytes + sb.nbytes + 4 * b.d * b.d + b.rows * (4 * b.d + 4)
-    return setup, launch, reference, result, moved
 
 
 def head_loss_reference(b, g, sb, tokens):

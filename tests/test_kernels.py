@@ -15,7 +15,6 @@ from deggs.numerics.gpu import (
     kernel_source,
     shared_memory,
     supports,
-    up_gelu_shared,
 )
 from deggs.numerics.launch import Kernel, signatures
 from deggs.numerics.model import make_tables
@@ -55,7 +54,7 @@ def test_every_kernel_signature_is_read_from_the_shipped_sources():
     assert set(kernels) == set(
         re.findall(r'extern "C" __global__ void (?:__launch_bounds__\(.*?\)\s*)?(\w+)\(', source)
     )
-    assert len(kernels) == 16 and set(shared_memory(Config())) <= set(kernels)
+    assert len(kernels) == 15 and set(shared_memory(Config())) <= set(kernels)
     embed = {p.name: p for p in kernels["embed"]}
     assert embed["tokens"].pointer and embed["tokens"].dtype is np.int32
     assert not embed["off_emb"].pointer and embed["off_emb"].dtype is np.uint32
@@ -87,11 +86,10 @@ def test_launchers_check_every_argument_against_the_signature():
             kernel((1,), (32,), **args)
 
 
-@pytest.mark.parametrize("shared", [head_loss_shared, up_gelu_shared])
-def test_fused_kernels_fit_two_blocks_an_sm_at_the_default_and_give_way_when_too_big(shared):
+def test_head_loss_fits_two_blocks_an_sm_at_the_default_and_gives_way_when_too_big():
     h100_per_sm = 233472  # 228 KiB, of which each block reserves 1 KiB
-    assert 2 * (shared(Config()) + 1024) <= h100_per_sm
-    assert shared(config(hidden_dim=1024, head_dim=64)) > H100_OPTIN  # unfused
+    assert 2 * (head_loss_shared(Config()) + 1024) <= h100_per_sm
+    assert head_loss_shared(config(hidden_dim=1024, head_dim=64)) > H100_OPTIN  # unfused
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc on this machine")
@@ -122,7 +120,7 @@ def test_the_sources_compile_for_hopper_without_spills(model, tmp_path):
         text=True,
     )
     assert run.returncode == 0, run.stderr
-    for kernel in ("head_loss", "up_gelu", "attention_mma"):
+    for kernel in ("head_loss", "attention_mma"):
         usage = run.stderr.split(f"Function properties for {kernel}")[1].splitlines()[1:3]
         assert "0 bytes spill stores" in usage[0], (kernel, usage)
         assert int(re.search(r"Used (\d+) registers", usage[1]).group(1)) <= 128, (kernel, usage)

@@ -14,9 +14,7 @@ Structure (kernels/*.cu, KERNEL_FILES; kernels named after model.py's functions)
 - except the head: in training, head_loss.cu computes the logits on the int8 tensor
   cores and the loss in the same kernel, so no logit is written (the unfused pair,
   cuBLAS then sequence_loss, remains for validation logits, for generation and where
-  the kernel's tiles do not fit the device's shared memory); the MLP's up-projection,
-  which up_gelu.cu computes likewise with mlp_up's epilogue (cuBLAS then mlp_up in
-  generation and where its tiles do not fit); and attention, whose
+  the kernel's tiles do not fit the device's shared memory); and attention, whose
   scores and mix run on the int8 tensor cores (attention.cu) where head_dim is a
   multiple of 32 (elsewhere attention_mix, on CUDA cores);
 - the update builds, per matrix, the pairs' noise as int8 matrices [index, pair] (the
@@ -69,7 +67,6 @@ KERNEL_FILES = (
     "attention.cu",
     "tiles.cuh",
     "head_loss.cu",
-    "up_gelu.cu",
     "generate.cu",
     "update.cu",
 )
@@ -168,16 +165,6 @@ def head_loss_shared(cfg: Config, warps: int = TILE_WARPS) -> int:
     members = rows // m.seq_len if rows % m.seq_len == 0 else rows // m.seq_len + 2
     tiles = (rows + 2 * TILE_N) * (m.hidden_dim + 16)
     return tiles + 4 * (2 * members * TILE_N + cfg.softmax.lut_size)
-
-
-def up_gelu_shared(cfg: Config, warps: int = TILE_WARPS) -> int:
-    """Bytes of dynamic shared memory of up_gelu (up_gelu.cu's layout): the block's rows,
-    two tiles of the up matrix, four tables per member for each, the GELU table."""
-    m = cfg.model
-    rows = 32 * warps
-    members = rows // m.seq_len if rows % m.seq_len == 0 else rows // m.seq_len + 2
-    tiles = (rows + 2 * TILE_N) * (m.hidden_dim + 16)
-    return tiles + 4 * (4 * 2 * members * TILE_N + 256)
 
 
 def attention_shared(cfg: Config) -> int:
@@ -346,21 +333,15 @@ class GpuBackend:
         self.module = self._compile()
         self.kernels = launch.kernels(self.module, kernel_source())
         self.dynamic_shared = {k: dyn for k, (dyn, _) in shared_memory(cfg).items() if dyn}
-        # GEMMs fused with their epilogue on the tensor cores where their tiles fit
-        # (fused=None), always (True) or never (False): the head's with the loss
-        # (head_loss.cu), the MLP's up-projection with mlp_up (up_gelu.cu). Else cuBLAS
-        # writes int32 products and the row kernel reads them.
+        # The head's GEMM fused with the loss (head_loss.cu) where its tiles fit; else
+        # cuBLAS writes the logits and sequence_loss reads them.
         self.tile_rows = 32 * self.defines["TILE_WARPS"]
-        for name, size in (
-            ("head_loss", head_loss_shared(cfg, self.defines["TILE_WARPS"])),
-            ("up_gelu", up_gelu_shared(cfg, self.defines["TILE_WARPS"])),
-        ):
-            if fused and size > optin:
-                raise ValueError(f"{name} needs more shared memory than the device allows")
-            if size <= optin if fused is None else fused:
-                self.dynamic_shared[name] = size
-        self.fused = "head_loss" in self.dynamic_shared
-        self.fused_up = "up_gelu" in self.dynamic_shared
+        shared = head_loss_shared(cfg, self.defines["TILE_WARPS"])
+        if fused and shared > optin:
+            raise ValueError("head_loss needs more shared memory than the device allows")
+        self.fused = shared <= optin if fused is None else fused
+        if self.fused:
+            self.dynamic_shared["head_loss"] = shared
         # Attention on the tensor cores (attention.cu) where a head fills whole MMAs.
         self.tensor_attention = m.head_dim % 32 == 0 and attention_shared(cfg) <= optin
         if self.tensor_attention:
@@ -498,8 +479,6 @@ class GpuBackend:
             rows=r,
             x=cp.empty(r * d, cp.int8),
             y=cp.empty(r * 4 * d, cp.int8),
-            # up_gelu's output: y holds its input, rows that other blocks still read
-            hidden=cp.empty(r * 4 * d if self.fused_up else 0, cp.int8),
             g=cp.empty(max(r * 4 * d, logit_rows * m.vocab_size), cp.int32),
             sb=cp.empty(3 * r, cp.int32),
             sbd=cp.empty(r, cp.int32),
@@ -591,11 +570,10 @@ class GpuBackend:
     def _hidden(self, ctx, tok, cache=None, start=0):
         """Embedding, blocks and final norm of ctx's rows into buf["y"] (see `_attention`)."""
         self._embed(ctx, tok)
-        tiles = cache is None  # whole members of seq_len rows: up_gelu's tiles apply
-        self._mlp(ctx, EMB_MLP, None, tiles)
+        self._mlp(ctx, EMB_MLP, None)
         for layer in range(self.cfg.model.n_layers):
             self._attention(ctx, layer, None if cache is None else cache[layer], start)
-            self._mlp(ctx, LAYER_MLP, layer, tiles)
+            self._mlp(ctx, LAYER_MLP, layer)
         self._norm(ctx, "ln_f", "ln_f_bias", None, ["embedding"])
 
     def _embed(self, ctx, tok):
@@ -660,17 +638,12 @@ class GpuBackend:
             rows=r,
         )
 
-    def _mlp(self, ctx, names: Mlp, layer, tiles=False):
+    def _mlp(self, ctx, names: Mlp, layer):
         buf, r, d = ctx[0], ctx[5], self.cfg.model.hidden_dim
         self._norm(ctx, names.ln, names.ln_bias, layer, [names.up])
-        if tiles and self.fused_up:
-            self._up_gelu(ctx, names, layer)
-            hidden = buf["hidden"]
-        else:
-            self._project(self._param(names.up, layer)[0], buf["y"], buf["g"], 4 * d, r, d)
-            self._mlp_up(ctx, names, layer)
-            hidden = buf["y"]
-        self._project(self._param(names.down, layer)[0], hidden, buf["g"], d, r, 4 * d)
+        self._project(self._param(names.up, layer)[0], buf["y"], buf["g"], 4 * d, r, d)
+        self._mlp_up(ctx, names, layer)
+        self._project(self._param(names.down, layer)[0], buf["y"], buf["g"], d, r, 4 * d)
         self._residual(
             ctx, names.down, layer, self.cfg.quantization.shift_mlp_down, names.bias_down
         )
@@ -702,37 +675,6 @@ class GpuBackend:
             down_b=down_b,
             gelu=self.d_gelu,
             seq=seq,
-        )
-
-    def _up_gelu(self, ctx, names: Mlp, layer):
-        """mlp_up of the up-projection of buf["y"] (its input dot in buf["sb"]) without
-        writing the projection: the GEMM and mlp_up in one kernel. The GELU'd hidden goes
-        to buf["hidden"], the down-projection's input dot to buf["sbd"]."""
-        buf, seeds, signs, nb, seq, r = ctx
-        w_up, (_, ov_up_out), (up_a, _) = self._param(names.up, layer)
-        bias, (ov_bias,), (bias_a, bias_b) = self._param(names.bias_up, layer)
-        _, (ov_down_in, _), (_, down_b) = self._param(names.down, layer)
-        self._launch(
-            "up_gelu",
-            (-(-r // self.tile_rows),),
-            (self.tile_rows,),
-            y=buf["y"],
-            w_up=w_up,
-            sb_up=buf["sb"],
-            seeds=seeds,
-            signs=signs,
-            bias_up=bias,
-            ov_up_out=ov_up_out,
-            ov_bias_up=ov_bias,
-            ov_down_in=ov_down_in,
-            up_a=up_a,
-            bias_a=bias_a,
-            bias_b=bias_b,
-            down_b=down_b,
-            gelu=self.d_gelu,
-            hidden=buf["hidden"],
-            sb_down=buf["sbd"],
-            rows=r,
         )
 
     def _residual(self, ctx, matrix: str, layer, shift: int, bias: str | None = None):
