@@ -546,13 +546,13 @@ class Worker:
         c = cfg.training.chunk_size
         start = response.data_position
         chunk = start // c
-        if chunk == 0 and trainer.step % cfg.sampling.every_steps == 0:
+        # The first chunk of a step brings what is due at it (an interval of 0: never).
+        due = lambda every: chunk == 0 and every > 0 and trainer.step % every == 0
+        if due(cfg.sampling.every_steps):
             self._send(sock, LogMessage(self.generation_text()).encode())
-        every = cfg.eval.every_steps
-        if chunk == 0 and every and trainer.step % every == 0 and self.deggs_coordinator:
+        if due(cfg.eval.every_steps) and self.deggs_coordinator:
             self._send_validation(sock, training)
-        every = cfg.eval.health_every_steps
-        if chunk == 0 and every and trainer.step % every == 0 and self.deggs_coordinator:
+        if due(cfg.eval.health_every_steps) and self.deggs_coordinator:
             self._send_health(sock, trainer)
         started = time.perf_counter()
         progress = ChunkProgress(self.log, f"step {trainer.step} chunk {chunk}", cfg.model.seq_len)
