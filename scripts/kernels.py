@@ -255,12 +255,18 @@ def head_loss_reference(b, g, sb, tokens):
     return model.sequence_loss(b.cfg, b.tables, lgt, tokens[:, 1:].astype(np.int64))
 
 
+def loss_inputs(b):
+    """What a loss kernel reads besides its products: the input dots, the members' tokens
+    (host and device), and the device buffer of the members' losses."""
+    sb = b.ints(-(2**18), 2**18, (b.m, b.t))
+    tokens = b.ints(0, b.cfg.model.vocab_size, (b.m, b.t + 1))
+    return sb, tokens, b.cp.asarray(tokens.ravel()), b.cp.empty(b.m, b.cp.int32)
+
+
 def check_sequence_loss(b):
     v = b.cfg.model.vocab_size
     g = b.ints(-(2**22), 2**22, (b.m, b.t, v))
-    sb = b.ints(-(2**18), 2**18, (b.m, b.t))
-    tokens = b.ints(0, v, (b.m, b.t + 1))
-    d_tok, loss = b.cp.asarray(tokens.ravel()), b.cp.empty(b.m, b.cp.int32)
+    sb, tokens, d_tok, loss = loss_inputs(b)
 
     def setup():
         b.put("g", g)
@@ -282,9 +288,7 @@ def check_head_loss(b):
     """The head's GEMM and sequence_loss fused (head_loss.cu): no logits in memory."""
     v, d = b.cfg.model.vocab_size, b.d
     y = b.ints(-127, 128, (b.m, b.t, d), np.int8)
-    sb = b.ints(-(2**18), 2**18, (b.m, b.t))
-    tokens = b.ints(0, v, (b.m, b.t + 1))
-    d_tok, loss = b.cp.asarray(tokens.ravel()), b.cp.empty(b.m, b.cp.int32)
+    sb, tokens, d_tok, loss = loss_inputs(b)
 
     def setup():
         b.put("y", y)
