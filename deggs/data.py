@@ -84,6 +84,7 @@ def load_tokens(path: str | Path, cfg: Config) -> np.ndarray:
                 f"{path}: token {top} at index {where} is not below vocab_size "
                 f"{cfg.model.vocab_size}"
             )
+    tokens.flags.writeable = False  # the GPU backend keeps a device copy of the stream
     return tokens
 
 

@@ -83,6 +83,30 @@ def test_gpu_matches_cpu_on_random_configs(case):
     assert np.array_equal(gpu.generate(prompt, 7), cpu.generate(prompt, 7))
 
 
+def test_windows_come_from_the_stream_given(monkeypatch):
+    """The backend keeps a device copy of the token stream: another stream is copied in
+    its place, and one too big for the device's free memory is gathered on the host;
+    the losses are the CPU's every time."""
+    import cupy
+
+    rng = np.random.default_rng(9)
+    cfg = small_config(rng)
+    cpu, gpu = CpuBackend(cfg, threads=1), GpuBackend_(cfg)
+    vocab, seed = cfg.model.vocab_size, cfg.training.seed
+    members = rng.permutation(cfg.training.population_size)[:20]
+    first, second, third = (
+        rng.integers(0, vocab, n).astype(cfg.token_dtype) for n in (900, 4000, 3000)
+    )
+    for step, data in enumerate((first, second, first)):
+        ours = gpu.losses(data, step, seed, members)
+        assert np.array_equal(ours, cpu.losses(data, step, seed, members)), step
+        assert gpu._data[0] is data and gpu._data[1] is not None
+    monkeypatch.setattr(cupy.cuda.runtime, "memGetInfo", lambda: (0, 0))
+    ours = gpu.losses(third, 3, seed, members)
+    assert gpu._data[1] is None  # gathered on the host
+    assert np.array_equal(ours, cpu.losses(third, 3, seed, members))
+
+
 # Sampling settings x model switches of the generation comparisons (vocab 256: bytes).
 GENERATION = [
     (dict(temperature=0.6, min_p=0.08, presence_penalty=0.2), dict(model=dict(vocab_size=256))),

@@ -40,7 +40,7 @@ import numpy as np
 from ..config import Config
 from ..seeds import member_sign, pair_seed
 from . import launch
-from .model import init_overlays, init_params, make_tables, member_tokens
+from .model import init_overlays, init_params, make_tables, member_tokens, window_starts
 from .optimizer import OptimizerState
 from .params import (
     EMB_MLP,
@@ -363,6 +363,7 @@ class GpuBackend:
         self._fwd: dict | None = None
         self._gen: dict | None = None
         self._upd: dict | None = None
+        self._data: tuple | None = None  # (the host token stream, its device copy)
         self.use_graph = use_graph
         self.graph = None
         self.graph_error = None
@@ -491,15 +492,11 @@ class GpuBackend:
         if n == 0:
             return np.zeros(0, np.int32)
         t = self.cfg.model.seq_len
-        tokens = member_tokens(self.cfg, data, step, members).astype(np.int32)
         seeds = pair_seed(int(step_seed), members // 2).astype(np.uint32)
         signs = member_sign(members).astype(np.int32)
         with self.stream:
-            d_tok, d_seeds, d_signs = (
-                cp.asarray(tokens.ravel()),
-                cp.asarray(seeds),
-                cp.asarray(signs),
-            )
+            d_tok = self._member_tokens(data, step, members).ravel()
+            d_seeds, d_signs = cp.asarray(seeds), cp.asarray(signs)
             loss = cp.empty(n, cp.int32)
             nb = min(self.batch, n)
             buf = self._buffers(nb, logits=not self.fused)
@@ -511,6 +508,24 @@ class GpuBackend:
             out = loss.get(stream=self.stream)
         self.stream.synchronize()
         return out
+
+    def _member_tokens(self, data: np.ndarray, step: int, members: np.ndarray):
+        """The members' windows (int32, [members, seq_len + 1]), gathered on the device
+        from a copy of the stream kept there: gathering them on the host and copying them
+        over took longer than a tenth of the forward, with the GPU idle. A stream too big
+        for a quarter of the free device memory is gathered on the host. The copy is
+        made once per array object: a caller must not change a stream in place
+        (load_tokens's are read-only)."""
+        if self._data is None or self._data[0] is not data:
+            self._data = None  # the old copy freed before a new one is made
+            fits = data.nbytes <= cp.cuda.runtime.memGetInfo()[0] // 4
+            self._data = (data, cp.asarray(data) if fits else None)
+        stream = self._data[1]
+        if stream is None:
+            return cp.asarray(member_tokens(self.cfg, data, step, members).astype(np.int32))
+        pos = cp.asarray(window_starts(self.cfg, len(data), step, members))
+        window = cp.arange(self.cfg.model.seq_len + 1)
+        return stream[pos[:, None] + window[None, :]].astype(cp.int32)
 
     def logits(self, tokens: np.ndarray) -> np.ndarray:
         """Integer logits [window, position, vocab] of the unperturbed model for windows of

@@ -499,15 +499,19 @@ def member_losses(
     return sequence_loss(cfg, tables, lgt, tokens[:, 1:])
 
 
-def member_tokens(cfg: Config, data: np.ndarray, step: int, members) -> np.ndarray:
-    """The seq_len + 1 tokens each member reads: its pair's window of the data stream."""
+def window_starts(cfg: Config, n_tokens: int, step: int, members) -> np.ndarray:
+    """Where each member's window of seq_len + 1 tokens starts in a stream of n_tokens:
+    its pair's window (both members of a pair read the same tokens)."""
     t = cfg.model.seq_len
-    n = len(data)
     pairs = np.asarray(members, np.int64) // 2
     start = step * t
     if cfg.training.same_data:
-        pos = np.full(len(pairs), start % (n - t), np.int64)
-    else:
-        stride = n // cfg.training.n_pairs
-        pos = (start + pairs * stride) % (n - t)
-    return data[pos[:, None] + np.arange(t + 1)[None, :]].astype(np.int64)
+        return np.full(len(pairs), start % (n_tokens - t), np.int64)
+    stride = n_tokens // cfg.training.n_pairs
+    return (start + pairs * stride) % (n_tokens - t)
+
+
+def member_tokens(cfg: Config, data: np.ndarray, step: int, members) -> np.ndarray:
+    """The seq_len + 1 tokens each member reads from the data stream."""
+    pos = window_starts(cfg, len(data), step, members)
+    return data[pos[:, None] + np.arange(cfg.model.seq_len + 1)[None, :]].astype(np.int64)
