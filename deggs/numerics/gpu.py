@@ -78,6 +78,7 @@ LOSS_REGISTER_LPT = 16  # sequence_loss keeps up to this many logits a thread in
 TILE_WARPS, TILE_N = 8, 64  # head_loss: 32 rows a warp, vocabulary tiles of 64 embedding rows
 MAX_THREADS = 1024  # per block, on every CUDA device
 STATIC_SHARED = 48 << 10  # a kernel may use more shared memory only when it opts in
+QKV = ("w_q", "w_k", "w_v")  # one GEMM projects a layer's three (GpuBackend.load_state)
 FORWARD_BUDGET = 8 << 30  # bytes for the largest GEMM output of a sub-batch of members
 
 # cuBLAS / CUDA enum values
@@ -385,6 +386,10 @@ class GpuBackend:
         self.dp = {
             k: cp.asarray(to_device_layout(k, np.asarray(params[k], np.int8))) for k in shapes
         }
+        # A layer's q, k and v matrices side by side ([layers, 3, out, in]), so that one
+        # GEMM projects all three; the table's names keep views of their parts.
+        self.d_qkv = cp.stack([self.dp[k] for k in QKV], axis=1)
+        self.dp.update({k: self.d_qkv[:, i] for i, k in enumerate(QKV)})
         self.dov = {k: cp.asarray(np.ascontiguousarray(v, np.int8)) for k, v in overlays.items()}
         if state is None:
             state = OptimizerState.zeros(self.cfg)
@@ -455,9 +460,9 @@ class GpuBackend:
             )
         self.blas.gemm_tn_i8(a.data.ptr, b.data.ptr, c.data.ptr, m, n, k, lda, ldb, ldc)
 
-    def _project(self, wt, x, out, n_out, rows, k, ldc=None):
-        """out[rows, ldc] = x[rows, k] @ W, with Wt [n_out, k]."""
-        self._gemm(wt, x, out, n_out, rows, k, k, k, ldc or n_out)
+    def _project(self, wt, x, out, n_out, rows, k):
+        """out[rows, n_out] = x[rows, k] @ W, with Wt [n_out, k]."""
+        self._gemm(wt, x, out, n_out, rows, k, k, k, n_out)
 
     # --- forward ----------------------------------------------------------------------
 
@@ -723,10 +728,8 @@ class GpuBackend:
         """Attention block of ctx's rows; with a cache (keys, values of the layer, flat
         [position, hidden]), the rows are positions start.. of one unperturbed sequence."""
         buf, r, d = ctx[0], ctx[5], self.cfg.model.hidden_dim
-        self._norm(ctx, "ln_1", "ln_1_bias", layer, ["w_q", "w_k", "w_v"])
-        for i, name in enumerate(("w_q", "w_k", "w_v")):
-            w = self._param(name, layer)[0]
-            self._project(w, buf["y"], buf["g"][i * d :], d, r, d, ldc=3 * d)
+        self._norm(ctx, "ln_1", "ln_1_bias", layer, list(QKV))
+        self._project(self.d_qkv[layer], buf["y"], buf["g"], 3 * d, r, d)  # [rows, q | k | v]
         self._qkv(ctx, layer, start)
         if cache is None:
             self._attention_mix(ctx, layer, self.tensor_attention)
@@ -744,7 +747,7 @@ class GpuBackend:
         """buf["g"] ([rows, q | k | v]) -> RoPE'd, normalised q, k, v in buf["qkv"]."""
         buf, seeds, signs, nb, seq, r = ctx
         (_, (_, ov_q), (q_a, _)), (_, (_, ov_k), (k_a, _)), (_, (_, ov_v), (v_a, _)) = (
-            self._param(w, layer) for w in ("w_q", "w_k", "w_v")
+            self._param(w, layer) for w in QKV
         )
         rope = self.d_rope[start * self.cfg.model.head_dim :]
         self._launch(
