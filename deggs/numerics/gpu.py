@@ -7,7 +7,10 @@ CPU backend's logical layouts), and `load_state` puts new ones on the device.
 
 Structure (kernels/*.cu, KERNEL_FILES; kernels named after model.py's functions):
 - every integer matrix product is one cuBLAS int8 x int8 -> int32 GEMM (exact: int32
-  accumulation of int8 products), weights stored transposed Wt[out, in];
+  accumulation of int8 products), weights stored transposed Wt[out, in] (a layer's q,
+  k and v side by side: one GEMM for the three);
+- the members' windows of tokens are gathered on the device from a copy of the token
+  stream kept there;
 - the per-member rank-1 terms, norms, RoPE, attention, GELU table, residuals and the
   integer cross-entropy are fused into a few row kernels, one thread block per member
   (attention: per member and head), which regenerate each member's noise by hashing;
@@ -525,12 +528,12 @@ class GpuBackend:
             self._data = None  # the old copy freed before a new one is made
             fits = data.nbytes <= cp.cuda.runtime.memGetInfo()[0] // 4
             self._data = (data, cp.asarray(data) if fits else None)
-        stream = self._data[1]
-        if stream is None:
+        on_device = self._data[1]
+        if on_device is None:
             return cp.asarray(member_tokens(self.cfg, data, step, members).astype(np.int32))
         pos = cp.asarray(window_starts(self.cfg, len(data), step, members))
         window = cp.arange(self.cfg.model.seq_len + 1)
-        return stream[pos[:, None] + window[None, :]].astype(cp.int32)
+        return on_device[pos[:, None] + window[None, :]].astype(cp.int32)
 
     def logits(self, tokens: np.ndarray) -> np.ndarray:
         """Integer logits [window, position, vocab] of the unperturbed model for windows of
