@@ -102,7 +102,9 @@ def test_windows_come_from_the_stream_given(monkeypatch):
         assert np.array_equal(ours, cpu.losses(data, step, seed, members)), step
         assert gpu._data[0] is data and gpu._data[1] is not None
     monkeypatch.setattr(cupy.cuda.runtime, "memGetInfo", lambda: (0, 0))
-    ours = gpu.losses(third, 3, seed, members)
+    told = []
+    ours = gpu.losses(third, 3, seed, members, lambda done, total: told.append((done, total)))
+    assert told == [(20, 20)]  # once, at the end
     assert gpu._data[1] is None  # gathered on the host
     assert np.array_equal(ours, cpu.losses(third, 3, seed, members))
 

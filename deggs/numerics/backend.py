@@ -10,6 +10,7 @@ and gets a row in `BACKENDS`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
@@ -24,8 +25,16 @@ class Backend(Protocol):
     name: str
     cfg: Config
 
-    def losses(self, data: np.ndarray, step: int, step_seed: int, members) -> np.ndarray:
-        """int32 loss of each listed population member at a step."""
+    def losses(
+        self,
+        data: np.ndarray,
+        step: int,
+        step_seed: int,
+        members,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> np.ndarray:
+        """int32 loss of each listed population member at a step; progress(members
+        scored, members in all) after each batch the backend scores."""
         ...
 
     def logits(self, tokens: np.ndarray) -> np.ndarray:

@@ -26,7 +26,6 @@ from ..config import Config
 from ..seeds import next_step_seed
 from ..ternary import pack_trits
 from .backend import Backend
-from .cpu import CpuBackend
 from .fitness import chunk_fitness
 from .model import make_tables, sequence_loss
 
@@ -109,13 +108,10 @@ class Trainer:
     ) -> ChunkResult:
         """A chunk's member losses at this step, their fitness and its packed form.
 
-        progress(members scored, members in all) is called as the CPU backend finishes
-        each batch of members (the GPU scores a chunk in about a second, all at once)."""
+        progress(members scored, members in all) is called as the backend finishes each
+        batch of members (Backend.losses)."""
         members = chunk_members(self.cfg, chunk)
-        if isinstance(self.backend, CpuBackend) and progress is not None:
-            losses = self.backend.losses(data, self.step, self.seed, members, progress)
-        else:
-            losses = self.backend.losses(data, self.step, self.seed, members)
+        losses = self.backend.losses(data, self.step, self.seed, members, progress)
         return chunk_result(self.cfg, chunk, losses)
 
     def score_population(self, data: np.ndarray) -> list[ChunkResult]:

@@ -36,6 +36,7 @@ the token buffer on the device, so nothing returns to the host until the end.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from importlib import resources
 
 import numpy as np
@@ -494,7 +495,16 @@ class GpuBackend:
             qkv=cp.empty(3 * r * d, cp.int8),
         )
 
-    def losses(self, data: np.ndarray, step: int, step_seed: int, members) -> np.ndarray:
+    def losses(
+        self,
+        data: np.ndarray,
+        step: int,
+        step_seed: int,
+        members,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> np.ndarray:
+        """progress is told once, at the end: the sub-batches run asynchronously, and a
+        chunk takes the GPU well under a second."""
         members = np.asarray(members, np.int64)
         n = len(members)
         if n == 0:
@@ -515,6 +525,8 @@ class GpuBackend:
                 )
             out = loss.get(stream=self.stream)
         self.stream.synchronize()
+        if progress is not None:
+            progress(n, n)
         return out
 
     def _member_tokens(self, data: np.ndarray, step: int, members: np.ndarray):
