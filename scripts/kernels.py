@@ -284,7 +284,7 @@ def check_sequence_loss(b):
     return setup, launch, reference, result, g.nbytes + sb.nbytes + tokens.nbytes
 
 
-def check_head_loss(b, kernel="head_loss"):
+def check_head_loss(b):
     """The head's GEMM and sequence_loss fused (head_loss.cu): no logits in memory."""
     v, d = b.cfg.model.vocab_size, b.d
     y = b.ints(-127, 128, (b.m, b.t, d), np.int8)
@@ -295,7 +295,7 @@ def check_head_loss(b, kernel="head_loss"):
         b.put("sb", sb)
 
     def launch():
-        b.gpu._head_loss(b.ctx, d_tok, loss, kernel)
+        b.gpu._head_loss(b.ctx, d_tok, loss)
 
     def reference():
         g = model.int_matmul(y, b.weights.arrays("embedding")[0])
@@ -305,11 +305,6 @@ def check_head_loss(b, kernel="head_loss"):
         return loss.get()
 
     return setup, launch, reference, result, y.nbytes + sb.nbytes + tokens.nbytes + v * d
-
-
-def check_head_loss_sm90(b):
-    """head_loss on warpgroup MMAs (head_loss_sm90.cu), built on H100s and H200s only."""
-    return check_head_loss(b, "head_loss_sm90")
 
 
 def check_optimizer_step(b):
@@ -430,9 +425,6 @@ def run(cfg: Config, names, members: int, repeats: int, out=print, defines=None)
     peak = 2 * bandwidth["memoryClockRate"] * 1e3 * bandwidth["memoryBusWidth"] / 8 / 1e9
     ok = True
     for name in names:
-        if name not in b.gpu.kernels:  # head_loss_sm90 off Hopper
-            out(f"{name:16s} not built for this device")
-            continue
         setup, launch, reference, result, moved = CHECKS[name](b)
         setup()
         launch()

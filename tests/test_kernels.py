@@ -9,10 +9,8 @@ import pytest
 
 from deggs.config import Config
 from deggs.numerics.gpu import (
-    SM90_FILES,
     choose_token_threads,
     head_loss_shared,
-    head_loss_sm90_shared,
     kernel_defines,
     kernel_source,
     shared_memory,
@@ -126,19 +124,3 @@ def test_the_sources_compile_for_hopper_without_spills(model, tmp_path):
         usage = run.stderr.split(f"Function properties for {kernel}")[1].splitlines()[1:3]
         assert "0 bytes spill stores" in usage[0], (kernel, usage)
         assert int(re.search(r"Used (\d+) registers", usage[1]).group(1)) <= 128, (kernel, usage)
-    # head_loss_sm90, for sm_90a where its tiles fit: ptxas must not serialise the
-    # warpgroup MMAs (it would when the accumulators in flight are read before their wait)
-    if head_loss_sm90_shared(cfg) > H100_OPTIN:
-        return
-    source.write_text(kernel_source(SM90_FILES))
-    run = subprocess.run(
-        ["nvcc", "-arch=sm_90a", "-cubin", "-o", str(tmp_path / "sm90.cubin"), "--std=c++17"]
-        + ["--fmad=false", "--resource-usage", *defines, str(source)],
-        capture_output=True,
-        text=True,
-    )
-    assert run.returncode == 0, run.stderr
-    assert "serialized" not in run.stderr, run.stderr
-    usage = run.stderr.split("Function properties for head_loss_sm90")[1].splitlines()[1:3]
-    assert "0 bytes spill stores" in usage[0], usage
-    assert int(re.search(r"Used (\d+) registers", usage[1]).group(1)) <= 128, usage

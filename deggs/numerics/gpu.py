@@ -36,10 +36,8 @@ the token buffer on the device, so nothing returns to the host until the end.
 from __future__ import annotations
 
 import math
-import tempfile
 from collections.abc import Callable
 from importlib import resources
-from pathlib import Path
 
 import numpy as np
 
@@ -76,9 +74,6 @@ KERNEL_FILES = (
     "generate.cu",
     "update.cu",
 )
-# head_loss on Hopper's warpgroup MMAs: a program of its own, built for sm_90a (the one
-# architecture with wgmma) where the device is an H100 or H200
-SM90_FILES = ("common.cuh", "tiles.cuh", "head_loss_sm90.cu")
 NT = 256  # threads of the row kernels
 ATT_SPLIT = 2  # attention_mix: threads per query, each accumulating 1/ATT_SPLIT of a head
 ATT_WARPS = 4  # attention_mma: at most this many warps a block, 16 queries a warp at a time
@@ -97,10 +92,10 @@ OP_N, OP_T = 0, 1
 GEMM_DEFAULT = -1
 
 
-def kernel_source(files: tuple[str, ...] = KERNEL_FILES) -> str:
+def kernel_source() -> str:
     """The CUDA sources, shipped inside the package (package data), as one program."""
     kernels = resources.files(__package__).joinpath("kernels")
-    return "\n".join(kernels.joinpath(name).read_text() for name in files)
+    return "\n".join(kernels.joinpath(name).read_text() for name in KERNEL_FILES)
 
 
 def choose_token_threads(hidden: int) -> int:
@@ -175,16 +170,6 @@ def head_loss_shared(cfg: Config, warps: int = TILE_WARPS) -> int:
     members = rows // m.seq_len if rows % m.seq_len == 0 else rows // m.seq_len + 2
     tiles = (rows + 2 * TILE_N) * (m.hidden_dim + 16)
     return tiles + 4 * (2 * members * TILE_N + cfg.softmax.lut_size)
-
-
-def head_loss_sm90_shared(cfg: Config, warps: int = TILE_WARPS) -> int:
-    """Bytes of dynamic shared memory of head_loss_sm90 (head_loss_sm90.cu's layout): the
-    block's rows, two vocabulary tiles, three tiles of output noise per member, the exp
-    table."""
-    m = cfg.model
-    rows = 32 * warps
-    members = rows // m.seq_len if rows % m.seq_len == 0 else rows // m.seq_len + 2
-    return (rows + 2 * TILE_N) * m.hidden_dim + 4 * (3 * members * TILE_N + cfg.softmax.lut_size)
 
 
 def attention_shared(cfg: Config) -> int:
@@ -336,7 +321,6 @@ class GpuBackend:
         device: int | None = None,
         defines: dict | None = None,
         fused: bool | None = None,
-        hopper: bool | None = None,
     ):
         if not gpu_available():
             raise RuntimeError("the gpu backend needs CuPy and a CUDA device")
@@ -363,22 +347,6 @@ class GpuBackend:
         self.fused = shared <= optin if fused is None else fused
         if self.fused:
             self.dynamic_shared["head_loss"] = shared
-        # On an H100 or H200, head_loss on warpgroup MMAs (head_loss_sm90.cu) where its
-        # tiles fit; hopper=False keeps the portable kernel (for comparisons).
-        device = cp.cuda.Device()
-        can = (
-            self.fused
-            and device.compute_capability == "90"
-            and head_loss_sm90_shared(cfg, self.defines["TILE_WARPS"]) <= optin
-        )
-        if hopper and not can:
-            raise ValueError("head_loss_sm90 needs an sm_90 device and the fused head")
-        self.head_kernel = "head_loss_sm90" if (can if hopper is None else hopper) else "head_loss"
-        if self.head_kernel == "head_loss_sm90":
-            self.kernels.update(self._compile_sm90a())
-            self.dynamic_shared["head_loss_sm90"] = head_loss_sm90_shared(
-                cfg, self.defines["TILE_WARPS"]
-            )
         # Attention on the tensor cores (attention.cu) where a head fills whole MMAs.
         self.tensor_attention = m.head_dim % 32 == 0 and attention_shared(cfg) <= optin
         if self.tensor_attention:
@@ -414,31 +382,7 @@ class GpuBackend:
         defines.update(self.overrides)  # kernel variants, for scripts/kernels.py
         self.defines = defines
         options = ("--std=c++17", "--fmad=false") + tuple(f"-D{k}={v}" for k, v in defines.items())
-        self.options = options
         return cp.RawModule(code=kernel_source(), options=options)
-
-    def _compile_sm90a(self) -> dict:
-        """The typed launchers of the SM90_FILES program, compiled by NVRTC for sm_90a
-        (CuPy's RawModule always names plain sm_90, which has no wgmma) with the options
-        RawModule gives the main program."""
-        from cupy_backends.cuda.libs import nvrtc
-
-        source = kernel_source(SM90_FILES)
-        program = nvrtc.createProgram(source, "deggs_sm90a.cu", [], [])
-        try:
-            try:
-                flags = ["-ftz=true", "--device-as-default-execution-space", "-arch=sm_90a"]
-                nvrtc.compileProgram(program, [*self.options, *flags])
-            except nvrtc.NVRTCError as e:
-                raise RuntimeError(f"{e}: {nvrtc.getProgramLog(program)}") from e
-            cubin = nvrtc.getCUBIN(program)
-        finally:
-            nvrtc.destroyProgram(program)
-        with tempfile.TemporaryDirectory() as folder:
-            path = Path(folder) / "deggs_sm90a.cubin"
-            path.write_bytes(cubin)
-            # get_function loads the file, so the launchers outlive the folder
-            return launch.kernels(cp.RawModule(path=str(path)), source)
 
     def load_state(self, params: dict, overlays: dict, state: OptimizerState | None = None):
         """Put weights, overlays and (optionally) optimizer state on the device."""
@@ -907,18 +851,16 @@ class GpuBackend:
             loss=loss,
         )
 
-    def _head_loss(self, ctx, tok, loss, kernel: str | None = None):
+    def _head_loss(self, ctx, tok, loss):
         """sequence_loss of the logits of buf["y"] (the final norm, input dot in buf["sb"])
-        without writing them: the head's GEMM and the loss in one kernel (`kernel`, by
-        default the one chosen for this device)."""
+        without writing them: the head's GEMM and the loss in one kernel."""
         buf, seeds, signs, nb, seq, r = ctx
         table, (_, ov_vocab), (off_a, _) = self._param("embedding")
-        kernel = kernel or self.head_kernel
         loss.fill(0)  # rows add to their member's loss
         self._launch(
-            kernel,
+            "head_loss",
             (-(-r // self.tile_rows),),
-            (self.tile_rows * (2 if kernel == "head_loss_sm90" else 1),),
+            (self.tile_rows,),
             y=buf["y"],
             emb_t=table,
             sb=buf["sb"],
