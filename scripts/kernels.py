@@ -29,9 +29,10 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[1])]
 
 from deggs.config import Config, load_config  # noqa: E402
 from deggs.numerics import model  # noqa: E402
+from deggs.numerics.gpu import Norm  # noqa: E402
 from deggs.numerics.model import Perturbation, Weights, wrap32  # noqa: E402
 from deggs.numerics.optimizer import optimizer_step, update_overlay  # noqa: E402
-from deggs.numerics.params import EMB_MLP, PARAM, offsets  # noqa: E402
+from deggs.numerics.params import EMB_MLP, LAYER_MLP, PARAM, offsets  # noqa: E402
 from deggs.numerics.sampling import choose_token, sampler_limits, scan_order  # noqa: E402
 
 SMALL = Config().replace(
@@ -120,7 +121,7 @@ def check_standard_norm(b):
         b.put("x", x)
 
     def launch():
-        b.gpu._norm(b.ctx, "ln_1", "ln_1_bias", 0, ["w_q", "w_k", "w_v"])
+        b.gpu._norm(b.ctx, Norm("ln_1", "ln_1_bias", 0, ("w_q", "w_k", "w_v")))
 
     def reference():
         y = model.norm(b.cfg, layer, x.astype(np.int64), "ln_1", "ln_1_bias")
@@ -197,10 +198,12 @@ def check_attention_mma(b):
     return check_attention_mix(b, tensor_cores=True)
 
 
-def check_residual(b):
+def check_residual_norm(b):
+    """The residual after the o-projection, then layer 0's MLP norm of the new x."""
     g = b.ints(-(2**20), 2**20, (b.m, b.t, b.d))
     sb = b.ints(-(2**18), 2**18, (b.m, b.t))
     x = b.ints(-127, 128, (b.m, b.t, b.d), np.int8)
+    layer, mlp = b.weights.at(0), LAYER_MLP
 
     def setup():
         b.put("g", g)
@@ -208,16 +211,21 @@ def check_residual(b):
         b.put("x", x)
 
     def launch():
-        b.gpu._residual(b.ctx, "w_o", 0, b.cfg.quantization.shift_out)
+        then = Norm(mlp.ln, mlp.ln_bias, 0, (mlp.up,))
+        b.gpu._residual(b.ctx, "w_o", 0, b.cfg.quantization.shift_out, then)
 
     def reference():
         out = projection_terms(b, "w_o", 0, g.astype(np.int64), sb, b.d)
-        return model.max_abs_normalize(x + (out >> b.cfg.quantization.shift_out))
+        new_x = model.max_abs_normalize(x + (out >> b.cfg.quantization.shift_out))
+        y = model.norm(b.cfg, layer, new_x, mlp.ln, mlp.ln_bias)
+        dot = b.pert.input_dot(y, offsets(b.cfg, mlp.up, 0)[1], layer.arrays(mlp.up)[1][0])
+        return new_x, y, dot
 
     def result():
-        return b.get("x", (b.m, b.t, b.d), np.int64)
+        new_x = b.get("x", (b.m, b.t, b.d), np.int64)
+        return new_x, b.get("y", (b.m, b.t, b.d), np.int64), b.get("sb", (b.m, b.t), np.int64)
 
-    return setup, launch, reference, result, g.nbytes + 2 * x.nbytes + sb.nbytes
+    return setup, launch, reference, result, g.nbytes + 3 * x.nbytes + 2 * sb.nbytes
 
 
 def check_mlp_up(b):

@@ -40,7 +40,7 @@ def test_what_does_not_fit_is_named():
     problems = supports(config(seq_len=1024, head_dim=32, hidden_dim=64), H100_OPTIN)
     assert any("seq_len 1024 needs 2048 threads" in p for p in problems)
     small_device = supports(config(hidden_dim=2048, head_dim=128), 48 << 10)
-    assert {p.split()[0] for p in small_device} == {"standard_norm", "mlp_up"}
+    assert {p.split()[0] for p in small_device} == {"standard_norm", "residual_norm", "mlp_up"}
 
 
 @pytest.mark.parametrize("hidden, threads", [(64, 64), (1024, 1024), (1536, 768), (2048, 1024)])

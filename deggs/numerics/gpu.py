@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from importlib import resources
 
 import numpy as np
@@ -92,6 +93,17 @@ OP_N, OP_T = 0, 1
 GEMM_DEFAULT = -1
 
 
+@dataclass(frozen=True)
+class Norm:
+    """A standard_norm: its weight and bias (parameter names) of a layer (None: not per
+    layer), and the matrices that read its output next, whose input dots it computes."""
+
+    weight: str
+    bias: str
+    layer: int | None
+    readers: tuple[str, ...]
+
+
 def kernel_source() -> str:
     """The CUDA sources, shipped inside the package (package data), as one program."""
     kernels = resources.files(__package__).joinpath("kernels")
@@ -118,7 +130,7 @@ def shared_memory(cfg: Config) -> dict[str, tuple[int, int]]:
         "standard_norm": (32 * h, reductions),
         "qkv_rope": (0, 12 * h),
         "attention_mix": (2 * m.seq_len * m.head_dim, 4 * lut + 8 * m.head_dim + reductions),
-        "residual": (0, 8 * h + reductions),
+        "residual_norm": (32 * h, 8 * h + reductions),
         "mlp_up": (16 * up, 4 * 256 + reductions),
         "sequence_loss": (av * v, 4 * lut + reductions),
         "choose_token": (4 * ((v + 1) // 2), 8 * (h + 1) + reductions),
@@ -603,13 +615,21 @@ class GpuBackend:
         self._project(table, buf["y"], buf["g"], m.vocab_size, r, m.hidden_dim)
 
     def _hidden(self, ctx, tok, cache=None, start=0):
-        """Embedding, blocks and final norm of ctx's rows into buf["y"] (see `_attention`)."""
+        """Embedding, blocks and final norm of ctx's rows into buf["y"] (see `_attention`).
+        Each block's residual also runs the norm that comes next (residual_norm)."""
+        layers = range(self.cfg.model.n_layers)
+        mlp_norm = lambda names, layer: Norm(names.ln, names.ln_bias, layer, (names.up,))
+        norms = [mlp_norm(EMB_MLP, None)]
+        for layer in layers:
+            norms += [Norm("ln_1", "ln_1_bias", layer, QKV), mlp_norm(LAYER_MLP, layer)]
+        norms.append(Norm("ln_f", "ln_f_bias", None, ("embedding",)))
         self._embed(ctx, tok)
-        self._mlp(ctx, EMB_MLP, None)
-        for layer in range(self.cfg.model.n_layers):
-            self._attention(ctx, layer, None if cache is None else cache[layer], start)
-            self._mlp(ctx, LAYER_MLP, layer)
-        self._norm(ctx, "ln_f", "ln_f_bias", None, ["embedding"])
+        self._norm(ctx, norms[0])
+        self._mlp(ctx, EMB_MLP, None, norms[1])
+        for layer in layers:
+            layer_cache = None if cache is None else cache[layer]
+            self._attention(ctx, layer, norms[2 * layer + 2], layer_cache, start)
+            self._mlp(ctx, LAYER_MLP, layer, norms[2 * layer + 3])
 
     def _embed(self, ctx, tok):
         buf, seeds, signs, nb, seq, r = ctx
@@ -634,17 +654,27 @@ class GpuBackend:
             seq=seq,
         )
 
-    def _norm(self, ctx, weight: str, bias: str, layer, readers: list[str]):
-        """standard_norm of buf["x"] into buf["y"], and into buf["sb"] the input dots of
-        the matrices in `readers` (at most three), which read y next."""
-        buf, seeds, signs, nb, seq, r = ctx
-        w, (ov_w,), (w_a, w_b) = self._param(weight, layer)
-        b, (ov_b,), (b_a, b_b) = self._param(bias, layer)
+    def _norm_arguments(self, norm: Norm) -> dict:
+        """standard_norm's parameters and the input dots of the matrices that read its
+        output next (at most three)."""
+        w, (ov_w,), (w_a, w_b) = self._param(norm.weight, norm.layer)
+        b, (ov_b,), (b_a, b_b) = self._param(norm.bias, norm.layer)
         dots = []
-        for name in readers:
-            _, (ov_in, _), (_, off_b) = self._param(name, layer)
+        for name in norm.readers:
+            _, (ov_in, _), (_, off_b) = self._param(name, norm.layer)
             dots.append((ov_in, off_b))
         pad = dots + [(None, 0)] * (3 - len(dots))
+        return dict(
+            w=w, b=b, ov_w=ov_w, ov_b=ov_b, w_a=w_a, w_b=w_b, b_a=b_a, b_b=b_b,
+            ndots=len(dots),
+            ov0=pad[0][0], ov1=pad[1][0], ov2=pad[2][0],
+            off0=pad[0][1], off1=pad[1][1], off2=pad[2][1],
+        )  # fmt: skip
+
+    def _norm(self, ctx, norm: Norm):
+        """standard_norm of buf["x"] into buf["y"], and into buf["sb"] the input dots of
+        norm.readers."""
+        buf, seeds, signs, nb, seq, r = ctx
         self._launch(
             "standard_norm",
             (nb,),
@@ -653,35 +683,20 @@ class GpuBackend:
             y=buf["y"],
             seeds=seeds,
             signs=signs,
-            w=w,
-            b=b,
-            ov_w=ov_w,
-            ov_b=ov_b,
-            w_a=w_a,
-            w_b=w_b,
-            b_a=b_a,
-            b_b=b_b,
-            ndots=len(dots),
-            ov0=pad[0][0],
-            ov1=pad[1][0],
-            ov2=pad[2][0],
-            off0=pad[0][1],
-            off1=pad[1][1],
-            off2=pad[2][1],
             sb=buf["sb"],
             seq=seq,
             rows=r,
+            **self._norm_arguments(norm),
         )
 
-    def _mlp(self, ctx, names: Mlp, layer):
+    def _mlp(self, ctx, names: Mlp, layer, then: Norm):
+        """MLP block of ctx's rows (its norm already in buf["y"]), then the norm `then`."""
         buf, r, d = ctx[0], ctx[5], self.cfg.model.hidden_dim
-        self._norm(ctx, names.ln, names.ln_bias, layer, [names.up])
         self._project(self._param(names.up, layer)[0], buf["y"], buf["g"], 4 * d, r, d)
         self._mlp_up(ctx, names, layer)
         self._project(self._param(names.down, layer)[0], buf["y"], buf["g"], d, r, 4 * d)
-        self._residual(
-            ctx, names.down, layer, self.cfg.quantization.shift_mlp_down, names.bias_down
-        )
+        shift = self.cfg.quantization.shift_mlp_down
+        self._residual(ctx, names.down, layer, shift, then, names.bias_down)
 
     def _mlp_up(self, ctx, names: Mlp, layer):
         """buf["g"] (the up-projection) -> GELU'd hidden in buf["y"], the down-projection's
@@ -712,20 +727,21 @@ class GpuBackend:
             seq=seq,
         )
 
-    def _residual(self, ctx, matrix: str, layer, shift: int, bias: str | None = None):
+    def _residual(self, ctx, matrix: str, layer, shift: int, then: Norm, bias: str | None = None):
         """buf["x"] += (buf["g"] + the rank-1 term of `matrix`) >> shift [+ bias and its
-        noise], max-abs normalised in place; the term's input dot is buf["sbd"]."""
+        noise], max-abs normalised in place (the term's input dot is buf["sbd"]); then
+        the norm `then` of x into buf["y"] and its input dots into buf["sb"]."""
         buf, seeds, signs, nb, seq, r = ctx
         _, (_, ov_out), (off_a, _) = self._param(matrix, layer)
         b, ov_b, b_a, b_b = None, None, 0, 0
         if bias is not None:
             b, (ov_b,), (b_a, b_b) = self._param(bias, layer)
         self._launch(
-            "residual",
+            "residual_norm",
             (nb,),
             (NT,),
             g=buf["g"],
-            sb=buf["sbd"],
+            sb_in=buf["sbd"],
             x=buf["x"],
             seeds=seeds,
             signs=signs,
@@ -736,14 +752,18 @@ class GpuBackend:
             ov_bias=ov_b,
             bias_a=b_a,
             bias_b=b_b,
+            y=buf["y"],
+            sb_out=buf["sb"],
             seq=seq,
+            rows=r,
+            **self._norm_arguments(then),
         )
 
-    def _attention(self, ctx, layer, cache=None, start=0):
-        """Attention block of ctx's rows; with a cache (keys, values of the layer, flat
-        [position, hidden]), the rows are positions start.. of one unperturbed sequence."""
+    def _attention(self, ctx, layer, then: Norm, cache=None, start=0):
+        """Attention block of ctx's rows (its norm already in buf["y"]), then the norm
+        `then`; with a cache (keys, values of the layer, flat [position, hidden]), the
+        rows are positions start.. of one unperturbed sequence."""
         buf, r, d = ctx[0], ctx[5], self.cfg.model.hidden_dim
-        self._norm(ctx, "ln_1", "ln_1_bias", layer, list(QKV))
         self._project(self.d_qkv[layer], buf["y"], buf["g"], 3 * d, r, d)  # [rows, q | k | v]
         self._qkv(ctx, layer, start)
         if cache is None:
@@ -751,7 +771,7 @@ class GpuBackend:
         else:
             self._cached_attention(ctx, cache, start)
         self._project(self._param("w_o", layer)[0], buf["y"], buf["g"], d, r, d)
-        self._residual(ctx, "w_o", layer, self.cfg.quantization.shift_out)
+        self._residual(ctx, "w_o", layer, self.cfg.quantization.shift_out, then)
 
     def _qkv_parts(self, ctx):
         buf, r, d = ctx[0], ctx[5], self.cfg.model.hidden_dim

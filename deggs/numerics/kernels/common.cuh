@@ -173,8 +173,9 @@ __device__ __forceinline__ int warp_max_int(int v) {
 #define WARP (threadIdx.x >> 5)
 #define NWARPS (blockDim.x >> 5)
 
-// max_abs_normalize of the row a warp holds in v[FPL].
-__device__ __forceinline__ void max_abs_normalize_warp(const int* v, i8* out) {
+// max_abs_normalize of the row a warp holds in v[FPL] into out, and into kept[FPL] too
+// when given (for a kernel that goes on with the row).
+__device__ __forceinline__ void max_abs_normalize_warp(const int* v, i8* out, int* kept = nullptr) {
     int peak = 0;
 #pragma unroll
     for (int i = 0; i < FPL; i++) peak = max(peak, abs(v[i]));
@@ -183,7 +184,9 @@ __device__ __forceinline__ void max_abs_normalize_warp(const int* v, i8* out) {
 #pragma unroll
     for (int i = 0; i < FPL; i++) {
         const float r = roundf(__fmul_rn(__int2float_rn(v[i]), scale));
-        out[LANE + 32 * i] = (i8)(int)fmaxf(-127.0f, fminf(127.0f, r));
+        const int n = (int)fmaxf(-127.0f, fminf(127.0f, r));
+        out[LANE + 32 * i] = (i8)n;
+        if (kept) kept[i] = n;
     }
 }
 

@@ -44,27 +44,24 @@ extern "C" __global__ void embed(const int* tokens, const u32* seeds, const int*
 }
 
 // standard_norm with perturbed weight and bias, then up to three input dot products
-// sb[p][row] = sum_i (int)(y_i * b_i * factor_i) for the projections that read y.
-extern "C" __global__ void standard_norm(const i8* x, i8* y, const u32* seeds, const int* signs,
-                                         const i8* w, const i8* b, const i8* ov_w, const i8* ov_b,
-                                         u32 w_a, u32 w_b, u32 b_a, u32 b_b, int ndots,
-                                         const i8* ov0, const i8* ov1, const i8* ov2,
-                                         u32 off0, u32 off1, u32 off2, int* sb, int seq, int rows) {
-    extern __shared__ int s_norm[];  // dynamic: 8 HIDDEN words (gpu.shared_memory)
-    int* s_w = s_norm;
-    int* s_bias = s_norm + HIDDEN;
-    int* s_n = s_norm + 2 * HIDDEN;               // [3][HIDDEN]
-    float* s_f = (float*)(s_norm + 5 * HIDDEN);   // [3][HIDDEN]
-    const int m = blockIdx.x;
-    const u32 seed = seeds[m];
-    const int sign = signs[m];
+// sb[p][row] = sum_i (int)(y_i * b_i * factor_i) for the projections that read y. Its
+// per-member tables and its row are device functions: residual_norm runs them too.
+
+// The member's tables in s_norm (8 HIDDEN words): weight and bias with their noise, and
+// each input dot's noise and factors ([3][HIDDEN] each).
+__device__ __forceinline__ void norm_tables(int* s_norm, u32 seed, int sign, const i8* w, const i8* b,
+                                            const i8* ov_w, const i8* ov_b, u32 w_a, u32 w_b, u32 b_a,
+                                            u32 b_b, int ndots, const i8* ov0, const i8* ov1,
+                                            const i8* ov2, u32 off0, u32 off1, u32 off2) {
     const i8* ovs[3] = {ov0, ov1, ov2};
     const u32 offs[3] = {off0, off1, off2};
+    int* s_n = s_norm + 2 * HIDDEN;
+    float* s_f = (float*)(s_norm + 5 * HIDDEN);
     // Loops over the dots run to 3 with a test, unrolled: runtime-indexed arrays would
     // live in local memory, read and written for every element.
     for (int f = threadIdx.x; f < HIDDEN; f += blockDim.x) {
-        s_w[f] = w[f] + vector_noise(ov_w, seed, w_a, w_b, f, sign);
-        s_bias[f] = b[f] + vector_noise(ov_b, seed, b_a, b_b, f, sign);
+        s_norm[f] = w[f] + vector_noise(ov_w, seed, w_a, w_b, f, sign);
+        s_norm[HIDDEN + f] = b[f] + vector_noise(ov_b, seed, b_a, b_b, f, sign);
 #pragma unroll
         for (int p = 0; p < 3; p++)
             if (p < ndots) {
@@ -72,36 +69,54 @@ extern "C" __global__ void standard_norm(const i8* x, i8* y, const u32* seeds, c
                 s_f[p * HIDDEN + f] = adaptive_factor(ovs[p], seed + offs[p], f);
             }
     }
+}
+
+// standard_norm of the row a warp holds (lane: features LANE + 32 i of xv) into yr, and
+// its input dots into sb[p * rows + row].
+__device__ __forceinline__ void norm_row(const int* xv, i8* yr, int* sb, long row, int rows, int ndots,
+                                         const int* s_norm) {
+    const int* s_n = s_norm + 2 * HIDDEN;
+    const float* s_f = (const float*)(s_norm + 5 * HIDDEN);
+    u32 s = 0;
+#pragma unroll
+    for (int i = 0; i < FPL; i++) s += (u32)abs(xv[i]);
+    int mean = (int)(warp_sum_u32(s) / HIDDEN);
+    if (mean == 0) mean = 1;
+    const float inverse = __frcp_rn(__int2float_rn(mean));
+    u32 dots[3] = {0u, 0u, 0u};
+#pragma unroll
+    for (int i = 0; i < FPL; i++) {
+        const int f = LANE + 32 * i;
+        const int v = clip8(divide(xv[i] * s_norm[f], mean, inverse) + s_norm[HIDDEN + f]);
+        yr[f] = (i8)v;
+#pragma unroll
+        for (int p = 0; p < 3; p++)
+            if (p < ndots) dots[p] += (u32)scaled(v * s_n[p * HIDDEN + f], s_f[p * HIDDEN + f]);
+    }
+#pragma unroll
+    for (int p = 0; p < 3; p++)
+        if (p < ndots) {
+            const u32 total = warp_sum_u32(dots[p]);
+            if (LANE == 0) sb[(long)p * rows + row] = (int)total;
+        }
+}
+
+extern "C" __global__ void standard_norm(const i8* x, i8* y, const u32* seeds, const int* signs,
+                                         const i8* w, const i8* b, const i8* ov_w, const i8* ov_b,
+                                         u32 w_a, u32 w_b, u32 b_a, u32 b_b, int ndots,
+                                         const i8* ov0, const i8* ov1, const i8* ov2,
+                                         u32 off0, u32 off1, u32 off2, int* sb, int seq, int rows) {
+    extern __shared__ int s_norm[];  // dynamic: 8 HIDDEN words (gpu.shared_memory)
+    const int m = blockIdx.x;
+    norm_tables(s_norm, seeds[m], signs[m], w, b, ov_w, ov_b, w_a, w_b, b_a, b_b, ndots, ov0, ov1,
+                ov2, off0, off1, off2);
     __syncthreads();
     for (int t = WARP; t < seq; t += NWARPS) {
         const long row = (long)m * seq + t;
-        const i8* xr = x + row * HIDDEN;
         int xv[FPL];
-        u32 s = 0;
 #pragma unroll
-        for (int i = 0; i < FPL; i++) {
-            xv[i] = xr[LANE + 32 * i];
-            s += (u32)abs(xv[i]);
-        }
-        int mean = (int)(warp_sum_u32(s) / HIDDEN);
-        if (mean == 0) mean = 1;
-        const float inverse = __frcp_rn(__int2float_rn(mean));
-        u32 dots[3] = {0u, 0u, 0u};
-#pragma unroll
-        for (int i = 0; i < FPL; i++) {
-            const int f = LANE + 32 * i;
-            const int v = clip8(divide(xv[i] * s_w[f], mean, inverse) + s_bias[f]);
-            y[row * HIDDEN + f] = (i8)v;
-#pragma unroll
-            for (int p = 0; p < 3; p++)
-                if (p < ndots) dots[p] += (u32)scaled(v * s_n[p * HIDDEN + f], s_f[p * HIDDEN + f]);
-        }
-#pragma unroll
-        for (int p = 0; p < 3; p++)
-            if (p < ndots) {
-                const u32 total = warp_sum_u32(dots[p]);
-                if (LANE == 0) sb[(long)p * rows + row] = (int)total;
-            }
+        for (int i = 0; i < FPL; i++) xv[i] = x[row * HIDDEN + LANE + 32 * i];
+        norm_row(xv, y + row * HIDDEN, sb, row, rows, ndots, s_norm);
     }
 }
 
@@ -258,12 +273,20 @@ extern "C" __global__ void attention_mix(const i8* q, const i8* k, const i8* v, 
     atomicAdd((u32*)&sb_o[row], dot);
 }
 
-// Residual after a projection to HIDDEN outputs: x = max_abs_normalize(x + (out >> shift)
-// [+ bias + its noise]), out = g + rank-1 term. In place on x.
-extern "C" __global__ void residual(const int* g, const int* sb, i8* x, const u32* seeds,
-                                   const int* signs, const i8* ov_out, u32 off_a, int shift,
-                                   const i8* bias, const i8* ov_bias, u32 bias_a, u32 bias_b,
-                                   int seq) {
+// Residual after a projection to HIDDEN outputs, then the next block's standard_norm
+// of the new x (one kernel: x's row is normalised from registers, not read back):
+// x = max_abs_normalize(x + (out >> shift) [+ bias + its noise]) in place, out = g +
+// rank-1 term (its input dot sb_in); then y = standard_norm(x) and its input dots in
+// sb_out, as standard_norm's arguments say.
+extern "C" __global__ void residual_norm(const int* g, const int* sb_in, i8* x, const u32* seeds,
+                                         const int* signs, const i8* ov_out, u32 off_a, int shift,
+                                         const i8* bias, const i8* ov_bias, u32 bias_a, u32 bias_b,
+                                         i8* y, const i8* w, const i8* b, const i8* ov_w,
+                                         const i8* ov_b, u32 w_a, u32 w_b, u32 b_a, u32 b_b,
+                                         int ndots, const i8* ov0, const i8* ov1, const i8* ov2,
+                                         u32 off0, u32 off1, u32 off2, int* sb_out, int seq,
+                                         int rows) {
+    extern __shared__ int s_norm[];  // dynamic: 8 HIDDEN words (gpu.shared_memory)
     __shared__ int s_av[HIDDEN];
     __shared__ int s_bias[HIDDEN];
     const int m = blockIdx.x;
@@ -272,10 +295,12 @@ extern "C" __global__ void residual(const int* g, const int* sb, i8* x, const u3
     output_noise(s_av, HIDDEN, ov_out, seed + off_a);
     for (int f = threadIdx.x; f < HIDDEN; f += blockDim.x)
         s_bias[f] = bias ? bias[f] + vector_noise(ov_bias, seed, bias_a, bias_b, f, sign) : 0;
+    norm_tables(s_norm, seed, sign, w, b, ov_w, ov_b, w_a, w_b, b_a, b_b, ndots, ov0, ov1, ov2,
+                off0, off1, off2);
     __syncthreads();
     for (int t = WARP; t < seq; t += NWARPS) {
         const long row = (long)m * seq + t;
-        const int s = sb[row];
+        const int s = sb_in[row];
         int v[FPL];
 #pragma unroll
         for (int i = 0; i < FPL; i++) {
@@ -283,7 +308,9 @@ extern "C" __global__ void residual(const int* g, const int* sb, i8* x, const u3
             const int out = wrap_add(g[row * HIDDEN + f], output_term(s, s_av[f], sign));
             v[i] = (int)x[row * HIDDEN + f] + (out >> shift) + s_bias[f];
         }
-        max_abs_normalize_warp(v, x + row * HIDDEN);
+        int xv[FPL];
+        max_abs_normalize_warp(v, x + row * HIDDEN, xv);
+        norm_row(xv, y + row * HIDDEN, sb_out, row, rows, ndots, s_norm);
     }
 }
 
