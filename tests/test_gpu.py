@@ -248,6 +248,21 @@ def test_every_kernel_matches_its_cpu_reference(switches):
     assert ok and len(lines) == len(harness.CHECKS) == 12, "\n".join(lines)
 
 
+def test_a_variant_launches_as_compiled_and_timing_skips_the_check():
+    """scripts/kernels.py -D NT=128: the row kernels launch with the thread count they
+    were compiled with and still match the CPU; --no-check times without the CPU."""
+    import kernels as harness
+
+    cfg = Config().replace(model=SMALL_MODEL, training=dict(population_size=8, chunk_size=8))
+    names = ["embed", "mlp_up", "residual_norm", "sequence_loss", "standard_norm"]
+    lines = []
+    ok = harness.run(cfg, names, members=6, repeats=1, out=lines.append, defines={"NT": 128})
+    assert ok and all(line.split()[1] == "ok" for line in lines), "\n".join(lines)
+    lines = []
+    assert harness.run(cfg, ["embed"], members=6, repeats=1, out=lines.append, check=False)
+    assert lines[0].split()[1] == "unchecked", lines
+
+
 def test_validation_logits_match_cpu():
     """Backend.logits (the validation loss's forward) on the GPU: the training forward with
     every member's sign 0, equal to the CPU's unperturbed logits."""

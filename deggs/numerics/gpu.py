@@ -348,6 +348,7 @@ class GpuBackend:
         self.tables = make_tables(cfg)
         self.stream = cp.cuda.Stream(non_blocking=True)
         self.module = self._compile()
+        self.nt = self.defines["NT"]  # threads of the row kernels, as compiled (-D NT=...)
         self.kernels = launch.kernels(self.module, kernel_source())
         self.dynamic_shared = {k: dyn for k, (dyn, _) in shared_memory(cfg).items() if dyn}
         # The head's GEMM fused with the loss (head_loss.cu) where its tiles fit; else
@@ -638,7 +639,7 @@ class GpuBackend:
         self._launch(
             "embed",
             (nb,),
-            (NT,),
+            (self.nt,),
             tokens=tok,
             seeds=seeds,
             signs=signs,
@@ -678,7 +679,7 @@ class GpuBackend:
         self._launch(
             "standard_norm",
             (nb,),
-            (NT,),
+            (self.nt,),
             x=buf["x"],
             y=buf["y"],
             seeds=seeds,
@@ -708,7 +709,7 @@ class GpuBackend:
         self._launch(
             "mlp_up",
             (nb,),
-            (NT,),
+            (self.nt,),
             g=buf["g"],
             sb_up=buf["sb"],
             hidden=buf["y"],
@@ -739,7 +740,7 @@ class GpuBackend:
         self._launch(
             "residual_norm",
             (nb,),
-            (NT,),
+            (self.nt,),
             g=buf["g"],
             sb_in=buf["sbd"],
             x=buf["x"],
@@ -788,7 +789,7 @@ class GpuBackend:
         self._launch(
             "qkv_rope",
             (nb,),
-            (NT,),
+            (self.nt,),
             g=buf["g"],
             sb=buf["sb"],
             out=buf["qkv"],
@@ -859,7 +860,7 @@ class GpuBackend:
         self._launch(
             "sequence_loss",
             (nb,),
-            (NT,),
+            (self.nt,),
             g=buf["g"],
             sb=buf["sb"],
             tokens=tok,
@@ -971,7 +972,7 @@ class GpuBackend:
                 self._launch(
                     "vector_votes",
                     (n,),
-                    (NT,),
+                    (self.nt,),
                     vote=U["vote"],
                     fitness=U["fit"],
                     step_seed=U["seed"],
@@ -1135,7 +1136,7 @@ class GpuBackend:
                 self._launch(
                     "choose_token",
                     (1,),
-                    (choose_token_threads(d),),
+                    (self.defines["CT_THREADS"],),
                     g=buf["g"],
                     tokens=tokens,
                     t=t,
