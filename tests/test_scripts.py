@@ -216,3 +216,60 @@ def test_run_workers_help_exits_0_and_no_host_exits_2():
     assert help_.returncode == 0 and help_.stdout.startswith("usage:")
     bare = subprocess.run(["bash", ROOT / "run-workers.sh"], capture_output=True, text=True)
     assert bare.returncode == 2 and "usage:" in bare.stderr
+
+
+def test_scaling_runs_one_and_two_workers_with_equal_losses(tmp_path):
+    """scripts/scaling.sh: a coordinator and N workers (here CPU workers on loopback) for
+    each N, then scripts/scaling.py's table, every step's loss equal across the runs."""
+    from tiny import toml_of
+
+    config = tmp_path / "tiny.toml"
+    config.write_text(toml_of(tiny_config(training=dict(population_size=32, chunk_size=8))))
+    data = tmp_path / "data"
+    data.mkdir()
+    np.random.default_rng(3).integers(0, 256, 5000).astype(np.uint8).tofile(data / "input.bin")
+    env = dict(
+        os.environ,
+        STEPS="8",
+        CONFIG=str(config),
+        RUNS=str(tmp_path / "runs"),
+        WORKER_OPTIONS="--backend cpu --threads 1",
+        PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+    )
+    out = subprocess.run(
+        ["bash", ROOT / "scripts/scaling.sh", data, "1", "2"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = out.stdout.strip().splitlines()
+    assert [line.split(": ")[0] for line in lines] == [
+        str(tmp_path / "runs/gpus1"),
+        str(tmp_path / "runs/gpus2"),
+    ]
+    assert "1 workers" in lines[0] and "2 workers" in lines[1], lines
+    assert all(line.endswith("losses equal to the first run's: True") for line in lines), lines
+
+
+def test_scaling_report_compares_step_times_and_losses():
+    import scaling  # scripts/ is on the path (conftest.py)
+
+    def run(step_s, losses, idle):
+        workers = {f"w{i}": {"idle_s": idle * (i + 1)} for i in range(2)}
+        return [
+            dict(step=s, tokens=1000, time=step_s * s, sum_loss=loss, workers=workers)
+            for s, loss in enumerate(losses)
+        ]
+
+    one = run(1.0, range(8), 0.01)
+    lines = scaling.report({"a": one, "b": run(0.5, range(8), 0.02), "c": run(0.5, [9] * 8, 0)})
+    assert lines[0] == (
+        "a: 2 workers, 1.000 s a step, 0.00 M tokens/s, 1.00x, idlest worker 0.020 s a step, "
+        "losses equal to the first run's: True"
+    )
+    assert "0.500 s a step" in lines[1] and "2.00x" in lines[1] and "0.040 s" in lines[1]
+    assert lines[1].endswith("True") and lines[2].endswith("False")
+    with pytest.raises(ValueError, match="6 steps recorded"):
+        scaling.summary(one[:6])

@@ -1,0 +1,72 @@
+#!/usr/bin/env python3
+"""The scaling table of runs of one config on 1, 2, ... GPUs (scripts/scaling.sh).
+
+    python scripts/scaling.py SAVE_DIR [SAVE_DIR ...]
+
+Each SAVE_DIR is a run's save directory; the first is the baseline. A step's time is
+the wall time from its record in metrics.jsonl to the next one's (its chunks, the
+update every worker repeats, the round trips: all of it), the median past the first
+5 steps (compiles, CUDA graph capture). Prints a line per run: workers, time a step,
+tokens/s, speed-up over the baseline, the idlest worker's idle time a step, and whether
+every step's summed loss equals the baseline's (it must: where a chunk is computed does
+not change the math).
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+from itertools import pairwise
+from pathlib import Path
+
+sys.path[:0] = [str(Path(__file__).resolve().parents[1])]
+
+from deggs.runtime.checkpoint import read_metrics  # noqa: E402
+
+SKIP = 5  # steps not timed
+
+
+def summary(records: list[dict]) -> dict:
+    """One run's figures from its metrics records (at least SKIP + 2 steps)."""
+    if len(records) < SKIP + 2:
+        raise ValueError(f"{len(records)} steps recorded: at least {SKIP + 2} are needed")
+    walls = [b["time"] - a["time"] for a, b in pairwise(records)][SKIP - 1 :]
+    step = statistics.median(walls)
+    timed = records[SKIP:]
+    return dict(
+        workers=statistics.median(len(r["workers"]) for r in timed),
+        step_s=step,
+        tokens_per_s=records[0]["tokens"] / step,  # step 0's record counts one step's
+        idle_s=statistics.median(max(w["idle_s"] for w in r["workers"].values()) for r in timed),
+        losses=[r["sum_loss"] for r in records],
+    )
+
+
+def report(runs: dict[str, list[dict]]) -> list[str]:
+    """A line per run (name: its records), against the first."""
+    figures = {name: summary(records) for name, records in runs.items()}
+    base = next(iter(figures.values()))
+    return [
+        f"{name}: {f['workers']:g} workers, {f['step_s']:.3f} s a step, "
+        f"{f['tokens_per_s'] / 1e6:.2f} M tokens/s, {base['step_s'] / f['step_s']:.2f}x, "
+        f"idlest worker {f['idle_s']:.3f} s a step, losses equal to the first run's: "
+        f"{f['losses'] == base['losses']}"
+        for name, f in figures.items()
+    ]
+
+
+def main(dirs: list[str]) -> int:
+    if not dirs:
+        print(__doc__.strip().splitlines()[2], file=sys.stderr)
+        return 2
+    try:
+        lines = report({d: read_metrics(d) for d in dirs})
+    except ValueError as e:
+        print(f"scaling.py: {e}", file=sys.stderr)
+        return 1
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
