@@ -32,7 +32,8 @@ if ! command -v deggs-coordinator >/dev/null; then
 fi
 coordinator="" workers=""
 stop() { kill -TERM $coordinator $workers 2>/dev/null || true; }
-trap stop EXIT INT TERM
+trap stop EXIT
+trap "exit 130" INT TERM  # the EXIT trap then stops the run
 
 mkdir -p "$runs"
 dirs=()
