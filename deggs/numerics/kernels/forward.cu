@@ -72,9 +72,10 @@ __device__ __forceinline__ void norm_tables(int* s_norm, u32 seed, int sign, con
 }
 
 // standard_norm of the row a warp holds (lane: features LANE + 32 i of xv) into yr, and
-// its input dots into sb[p * rows + row].
-__device__ __forceinline__ void norm_row(const int* xv, i8* yr, int* sb, long row, int rows, int ndots,
-                                         const int* s_norm) {
+// its NDOTS input dots into sb[p * rows + row].
+template <int NDOTS>
+__device__ __forceinline__ void norm_row_dots(const int* xv, i8* yr, int* sb, long row, int rows,
+                                              const int* s_norm) {
     const int* s_n = s_norm + 2 * HIDDEN;
     const float* s_f = (const float*)(s_norm + 5 * HIDDEN);
     u32 s = 0;
@@ -90,15 +91,26 @@ __device__ __forceinline__ void norm_row(const int* xv, i8* yr, int* sb, long ro
         const int v = clip8(divide(xv[i] * s_norm[f], mean, inverse) + s_norm[HIDDEN + f]);
         yr[f] = (i8)v;
 #pragma unroll
-        for (int p = 0; p < 3; p++)
-            if (p < ndots) dots[p] += (u32)scaled(v * s_n[p * HIDDEN + f], s_f[p * HIDDEN + f]);
+        for (int p = 0; p < NDOTS; p++)
+            dots[p] += (u32)scaled(v * s_n[p * HIDDEN + f], s_f[p * HIDDEN + f]);
     }
 #pragma unroll
-    for (int p = 0; p < 3; p++)
-        if (p < ndots) {
-            const u32 total = warp_sum_u32(dots[p]);
-            if (LANE == 0) sb[(long)p * rows + row] = (int)total;
-        }
+    for (int p = 0; p < NDOTS; p++) {
+        const u32 total = warp_sum_u32(dots[p]);
+        if (LANE == 0) sb[(long)p * rows + row] = (int)total;
+    }
+}
+
+// The dot count as a constant of the row's code: with the runtime count in the
+// element loop, every element issued all three dots' instructions, predicated off.
+__device__ __forceinline__ void norm_row(const int* xv, i8* yr, int* sb, long row, int rows, int ndots,
+                                         const int* s_norm) {
+    switch (ndots) {
+        case 0: norm_row_dots<0>(xv, yr, sb, row, rows, s_norm); break;
+        case 1: norm_row_dots<1>(xv, yr, sb, row, rows, s_norm); break;
+        case 2: norm_row_dots<2>(xv, yr, sb, row, rows, s_norm); break;
+        default: norm_row_dots<3>(xv, yr, sb, row, rows, s_norm);
+    }
 }
 
 extern "C" __global__ void standard_norm(const i8* x, i8* y, const u32* seeds, const int* signs,

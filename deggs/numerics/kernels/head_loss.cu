@@ -59,6 +59,9 @@ head_loss(const i8* y, const i8* emb_t, const int* sb, const int* tokens, const 
 #pragma unroll
     for (int s = 0; s < 4; s++) peak[s] = INT_MIN_;
 
+    // Unrolled, so that `pass` is a constant in each copy: a runtime pass split every
+    // column pair of the epilogue into its own block, each waiting on its own lookups.
+#pragma unroll
     for (int pass = 0; pass < 2; pass++) {
         sweep(tiles, s_a, s_b, load_tile, [&](int (&c)[2][TILE_N / 8][4], int tile, int buf) {
             const int* av = s_av + buf * TILE_MEMBERS * TILE_N;
