@@ -386,7 +386,6 @@ def check_choose_token(b):
     d_g, d_tokens = cp.asarray(logits), cp.asarray(tokens)
     penalty, min_p_limit = sampler_limits(b.cfg)
     seed, t = int(b.rng.integers(2**32)), 39
-    from deggs.numerics.gpu import choose_token_threads
 
     def setup():
         d_tokens[...] = cp.asarray(tokens)
@@ -395,7 +394,7 @@ def check_choose_token(b):
         b.gpu._launch(
             "choose_token",
             (1,),
-            (choose_token_threads(b.d),),
+            (b.gpu.defines["CT_THREADS"],),
             g=d_g,
             tokens=d_tokens,
             t=t,

@@ -1,9 +1,11 @@
 #!/usr/bin/env python3
 """The scaling table of runs of one config on 1, 2, ... GPUs (scripts/scaling.sh).
 
-    python scripts/scaling.py SAVE_DIR [SAVE_DIR ...]
+    python scripts/scaling.py [--workers N,N,...] SAVE_DIR [SAVE_DIR ...]
 
-Each SAVE_DIR is a run's save directory; the first is the baseline. A step's time is
+Each SAVE_DIR is a run's save directory; the first is the baseline. With --workers, a
+run whose steps had another number of workers than its N is an error (a worker that
+crashed or found no GPU would otherwise show as a poor speed-up). A step's time is
 the wall time from its record in metrics.jsonl to the next one's (its chunks, the
 update every worker repeats, the round trips: all of it), the median past the first
 5 steps (compiles, CUDA graph capture). Prints a line per run: workers, time a step,
@@ -19,6 +21,8 @@ import sys
 from itertools import pairwise
 from pathlib import Path
 
+import click
+
 sys.path[:0] = [str(Path(__file__).resolve().parents[1])]
 
 from deggs.runtime.checkpoint import read_metrics  # noqa: E402
@@ -26,10 +30,10 @@ from deggs.runtime.checkpoint import read_metrics  # noqa: E402
 SKIP = 5  # steps not timed
 
 
-def summary(records: list[dict]) -> dict:
+def summary(name: str, records: list[dict]) -> dict:
     """One run's figures from its metrics records (at least SKIP + 2 steps)."""
     if len(records) < SKIP + 2:
-        raise ValueError(f"{len(records)} steps recorded: at least {SKIP + 2} are needed")
+        raise ValueError(f"{name}: {len(records)} steps recorded, at least {SKIP + 2} needed")
     walls = [b["time"] - a["time"] for a, b in pairwise(records)][SKIP - 1 :]
     step = statistics.median(walls)
     timed = records[SKIP:]
@@ -42,9 +46,13 @@ def summary(records: list[dict]) -> dict:
     )
 
 
-def report(runs: dict[str, list[dict]]) -> list[str]:
-    """A line per run (name: its records), against the first."""
-    figures = {name: summary(records) for name, records in runs.items()}
+def report(runs: dict[str, list[dict]], workers: list[int] | None = None) -> list[str]:
+    """A line per run (name: its records), against the first; workers: the count each
+    run asked for."""
+    figures = {name: summary(name, records) for name, records in runs.items()}
+    for (name, f), n in zip(figures.items(), workers or [], strict=False):
+        if f["workers"] != n:
+            raise ValueError(f"{name}: {f['workers']:g} workers a step, {n} asked for")
     base = next(iter(figures.values()))
     return [
         f"{name}: {f['workers']:g} workers, {f['step_s']:.3f} s a step, "
@@ -55,18 +63,25 @@ def report(runs: dict[str, list[dict]]) -> list[str]:
     ]
 
 
-def main(dirs: list[str]) -> int:
-    if not dirs:
-        print(__doc__.strip().splitlines()[2], file=sys.stderr)
-        return 2
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--workers", help="the workers each run asked for, comma-separated")
+@click.argument("dirs", nargs=-1, required=True, type=click.Path(file_okay=False))
+def main(workers, dirs):
+    counts = None
+    if workers:
+        try:
+            counts = [int(n) for n in workers.split(",")]
+        except ValueError:
+            raise click.BadParameter(f"not a list of counts: {workers}") from None
+        if len(counts) != len(dirs):
+            raise click.BadParameter(f"{len(counts)} counts for {len(dirs)} runs")
     try:
-        lines = report({d: read_metrics(d) for d in dirs})
+        lines = report({d: read_metrics(d) for d in dirs}, counts)
     except ValueError as e:
-        print(f"scaling.py: {e}", file=sys.stderr)
-        return 1
-    print("\n".join(lines))
-    return 0
+        click.echo(f"scaling.py: {e}", err=True)
+        sys.exit(1)
+    click.echo("\n".join(lines))
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    main()

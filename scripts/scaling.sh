@@ -10,7 +10,9 @@
 #   STEPS (20)      steps a run; the first 5 are not timed (compiles, graph capture)
 #   CONFIG          config.toml
 #   RUNS            runs/scaling: save directories gpusN and logs
-#   WORKER_OPTIONS  more deggs-worker options (--backend cpu, ...)
+#   WORKER_OPTIONS  more deggs-worker options (--backend cpu for CPU workers; the
+#                   default is --backend gpu, so a worker without a GPU fails)
+#   PYTHON          python3: the interpreter of scaling.py (and of deggs if not installed)
 # Example: bash scripts/scaling.sh data 1 2 4 8 -- --set training.chunk_size=20480
 set -euo pipefail
 usage="usage: $0 DATA_DIR N [N ...] [-- --set TABLE.KEY=VALUE ...]"
@@ -19,15 +21,20 @@ data="$1"; shift
 counts=()
 while [[ $# -gt 0 && "$1" != "--" ]]; do counts+=("$1"); shift; done
 [[ $# -gt 0 ]] && shift  # the --
+[[ ${#counts[@]} -ge 1 ]] || { echo "$usage" >&2; exit 2; }
 for n in "${counts[@]}"; do
     [[ "$n" =~ ^[1-9][0-9]*$ ]] || { echo "$0: a GPU count must be a positive integer, not '$n'" >&2; exit 2; }
 done
+if [[ $(printf '%s\n' "${counts[@]}" | sort | uniq -d) ]]; then
+    echo "$0: each GPU count once (a run's save directory is named by it)" >&2; exit 2
+fi
 [[ -f "$data/input.bin" ]] || { echo "$0: no $data/input.bin (deggs-prepare makes it)" >&2; exit 2; }
 root="$(cd "$(dirname "$0")/.." && pwd)"
 steps="${STEPS:-20}" config="${CONFIG:-config.toml}" runs="${RUNS:-runs/scaling}"
+python="${PYTHON:-python3}"
 coordinator_cmd=(deggs-coordinator) worker_cmd="deggs-worker"  # installed, else the checkout's
 if ! command -v deggs-coordinator >/dev/null; then
-    coordinator_cmd=(python3 -m deggs coordinator) worker_cmd="python3 -m deggs worker"
+    coordinator_cmd=("$python" -m deggs coordinator) worker_cmd="$python -m deggs worker"
     export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
 fi
 coordinator="" workers=""
@@ -48,11 +55,16 @@ for n in "${counts[@]}"; do
     for _ in $(seq 300); do
         port=$(grep -o 'listening on [0-9.]*:[0-9]*' "$runs/coordinator$n.log" | grep -o '[0-9]*$' || true)
         [[ -n "$port" ]] && break
+        kill -0 "$coordinator" 2>/dev/null || break  # it failed: say so at once
         sleep 0.1
     done
-    [[ -n "$port" ]] || { echo "$0: the coordinator did not start (see $runs/coordinator$n.log)" >&2; exit 1; }
+    if [[ -z "$port" ]]; then
+        echo "$0: the coordinator did not start ($runs/coordinator$n.log):" >&2
+        tail -n 5 "$runs/coordinator$n.log" >&2
+        exit 1
+    fi
     DEGGS_WORKER="$worker_cmd" "$root/run-workers.sh" 127.0.0.1 "$n" -- --config "$config" \
-        --data-dir "$data" --port "$port" "$@" ${WORKER_OPTIONS:-} > "$runs/workers$n.log" 2>&1 &
+        --data-dir "$data" --port "$port" --backend gpu "$@" ${WORKER_OPTIONS:-} > "$runs/workers$n.log" 2>&1 &
     workers=$!
     # The coordinator exits at step STEPS; the workers leave when it says the run is
     # finished, just before. Workers gone with the coordinator still there 30 s later
@@ -74,4 +86,5 @@ for n in "${counts[@]}"; do
     [[ $status -eq 0 ]] || { echo "$0: the coordinator failed (see $runs/coordinator$n.log)" >&2; exit 1; }
     dirs+=("$dir")
 done
-python3 "$root/scripts/scaling.py" "${dirs[@]}"
+# --workers: a run with fewer workers than asked for (one crashed, or found no GPU) fails
+"$python" "$root/scripts/scaling.py" --workers "$(IFS=,; echo "${counts[*]}")" "${dirs[@]}"

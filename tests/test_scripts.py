@@ -230,21 +230,28 @@ def test_scaling_runs_one_and_two_workers_with_equal_losses(tmp_path):
     np.random.default_rng(3).integers(0, 256, 5000).astype(np.uint8).tofile(data / "input.bin")
     env = dict(
         os.environ,
-        STEPS="8",
+        STEPS="10",
         CONFIG=str(config),
         RUNS=str(tmp_path / "runs"),
         WORKER_OPTIONS="--backend cpu --threads 1",
+        PYTHON=sys.executable,
         PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}",
     )
-    out = subprocess.run(
+    proc = subprocess.Popen(
         ["bash", ROOT / "scripts/scaling.sh", data, "1", "2"],
         env=env,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=240,
+        start_new_session=True,  # a group of its own: on a timeout, all of it is stopped
     )
-    assert out.returncode == 0, out.stdout + out.stderr
-    lines = out.stdout.strip().splitlines()
+    try:
+        out, err = proc.communicate(timeout=240)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+    assert proc.returncode == 0, out + err
+    lines = out.strip().splitlines()
     assert [line.split(": ")[0] for line in lines] == [
         str(tmp_path / "runs/gpus1"),
         str(tmp_path / "runs/gpus2"),
@@ -253,23 +260,51 @@ def test_scaling_runs_one_and_two_workers_with_equal_losses(tmp_path):
     assert all(line.endswith("losses equal to the first run's: True") for line in lines), lines
 
 
+def test_scaling_refuses_bad_counts_and_a_coordinator_that_fails_at_once(tmp_path):
+    (tmp_path / "input.bin").write_bytes(bytes(100))
+    script = ["bash", ROOT / "scripts/scaling.sh", tmp_path]
+    for counts, message in [([], "usage:"), (["1", "1"], "each GPU count once"), (["x"], "x")]:
+        bad = subprocess.run([*script, *counts], capture_output=True, text=True, timeout=30)
+        assert bad.returncode == 2 and message in bad.stderr, bad.stderr
+    env = dict(
+        os.environ,
+        CONFIG=str(tmp_path / "missing.toml"),
+        RUNS=str(tmp_path / "runs"),
+        PYTHON=sys.executable,
+        PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+    )
+    failed = subprocess.run([*script, "1"], env=env, capture_output=True, text=True, timeout=30)
+    assert failed.returncode == 1 and "did not start" in failed.stderr, failed.stderr
+    assert "missing.toml" in failed.stderr  # the log's last lines say why
+
+
 def test_scaling_report_compares_step_times_and_losses():
     import scaling  # scripts/ is on the path (conftest.py)
 
-    def run(step_s, losses, idle):
-        workers = {f"w{i}": {"idle_s": idle * (i + 1)} for i in range(2)}
+    def run(step_s, losses, workers=2):
+        # the first 5 steps slow (compiles), which the report must leave out
+        times = np.cumsum([10.0] * 5 + [step_s] * (len(losses) - 5))
         return [
-            dict(step=s, tokens=1000, time=step_s * s, sum_loss=loss, workers=workers)
+            dict(
+                step=s,
+                tokens=(s + 1) * 10**6,
+                time=float(times[s]),
+                sum_loss=loss,
+                workers={f"w{i}": {"idle_s": 0.01 * (i + 1)} for i in range(workers)},
+            )
             for s, loss in enumerate(losses)
         ]
 
-    one = run(1.0, range(8), 0.01)
-    lines = scaling.report({"a": one, "b": run(0.5, range(8), 0.02), "c": run(0.5, [9] * 8, 0)})
+    one = run(1.0, range(9))
+    runs = {"a": one, "b": run(0.5, range(9)), "c": run(0.5, [9] * 9)}
+    lines = scaling.report(runs, [2, 2, 2])
     assert lines[0] == (
-        "a: 2 workers, 1.000 s a step, 0.00 M tokens/s, 1.00x, idlest worker 0.020 s a step, "
+        "a: 2 workers, 1.000 s a step, 1.00 M tokens/s, 1.00x, idlest worker 0.020 s a step, "
         "losses equal to the first run's: True"
     )
-    assert "0.500 s a step" in lines[1] and "2.00x" in lines[1] and "0.040 s" in lines[1]
-    assert lines[1].endswith("True") and lines[2].endswith("False")
-    with pytest.raises(ValueError, match="6 steps recorded"):
-        scaling.summary(one[:6])
+    assert "0.500 s a step, 2.00 M tokens/s, 2.00x" in lines[1] and lines[1].endswith("True")
+    assert lines[2].endswith("False")
+    with pytest.raises(ValueError, match="b: 2 workers a step, 4 asked for"):
+        scaling.report(runs, [2, 4, 2])
+    with pytest.raises(ValueError, match="a: 6 steps recorded"):
+        scaling.summary("a", one[:6])
