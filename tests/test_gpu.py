@@ -245,7 +245,7 @@ def test_every_kernel_matches_its_cpu_reference(switches):
     )
     lines = []
     ok = harness.run(cfg, sorted(harness.CHECKS), members=6, repeats=1, out=lines.append)
-    assert ok and len(lines) == len(harness.CHECKS) == 12, "\n".join(lines)
+    assert ok and len(lines) == len(harness.CHECKS) == 13, "\n".join(lines)
 
 
 def test_a_variant_launches_as_compiled_and_timing_skips_the_check():

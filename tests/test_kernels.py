@@ -9,7 +9,11 @@ import pytest
 
 from deggs.config import Config
 from deggs.numerics.gpu import (
+    TILE_WARPS,
     choose_token_threads,
+    exp_copies,
+    exp_last,
+    head_loss_layout,
     head_loss_shared,
     kernel_defines,
     kernel_source,
@@ -86,10 +90,36 @@ def test_launchers_check_every_argument_against_the_signature():
             kernel((1,), (32,), **args)
 
 
+def head_loss_bytes(cfg):
+    return head_loss_shared(cfg, kernel_defines(cfg, make_tables(cfg)))
+
+
 def test_head_loss_fits_two_blocks_an_sm_at_the_default_and_gives_way_when_too_big():
     h100_per_sm = 233472  # 228 KiB, of which each block reserves 1 KiB
-    assert 2 * (head_loss_shared(Config()) + 1024) <= h100_per_sm
-    assert head_loss_shared(config(hidden_dim=1024, head_dim=64)) > H100_OPTIN  # unfused
+    assert 2 * (head_loss_bytes(Config()) + 1024) <= h100_per_sm
+    assert head_loss_bytes(config(hidden_dim=1024, head_dim=64)) > H100_OPTIN  # unfused
+
+
+@pytest.mark.parametrize(
+    "softmax", [{}, dict(scale_bit=30, exp_scale=100.0), dict(lut_size=16), dict(lut_size=1)]
+)
+def test_the_exp_table_head_loss_keeps_gives_every_lookup_the_same_entry(softmax):
+    """head_loss reads entry min(d, EXP_LAST) of EXP_COPIES copies where the
+    specification reads min(d, LUT_SIZE - 1) of one table."""
+    cfg = Config().replace(softmax=softmax)
+    exp = make_tables(cfg).exp
+    last, d = exp_last(exp), np.arange(2 * len(exp) + 3)
+    assert np.array_equal(exp[np.minimum(d, len(exp) - 1)], exp[np.minimum(d, last)])
+    copies = exp_copies(cfg, last)
+    assert copies & (copies - 1) == 0 and 1 <= copies <= 32
+
+    def fits(n):  # two blocks an SM with n copies
+        return 2 * (head_loss_layout(cfg, TILE_WARPS, last, n) + 1024) <= 233472
+
+    assert fits(copies) or copies == 1
+    assert copies == 32 or not fits(2 * copies)
+    if not softmax:  # exp(-i / 6) * 2^18 rounds to 0 from i = 75: one copy a lane
+        assert (last, copies) == (75, 32)
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc on this machine")

@@ -81,6 +81,9 @@ ATT_WARPS = 4  # attention_mma: at most this many warps a block, 16 queries a wa
 LOSS_REGISTER_LPT = 16  # sequence_loss keeps up to this many logits a thread in registers
 # (more read the logits twice: 20% faster at vocab 8192, where 32 in registers cut occupancy)
 TILE_WARPS, TILE_N = 8, 64  # head_loss: 32 rows a warp, vocabulary tiles of 64 embedding rows
+# Shared memory of an H100's or H200's SM (228 KiB): head_loss's copies of the exp table
+# fill what two blocks an SM leave of it, each block reserving 1 KiB
+SM_SHARED, BLOCK_RESERVED = 233472, 1024
 MAX_THREADS = 1024  # per block, on every CUDA device
 STATIC_SHARED = 48 << 10  # a kernel may use more shared memory only when it opts in
 QKV = ("w_q", "w_k", "w_v")  # one GEMM projects a layer's three (GpuBackend.load_state)
@@ -123,7 +126,7 @@ def shared_memory(cfg: Config) -> dict[str, tuple[int, int]]:
     sources declare them (training shapes; generation's cached_attention is sized then)."""
     m, lut = cfg.model, cfg.softmax.lut_size
     h, up, v = m.hidden_dim, 4 * m.hidden_dim, m.vocab_size
-    av = 4 if cfg.adaptive_noise.mode == 2 else 2  # forward.cu's av_t
+    av = 4 if cfg.adaptive_noise.mode == 2 else 2  # common.cuh's av_t
     reductions = 32 * 8
     return {
         "embed": (0, 12 * h + reductions),
@@ -169,19 +172,49 @@ def kernel_defines(cfg: Config, tables) -> dict[str, int]:
         TILE_WARPS=TILE_WARPS,
         TILE_N=TILE_N,
         EXP_MAX=lut0,
+        EXP_LAST=exp_last(tables.exp),
+        EXP_COPIES=exp_copies(cfg, exp_last(tables.exp)),
         CT_THREADS=choose_token_threads(m.hidden_dim),
         LOSS_REGISTER_LPT=LOSS_REGISTER_LPT,
     )
 
 
-def head_loss_shared(cfg: Config, warps: int = TILE_WARPS) -> int:
+def exp_last(exp: np.ndarray) -> int:
+    """The last entry of the exp table that head_loss reads: every entry past the last
+    nonzero one is zero, so one of them stands for all (index min(d, EXP_LAST))."""
+    nonzero = np.flatnonzero(exp)
+    return min(len(exp) - 1, int(nonzero[-1]) + 1) if len(nonzero) else 0
+
+
+def exp_copies(cfg: Config, last: int) -> int:
+    """Copies of the table's entries 0..last that head_loss interleaves, so that lanes
+    looking up different entries read different banks: one a lane where two blocks an SM
+    still fit, else the most that do (a power of two), else one."""
+    copies = 32
+    while (
+        copies > 1
+        and 2 * (head_loss_layout(cfg, TILE_WARPS, last, copies) + BLOCK_RESERVED) > SM_SHARED
+    ):
+        copies //= 2
+    return copies
+
+
+def head_loss_layout(cfg: Config, warps: int, last: int, copies: int) -> int:
     """Bytes of dynamic shared memory of head_loss (head_loss.cu's layout): the block's
-    rows, two vocabulary tiles, two tiles of output noise per member, the exp table."""
+    rows, two vocabulary tiles, two tiles of output noise per member (av_t), the copies
+    of the exp table."""
     m = cfg.model
     rows = 32 * warps
     members = rows // m.seq_len if rows % m.seq_len == 0 else rows // m.seq_len + 2
     tiles = (rows + 2 * TILE_N) * (m.hidden_dim + 16)
-    return tiles + 4 * (2 * members * TILE_N + cfg.softmax.lut_size)
+    av = 4 if cfg.adaptive_noise.mode == 2 else 2  # common.cuh's av_t
+    return tiles + av * 2 * members * TILE_N + 4 * (last + 1) * copies
+
+
+def head_loss_shared(cfg: Config, defines: dict[str, int]) -> int:
+    """head_loss's dynamic shared memory as compiled with `defines`."""
+    d = defines
+    return head_loss_layout(cfg, d["TILE_WARPS"], d["EXP_LAST"], d["EXP_COPIES"])
 
 
 def attention_shared(cfg: Config) -> int:
@@ -354,7 +387,7 @@ class GpuBackend:
         # The head's GEMM fused with the loss (head_loss.cu) where its tiles fit; else
         # cuBLAS writes the logits and sequence_loss reads them.
         self.tile_rows = 32 * self.defines["TILE_WARPS"]
-        shared = head_loss_shared(cfg, self.defines["TILE_WARPS"])
+        shared = head_loss_shared(cfg, self.defines)
         if fused and shared > optin:
             raise ValueError("head_loss needs more shared memory than the device allows")
         self.fused = shared <= optin if fused is None else fused

@@ -4,14 +4,6 @@
 
 #define LPT ((VOCAB + NT - 1) / NT)  // logits per thread of sequence_loss
 
-// The output noise of a head row, (int)(a_j * factor_j): |a_j| <= 45 and factor <= 1 fit a
-// short, halving the shared memory of a large vocabulary; mode 2's factor is unbounded.
-#if ADAPTIVE_MODE == 2
-typedef int av_t;
-#else
-typedef short av_t;
-#endif
-
 // Token embeddings plus the embedding bias, each with its perturbation. Block per member.
 extern "C" __global__ void embed(const int* tokens, const u32* seeds, const int* signs,
                                  const i8* emb_t, const i8* emb_bias, const i8* ov_row,

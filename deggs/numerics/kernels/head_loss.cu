@@ -11,13 +11,19 @@
 // operation is sequence_loss's: the two agree bit for bit (scripts/kernels.py checks
 // both against the CPU).
 //
-// Built on tiles.cuh; needs EXP_MAX (the exp table's largest entry);
-// gpu.head_loss_shared() sizes the dynamic shared memory from the layout.
+// Built on tiles.cuh; needs EXP_MAX (the exp table's largest entry), EXP_LAST and
+// EXP_COPIES (below); gpu.head_loss_shared() sizes the dynamic shared memory from the
+// layout.
 
 // Two sweeps of the vocabulary:
 //   pass 1: the row's peak, max_j (g_j + term_j), shifted once at the end (an arithmetic
 //           shift is monotone, so this is the peak of the shifted logits);
 //   pass 2: total = sum_j exp_tab[min(peak - logit_j, LUT_SIZE - 1)].
+// Pass 2's lookups, one a logit, are the kernel's busiest shared-memory reads. The table
+// is held as its entries 0..EXP_LAST (past EXP_LAST all are zero, like entry EXP_LAST:
+// gpu.exp_last), so lanes whose logits are far below their peak read one word, and in
+// EXP_COPIES interleaved copies, lane l reading copy l % EXP_COPIES, so lanes reading
+// different entries mostly read different banks.
 // A LUT-rounded exponential cannot be rescaled when the peak moves, so the peak must be
 // known before the sum: the tile products are recomputed rather than stored. The
 // target's logit is one dot product per row. Each row's loss is added to its member's
@@ -27,14 +33,23 @@
 // A thread's per-tile partial sum of one row (2 TILE_N / 8 entries) fits 32 bits.
 #define TOTAL32 (EXP_MAX * (TILE_N / 4) < 4294967296)  // preprocessor: 64-bit
 
+// A word of shared memory at a shared-space address. Written out, a lookup's address is
+// one IMAD (the index times 4 EXP_COPIES plus the lane's copy); indexing an array, the
+// compiler made it a shift, a merge of the lane's bits and an LEA.
+__device__ __forceinline__ int shared_word(u32 at) {
+    int v;
+    asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(v) : "r"(at));
+    return v;
+}
+
 extern "C" __global__ void __launch_bounds__(TILE_M, 16 / TILE_WARPS)
 head_loss(const i8* y, const i8* emb_t, const int* sb, const int* tokens, const u32* seeds,
           const int* signs, const i8* ov_out, u32 off_a, const int* exp_tab, u32* loss, int rows) {
     extern __shared__ __align__(16) unsigned char head_loss_shared[];
     i8* s_a = (i8*)head_loss_shared;                            // [TILE_M][TILE_LD] the rows
     i8* s_b = s_a + TILE_M * TILE_LD;                       // [2][TILE_N][TILE_LD] tiles
-    int* s_av = (int*)(s_b + 2 * TILE_N * TILE_LD);         // [2][TILE_MEMBERS][TILE_N]
-    int* s_exp = s_av + 2 * TILE_MEMBERS * TILE_N;          // [LUT_SIZE]
+    av_t* s_av = (av_t*)(s_b + 2 * TILE_N * TILE_LD);       // [2][TILE_MEMBERS][TILE_N]
+    int* s_exp = (int*)(s_av + 2 * TILE_MEMBERS * TILE_N);  // [EXP_LAST + 1][EXP_COPIES]
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, tig = lane & 3;
     const int row0 = blockIdx.x * TILE_M;
@@ -43,7 +58,9 @@ head_loss(const i8* y, const i8* emb_t, const int* sb, const int* tokens, const 
     const int tiles = (VOCAB + TILE_N - 1) / TILE_N;
 
     rows_to_shared(s_a, y, row0, TILE_M, rows);
-    for (int i = threadIdx.x; i < LUT_SIZE; i += blockDim.x) s_exp[i] = exp_tab[i];
+    for (int i = threadIdx.x; i < (EXP_LAST + 1) * EXP_COPIES; i += blockDim.x)
+        s_exp[i] = exp_tab[i / EXP_COPIES];
+    const u32 my_exp = (u32)__cvta_generic_to_shared(s_exp + lane % EXP_COPIES);
     const ThreadRows mine(sb, signs, row0, m0, rows);
 
     // One tile's embedding rows (async) and its members' output noise.
@@ -64,7 +81,7 @@ head_loss(const i8* y, const i8* emb_t, const int* sb, const int* tokens, const 
 #pragma unroll
     for (int pass = 0; pass < 2; pass++) {
         sweep(tiles, s_a, s_b, load_tile, [&](int (&c)[2][TILE_N / 8][4], int tile, int buf) {
-            const int* av = s_av + buf * TILE_MEMBERS * TILE_N;
+            const av_t* av = s_av + buf * TILE_MEMBERS * TILE_N;
             const int v0 = tile * TILE_N;
 #if TOTAL32
             u32 part[4] = {0u, 0u, 0u, 0u};
@@ -85,7 +102,7 @@ head_loss(const i8* y, const i8* emb_t, const int* sb, const int* tokens, const 
                             peak[s] = max(peak[s], raw);
                         } else {
                             const u32 d = (u32)peak[s] - (u32)(raw >> SHIFT_LOGIT);  // >= 0
-                            part[s] += s_exp[min(d, (u32)(LUT_SIZE - 1))];
+                            part[s] += shared_word(my_exp + min(d, (u32)EXP_LAST) * (4 * EXP_COPIES));
                         }
                     }
                 }

@@ -115,12 +115,12 @@ __device__ __forceinline__ int rank1_term(u32 sbs, int av) { return ((int)(sbs *
 
 // A tile's per-member output noise, av[member][col] = (int)(a_j * factor_j) for the
 // matrix columns j = j0 + col (0 past `limit`), members m0.. of the block.
-__device__ __forceinline__ void tile_noise(int* av, int n_members, int m0, const u32* seeds,
+__device__ __forceinline__ void tile_noise(av_t* av, int n_members, int m0, const u32* seeds,
                                            u32 off_a, const i8* ov_out, int j0, int limit) {
     for (int i = threadIdx.x; i < n_members * TILE_N; i += blockDim.x) {
         const int j = j0 + i % TILE_N;
         const u32 seed = seeds[m0 + i / TILE_N] + off_a;
-        av[i] = j < limit ? scaled(noise(seed, j), adaptive_factor(ov_out, seed, j)) : 0;
+        av[i] = j < limit ? (av_t)scaled(noise(seed, j), adaptive_factor(ov_out, seed, j)) : 0;
     }
 }
 
