@@ -121,12 +121,18 @@ def choose_token_threads(hidden: int) -> int:
     return hidden // per
 
 
+def av_bytes(cfg: Config) -> int:
+    """Bytes of common.cuh's av_t, the output noise held in shared memory: 32 bits in
+    adaptive mode 2 (its factor is unbounded), else 16."""
+    return 4 if cfg.adaptive_noise.mode == 2 else 2
+
+
 def shared_memory(cfg: Config) -> dict[str, tuple[int, int]]:
     """Bytes of shared memory of the kernels that need much: (dynamic, static), as the
     sources declare them (training shapes; generation's cached_attention is sized then)."""
     m, lut = cfg.model, cfg.softmax.lut_size
     h, up, v = m.hidden_dim, 4 * m.hidden_dim, m.vocab_size
-    av = 4 if cfg.adaptive_noise.mode == 2 else 2  # common.cuh's av_t
+    av = av_bytes(cfg)
     reductions = 32 * 8
     return {
         "embed": (0, 12 * h + reductions),
@@ -145,6 +151,7 @@ def kernel_defines(cfg: Config, tables) -> dict[str, int]:
     constants, and the launch constants of this module."""
     q, m = cfg.quantization, cfg.model
     lut0 = int(tables.exp.max())
+    last = exp_last(tables.exp)
     return dict(
         HIDDEN=m.hidden_dim,
         HEAD_DIM=m.head_dim,
@@ -172,8 +179,8 @@ def kernel_defines(cfg: Config, tables) -> dict[str, int]:
         TILE_WARPS=TILE_WARPS,
         TILE_N=TILE_N,
         EXP_MAX=lut0,
-        EXP_LAST=exp_last(tables.exp),
-        EXP_COPIES=exp_copies(cfg, exp_last(tables.exp)),
+        EXP_LAST=last,
+        EXP_COPIES=exp_copies(cfg, last),
         CT_THREADS=choose_token_threads(m.hidden_dim),
         LOSS_REGISTER_LPT=LOSS_REGISTER_LPT,
     )
@@ -207,14 +214,13 @@ def head_loss_layout(cfg: Config, warps: int, last: int, copies: int) -> int:
     rows = 32 * warps
     members = rows // m.seq_len if rows % m.seq_len == 0 else rows // m.seq_len + 2
     tiles = (rows + 2 * TILE_N) * (m.hidden_dim + 16)
-    av = 4 if cfg.adaptive_noise.mode == 2 else 2  # common.cuh's av_t
-    return tiles + av * 2 * members * TILE_N + 4 * (last + 1) * copies
+    return tiles + av_bytes(cfg) * 2 * members * TILE_N + 4 * (last + 1) * copies
 
 
 def head_loss_shared(cfg: Config, defines: dict[str, int]) -> int:
     """head_loss's dynamic shared memory as compiled with `defines`."""
-    d = defines
-    return head_loss_layout(cfg, d["TILE_WARPS"], d["EXP_LAST"], d["EXP_COPIES"])
+    warps, last, copies = defines["TILE_WARPS"], defines["EXP_LAST"], defines["EXP_COPIES"]
+    return head_loss_layout(cfg, warps, last, copies)
 
 
 def attention_shared(cfg: Config) -> int:
