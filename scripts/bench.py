@@ -77,6 +77,11 @@ def device_name(backend):
 @click.option("--batch", type=click.IntRange(min=2), help="members per forward sub-batch")
 @click.option("--profile", is_flag=True, help="GPU: also time each kernel of one forward run")
 @click.option(
+    "--head",
+    type=click.Choice(["head_loss", "head_loss_sm90"]),
+    help="GPU: the fused head's kernel (default: the one chosen for the device)",
+)
+@click.option(
     "--replay",
     "replay_steps",
     type=click.IntRange(min=0),
@@ -84,7 +89,17 @@ def device_name(backend):
     help="time a replay of N steps",
 )
 def main(
-    config_path, golden, backend, members, repeats, updates, steps, batch, profile, replay_steps
+    config_path,
+    golden,
+    backend,
+    members,
+    repeats,
+    updates,
+    steps,
+    batch,
+    profile,
+    head,
+    replay_steps,
 ):
     if golden:
         from golden import golden_config
@@ -97,6 +112,10 @@ def main(
     engine = make_backend(cfg, backend)
     if batch:
         engine.batch = batch  # members per forward sub-batch
+    if head:
+        if head not in engine.kernels:
+            raise click.UsageError(f"{head} is not built for this device")
+        engine.head_kernel = head
     trainer = Trainer(engine)
     init_s = time.perf_counter() - start
     rng = np.random.default_rng(0)
@@ -150,7 +169,10 @@ def main(
     )
     if backend == "gpu":
         record.update(
-            batch=engine.batch, graph=engine.graph is not None, graph_error=engine.graph_error
+            batch=engine.batch,
+            head=engine.head_kernel if engine.fused else "cuBLAS + sequence_loss",
+            graph=engine.graph is not None,
+            graph_error=engine.graph_error,
         )
         if profile:
             engine.profile = {}

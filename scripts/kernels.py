@@ -228,6 +228,17 @@ def check_residual_norm(b):
     return setup, launch, reference, result, g.nbytes + 3 * x.nbytes + 2 * sb.nbytes
 
 
+def mlp_up_reference(b, names, g, sb):
+    """GELU'd hidden and the down-projection's input dot, from the up-projection g."""
+    q = b.cfg.quantization
+    out = projection_terms(b, names.up, None, g, sb, 4 * b.d)
+    pre = (out >> q.shift_mlp_up) + b.weights.vector(names.bias_up)
+    hidden = b.tables.gelu[model.clip8(pre) & 0xFF]
+    off_b = offsets(b.cfg, names.down)[1]
+    ov_in = b.weights.arrays(names.down)[1][0]
+    return hidden, b.pert.input_dot_by_threads(hidden, off_b, ov_in)
+
+
 def check_mlp_up(b):
     g = b.ints(-(2**20), 2**20, (b.m, b.t, 4 * b.d))
     sb = b.ints(-(2**18), 2**18, (b.m, b.t))
@@ -241,19 +252,39 @@ def check_mlp_up(b):
         b.gpu._mlp_up(b.ctx, names, None)
 
     def reference():
-        q = b.cfg.quantization
-        out = projection_terms(b, names.up, None, g.astype(np.int64), sb, 4 * b.d)
-        pre = (out >> q.shift_mlp_up) + b.weights.vector(names.bias_up)
-        hidden = b.tables.gelu[model.clip8(pre) & 0xFF]
-        off_b = offsets(b.cfg, names.down)[1]
-        ov_in = b.weights.arrays(names.down)[1][0]
-        return hidden, b.pert.input_dot_by_threads(hidden, off_b, ov_in)
+        return mlp_up_reference(b, names, g.astype(np.int64), sb)
 
     def result():
         hidden = b.get("y", (b.m, b.t, 4 * b.d), np.int64)
         return hidden, b.get("sbd", (b.m, b.t), np.int64)
 
     return setup, launch, reference, result, g.nbytes + b.rows * 4 * b.d + 8 * b.rows
+
+
+def check_up_gelu_sm90(b):
+    """The up-projection's GEMM and mlp_up fused on warpgroup MMAs (up_gelu_sm90.cu): no
+    products in memory. Built on H100s and H200s only."""
+    y = b.ints(-127, 128, (b.m, b.t, b.d), np.int8)
+    sb = b.ints(-(2**18), 2**18, (b.m, b.t))
+    names = EMB_MLP
+
+    def setup():
+        b.put("y", y)
+        b.put("sb", sb)
+
+    def launch():
+        b.gpu._up_gelu(b.ctx, names, None)
+
+    def reference():
+        g = model.int_matmul(y, b.weights.arrays(names.up)[0])
+        return mlp_up_reference(b, names, g, sb)
+
+    def result():
+        hidden = b.get("hidden", (b.m, b.t, 4 * b.d), np.int64)
+        return hidden, b.get("sbd", (b.m, b.t), np.int64)
+
+    moved = y.nbytes + sb.nbytes + 4 * b.d * b.d + b.rows * (4 * b.d + 4)
+    return setup, launch, reference, result, moved
 
 
 def head_loss_reference(b, g, sb, tokens):
@@ -292,7 +323,7 @@ def check_sequence_loss(b):
     return setup, launch, reference, result, g.nbytes + sb.nbytes + tokens.nbytes
 
 
-def check_head_loss(b, y_bound=127, sb_bound=2**18):
+def check_head_loss(b, y_bound=127, sb_bound=2**18, kernel="head_loss"):
     """The head's GEMM and sequence_loss fused (head_loss.cu): no logits in memory."""
     v, d = b.cfg.model.vocab_size, b.d
     y = b.ints(-y_bound, y_bound + 1, (b.m, b.t, d), np.int8)
@@ -303,7 +334,7 @@ def check_head_loss(b, y_bound=127, sb_bound=2**18):
         b.put("sb", sb)
 
     def launch():
-        b.gpu._head_loss(b.ctx, d_tok, loss)
+        b.gpu._head_loss(b.ctx, d_tok, loss, kernel)
 
     def reference():
         g = model.int_matmul(y, b.weights.arrays("embedding")[0])
@@ -320,6 +351,11 @@ def check_head_loss_near(b):
     exp lookups land on many entries (random full-range inputs put nearly all past the
     table's last nonzero entry, one word for every lane)."""
     return check_head_loss(b, y_bound=9, sb_bound=2**14)
+
+
+def check_head_loss_sm90(b):
+    """head_loss on warpgroup MMAs (head_loss_sm90.cu), built on H100s and H200s only."""
+    return check_head_loss(b, kernel="head_loss_sm90")
 
 
 def check_optimizer_step(b):
@@ -442,6 +478,9 @@ def run(
     ok = True
     verdict = {True: "ok", False: "MISMATCH", None: "unchecked"}
     for name in names:
+        if name.endswith("_sm90") and name not in b.gpu.kernels:  # Hopper's, elsewhere
+            out(f"{name:16s} not built for this device")
+            continue
         setup, launch, reference, result, moved = CHECKS[name](b)
         setup()
         launch()

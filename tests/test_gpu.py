@@ -63,10 +63,17 @@ def test_gpu_matches_cpu_on_random_configs(case):
     rng = np.random.default_rng(1000 + case)
     cfg = small_config(rng, **SWITCHES[case])
     data = rng.integers(0, cfg.model.vocab_size, 5000).astype(cfg.token_dtype)
-    # case 2 runs the unfused head (cuBLAS logits, then sequence_loss)
+    # case 2 runs the unfused head (cuBLAS logits, then sequence_loss), case 1 the
+    # portable kernels; the others Hopper's (head_loss_sm90, up_gelu_sm90) on an H100
+    # or H200
     batch = int(rng.integers(3, 40))
-    cpu, gpu = CpuBackend(cfg, threads=1), GpuBackend_(cfg, batch=batch, fused=case != 2)
+    cpu = CpuBackend(cfg, threads=1)
+    gpu = GpuBackend_(cfg, batch=batch, fused=case != 2, hopper=False if case == 1 else None)
     assert gpu.fused == (case != 2)
+    if case in (0, 3) and cp_device_is_hopper():
+        assert gpu.head_kernel == "head_loss_sm90" and gpu.fused_up
+    if case == 1:
+        assert gpu.head_kernel == "head_loss" and not gpu.fused_up
     compare_states(cpu, gpu)
     seed = cfg.training.seed
     members = np.arange(cfg.training.population_size)
@@ -162,6 +169,12 @@ def test_generation_matches_cpu(case):
     assert np.array_equal(gpu.generate(prompt, 3), cpu.generate(prompt, 3))  # the default length
 
 
+def cp_device_is_hopper() -> bool:
+    import cupy as cp
+
+    return cp.cuda.Device().compute_capability == "90"
+
+
 def GpuBackend_(cfg, **kw):
     from deggs.numerics.gpu import GpuBackend
 
@@ -245,7 +258,9 @@ def test_every_kernel_matches_its_cpu_reference(switches):
     )
     lines = []
     ok = harness.run(cfg, sorted(harness.CHECKS), members=6, repeats=1, out=lines.append)
-    assert ok and len(lines) == len(harness.CHECKS) == 13, "\n".join(lines)
+    assert ok and len(lines) == len(harness.CHECKS) == 15, "\n".join(lines)
+    built = not any("not built" in line for line in lines)
+    assert built == cp_device_is_hopper(), "\n".join(lines)  # the *_sm90 on Hopper
 
 
 def test_a_variant_launches_as_compiled_and_timing_skips_the_check():

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import deggs
-from deggs.numerics.gpu import KERNEL_FILES, kernel_source
+from deggs.numerics.gpu import KERNEL_FILES, SM90_FILES, kernel_source
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMANDS = ["coordinator", "worker", "prepare", "generate", "export", "plot", "print-arch"]
@@ -100,7 +100,7 @@ def run_installed(site: Path, cwd: Path, *args: str) -> subprocess.CompletedProc
 def test_the_wheel_holds_the_subpackages_the_kernels_and_the_license(wheel):
     with zipfile.ZipFile(wheel) as zf:
         names = set(zf.namelist())
-    for name in KERNEL_FILES:
+    for name in {*KERNEL_FILES, *SM90_FILES}:
         assert f"deggs/numerics/kernels/{name}" in names
     for package in ("deggs", "deggs/runtime", "deggs/numerics"):
         expected = {p.relative_to(ROOT).as_posix() for p in (ROOT / package).glob("*.py")}

@@ -36,9 +36,11 @@ the token buffer on the device, so nothing returns to the host until the end.
 from __future__ import annotations
 
 import math
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import resources
+from pathlib import Path
 
 import numpy as np
 
@@ -75,6 +77,9 @@ KERNEL_FILES = (
     "generate.cu",
     "update.cu",
 )
+# GEMMs fused with their epilogues on Hopper's warpgroup MMAs: a program of its own,
+# built for sm_90a (the one architecture with wgmma) where the device is an H100 or H200
+SM90_FILES = ("common.cuh", "tiles.cuh", "wgmma.cuh", "head_loss_sm90.cu", "up_gelu_sm90.cu")
 NT = 256  # threads of the row kernels
 ATT_SPLIT = 2  # attention_mix: threads per query, each accumulating 1/ATT_SPLIT of a head
 ATT_WARPS = 4  # attention_mma: at most this many warps a block, 16 queries a warp at a time
@@ -107,10 +112,10 @@ class Norm:
     readers: tuple[str, ...]
 
 
-def kernel_source() -> str:
+def kernel_source(files: tuple[str, ...] = KERNEL_FILES) -> str:
     """The CUDA sources, shipped inside the package (package data), as one program."""
     kernels = resources.files(__package__).joinpath("kernels")
-    return "\n".join(kernels.joinpath(name).read_text() for name in KERNEL_FILES)
+    return "\n".join(kernels.joinpath(name).read_text() for name in files)
 
 
 def choose_token_threads(hidden: int) -> int:
@@ -210,17 +215,40 @@ def head_loss_layout(cfg: Config, warps: int, last: int, copies: int) -> int:
     """Bytes of dynamic shared memory of head_loss (head_loss.cu's layout): the block's
     rows, two vocabulary tiles, two tiles of output noise per member (av_t), the copies
     of the exp table."""
-    m = cfg.model
     rows = 32 * warps
-    members = rows // m.seq_len if rows % m.seq_len == 0 else rows // m.seq_len + 2
-    tiles = (rows + 2 * TILE_N) * (m.hidden_dim + 16)
-    return tiles + av_bytes(cfg) * 2 * members * TILE_N + 4 * (last + 1) * copies
+    tiles = (rows + 2 * TILE_N) * (cfg.model.hidden_dim + 16)
+    return tiles + av_bytes(cfg) * 2 * tile_members(cfg, rows) * TILE_N + 4 * (last + 1) * copies
 
 
 def head_loss_shared(cfg: Config, defines: dict[str, int]) -> int:
     """head_loss's dynamic shared memory as compiled with `defines`."""
     warps, last, copies = defines["TILE_WARPS"], defines["EXP_LAST"], defines["EXP_COPIES"]
     return head_loss_layout(cfg, warps, last, copies)
+
+
+def tile_members(cfg: Config, rows: int) -> int:
+    """Members a block of `rows` rows can hold rows of (tiles.cuh's TILE_MEMBERS)."""
+    seq = cfg.model.seq_len
+    return rows // seq if rows % seq == 0 else rows // seq + 2
+
+
+def head_loss_sm90_shared(cfg: Config, defines: dict[str, int]) -> int:
+    """Bytes of dynamic shared memory of head_loss_sm90 (head_loss_sm90.cu's layout) as
+    compiled with `defines`: the block's rows, two vocabulary tiles (no padding: wgmma's
+    core-matrix layout), three tiles of output noise per member, the exp table's copies."""
+    rows = 32 * defines["TILE_WARPS"]
+    tiles = (rows + 2 * TILE_N) * cfg.model.hidden_dim
+    table = 4 * (defines["EXP_LAST"] + 1) * defines["EXP_COPIES"]
+    return tiles + av_bytes(cfg) * 3 * tile_members(cfg, rows) * TILE_N + table
+
+
+def up_gelu_sm90_shared(cfg: Config, defines: dict[str, int]) -> int:
+    """Bytes of dynamic shared memory of up_gelu_sm90 (up_gelu_sm90.cu's layout): the
+    block's rows, two tiles of the up matrix, three tiles of two 8-byte tables per
+    member, the GELU table."""
+    rows = 32 * defines["TILE_WARPS"]
+    tiles = (rows + 2 * TILE_N) * cfg.model.hidden_dim
+    return tiles + 16 * 3 * tile_members(cfg, rows) * TILE_N + 4 * 256
 
 
 def attention_shared(cfg: Config) -> int:
@@ -372,6 +400,7 @@ class GpuBackend:
         device: int | None = None,
         defines: dict | None = None,
         fused: bool | None = None,
+        hopper: bool | None = None,
     ):
         if not gpu_available():
             raise RuntimeError("the gpu backend needs CuPy and a CUDA device")
@@ -399,6 +428,25 @@ class GpuBackend:
         self.fused = shared <= optin if fused is None else fused
         if self.fused:
             self.dynamic_shared["head_loss"] = shared
+        # On an H100 or H200 (hopper=None or True), the kernels on Hopper's warpgroup
+        # MMAs (SM90_FILES) where their tiles fit; hopper=False keeps the portable ones.
+        sm90 = cp.cuda.Device().compute_capability == "90"
+        if hopper and not sm90:
+            raise ValueError("the Hopper kernels need an sm_90 device (an H100 or H200)")
+        self.hopper = sm90 and hopper is not False
+        if self.hopper:
+            self.kernels.update(self._compile_sm90a())
+        head_sm90 = head_loss_sm90_shared(cfg, self.defines)
+        self.head_kernel = "head_loss"
+        if self.hopper and self.fused and head_sm90 <= optin:
+            self.head_kernel = "head_loss_sm90"
+            self.dynamic_shared["head_loss_sm90"] = head_sm90
+        # The up-projection fused with mlp_up (up_gelu_sm90.cu) likewise; else cuBLAS
+        # writes the int32 products and mlp_up reads them.
+        up_sm90 = up_gelu_sm90_shared(cfg, self.defines)
+        self.fused_up = self.hopper and up_sm90 <= optin
+        if self.fused_up:
+            self.dynamic_shared["up_gelu_sm90"] = up_sm90
         # Attention on the tensor cores (attention.cu) where a head fills whole MMAs.
         self.tensor_attention = m.head_dim % 32 == 0 and attention_shared(cfg) <= optin
         if self.tensor_attention:
@@ -434,7 +482,31 @@ class GpuBackend:
         defines.update(self.overrides)  # kernel variants, for scripts/kernels.py
         self.defines = defines
         options = ("--std=c++17", "--fmad=false") + tuple(f"-D{k}={v}" for k, v in defines.items())
+        self.options = options
         return cp.RawModule(code=kernel_source(), options=options)
+
+    def _compile_sm90a(self) -> dict:
+        """The typed launchers of the SM90_FILES program, compiled by NVRTC for sm_90a
+        (CuPy's RawModule always names plain sm_90, which has no wgmma) with the options
+        RawModule gives the main program."""
+        from cupy_backends.cuda.libs import nvrtc
+
+        source = kernel_source(SM90_FILES)
+        program = nvrtc.createProgram(source, "deggs_sm90a.cu", [], [])
+        try:
+            try:
+                flags = ["-ftz=true", "--device-as-default-execution-space", "-arch=sm_90a"]
+                nvrtc.compileProgram(program, [*self.options, *flags])
+            except nvrtc.NVRTCError as e:
+                raise RuntimeError(f"{e}: {nvrtc.getProgramLog(program)}") from e
+            cubin = nvrtc.getCUBIN(program)
+        finally:
+            nvrtc.destroyProgram(program)
+        with tempfile.TemporaryDirectory() as folder:
+            path = Path(folder) / "deggs_sm90a.cubin"
+            path.write_bytes(cubin)
+            # get_function loads the file, so the launchers outlive the folder
+            return launch.kernels(cp.RawModule(path=str(path)), source)
 
     def load_state(self, params: dict, overlays: dict, state: OptimizerState | None = None):
         """Put weights, overlays and (optionally) optimizer state on the device."""
@@ -541,6 +613,8 @@ class GpuBackend:
             rows=r,
             x=cp.empty(r * d, cp.int8),
             y=cp.empty(r * 4 * d, cp.int8),
+            # up_gelu_sm90's output: y holds its input, rows other blocks still read
+            hidden=cp.empty(r * 4 * d if self.fused_up else 0, cp.int8),
             g=cp.empty(max(r * 4 * d, logit_rows * m.vocab_size), cp.int32),
             sb=cp.empty(3 * r, cp.int32),
             sbd=cp.empty(r, cp.int32),
@@ -663,13 +737,15 @@ class GpuBackend:
         for layer in layers:
             norms += [Norm("ln_1", "ln_1_bias", layer, QKV), mlp_norm(LAYER_MLP, layer)]
         norms.append(Norm("ln_f", "ln_f_bias", None, ("embedding",)))
+        # up_gelu_sm90 takes rows as whole members of seq_len positions: training's
+        fused_up = self.fused_up and cache is None and ctx[4] == self.cfg.model.seq_len
         self._embed(ctx, tok)
         self._norm(ctx, norms[0])
-        self._mlp(ctx, EMB_MLP, None, norms[1])
+        self._mlp(ctx, EMB_MLP, None, norms[1], fused_up)
         for layer in layers:
             layer_cache = None if cache is None else cache[layer]
             self._attention(ctx, layer, norms[2 * layer + 2], layer_cache, start)
-            self._mlp(ctx, LAYER_MLP, layer, norms[2 * layer + 3])
+            self._mlp(ctx, LAYER_MLP, layer, norms[2 * layer + 3], fused_up)
 
     def _embed(self, ctx, tok):
         buf, seeds, signs, nb, seq, r = ctx
@@ -729,22 +805,38 @@ class GpuBackend:
             **self._norm_arguments(norm),
         )
 
-    def _mlp(self, ctx, names: Mlp, layer, then: Norm):
-        """MLP block of ctx's rows (its norm already in buf["y"]), then the norm `then`."""
+    def _mlp(self, ctx, names: Mlp, layer, then: Norm, fused_up: bool = False):
+        """MLP block of ctx's rows (its norm already in buf["y"]), then the norm `then`;
+        with fused_up, the up-projection and mlp_up in one kernel (`_up_gelu`)."""
         buf, r, d = ctx[0], ctx[5], self.cfg.model.hidden_dim
-        self._project(self._param(names.up, layer)[0], buf["y"], buf["g"], 4 * d, r, d)
-        self._mlp_up(ctx, names, layer)
-        self._project(self._param(names.down, layer)[0], buf["y"], buf["g"], d, r, 4 * d)
+        if fused_up:
+            self._up_gelu(ctx, names, layer)
+            hidden = buf["hidden"]
+        else:
+            self._project(self._param(names.up, layer)[0], buf["y"], buf["g"], 4 * d, r, d)
+            self._mlp_up(ctx, names, layer)
+            hidden = buf["y"]
+        self._project(self._param(names.down, layer)[0], hidden, buf["g"], d, r, 4 * d)
         shift = self.cfg.quantization.shift_mlp_down
         self._residual(ctx, names.down, layer, shift, then, names.bias_down)
+
+    def _mlp_up_arguments(self, ctx, names: Mlp, layer) -> dict:
+        """mlp_up's per-member parameters (the up matrix's output noise, the bias, the
+        down matrix's input noise), shared by mlp_up and up_gelu_sm90."""
+        _, seeds, signs = ctx[:3]
+        _, (_, ov_up_out), (up_a, _) = self._param(names.up, layer)
+        bias, (ov_bias,), (bias_a, bias_b) = self._param(names.bias_up, layer)
+        _, (ov_down_in, _), (_, down_b) = self._param(names.down, layer)
+        return dict(
+            seeds=seeds, signs=signs, bias_up=bias, ov_up_out=ov_up_out, ov_bias_up=ov_bias,
+            ov_down_in=ov_down_in, up_a=up_a, bias_a=bias_a, bias_b=bias_b, down_b=down_b,
+            gelu=self.d_gelu,
+        )  # fmt: skip
 
     def _mlp_up(self, ctx, names: Mlp, layer):
         """buf["g"] (the up-projection) -> GELU'd hidden in buf["y"], the down-projection's
         input dot in buf["sbd"]."""
-        buf, seeds, signs, nb, seq, r = ctx
-        _, (_, ov_up_out), (up_a, _) = self._param(names.up, layer)
-        bias, (ov_bias,), (bias_a, bias_b) = self._param(names.bias_up, layer)
-        _, (ov_down_in, _), (_, down_b) = self._param(names.down, layer)
+        buf, nb, seq = ctx[0], ctx[3], ctx[4]
         self._launch(
             "mlp_up",
             (nb,),
@@ -753,18 +845,27 @@ class GpuBackend:
             sb_up=buf["sb"],
             hidden=buf["y"],
             sb_down=buf["sbd"],
-            seeds=seeds,
-            signs=signs,
-            bias_up=bias,
-            ov_up_out=ov_up_out,
-            ov_bias_up=ov_bias,
-            ov_down_in=ov_down_in,
-            up_a=up_a,
-            bias_a=bias_a,
-            bias_b=bias_b,
-            down_b=down_b,
-            gelu=self.d_gelu,
             seq=seq,
+            **self._mlp_up_arguments(ctx, names, layer),
+        )
+
+    def _up_gelu(self, ctx, names: Mlp, layer):
+        """mlp_up of the up-projection of buf["y"] (its input dot in buf["sb"]) without
+        writing the projection: the GEMM and mlp_up in one kernel (up_gelu_sm90.cu). The
+        GELU'd hidden goes to buf["hidden"], the down-projection's input dot to
+        buf["sbd"]."""
+        buf, r = ctx[0], ctx[5]
+        self._launch(
+            "up_gelu_sm90",
+            (-(-r // self.tile_rows),),
+            (2 * self.tile_rows,),  # a warpgroup of 128 threads for 64 rows
+            y=buf["y"],
+            w_up=self._param(names.up, layer)[0],
+            sb_up=buf["sb"],
+            hidden=buf["hidden"],
+            sb_down=buf["sbd"],
+            rows=r,
+            **self._mlp_up_arguments(ctx, names, layer),
         )
 
     def _residual(self, ctx, matrix: str, layer, shift: int, then: Norm, bias: str | None = None):
@@ -911,16 +1012,18 @@ class GpuBackend:
             loss=loss,
         )
 
-    def _head_loss(self, ctx, tok, loss):
+    def _head_loss(self, ctx, tok, loss, kernel: str | None = None):
         """sequence_loss of the logits of buf["y"] (the final norm, input dot in buf["sb"])
-        without writing them: the head's GEMM and the loss in one kernel."""
+        without writing them: the head's GEMM and the loss in one kernel (`kernel`, by
+        default the one chosen for this device)."""
         buf, seeds, signs, nb, seq, r = ctx
         table, (_, ov_vocab), (off_a, _) = self._param("embedding")
+        kernel = kernel or self.head_kernel
         loss.fill(0)  # rows add to their member's loss
         self._launch(
-            "head_loss",
+            kernel,
             (-(-r // self.tile_rows),),
-            (self.tile_rows,),
+            (self.tile_rows * (2 if kernel == "head_loss_sm90" else 1),),  # sm90: warpgroups
             y=buf["y"],
             emb_t=table,
             sb=buf["sb"],

@@ -29,19 +29,6 @@
 // target's logit is one dot product per row. Each row's loss is added to its member's
 // with an unsigned atomic: the member sum wraps like the CPU's int32 sum, in any order.
 
-#define VOCAB_PAD (VOCAB % TILE_N != 0)  // the last tile has columns past the vocabulary
-// A thread's per-tile partial sum of one row (2 TILE_N / 8 entries) fits 32 bits.
-#define TOTAL32 (EXP_MAX * (TILE_N / 4) < 4294967296)  // preprocessor: 64-bit
-
-// A word of shared memory at a shared-space address. Written out, a lookup's address is
-// one IMAD (the index times 4 EXP_COPIES plus the lane's copy); indexing an array, the
-// compiler made it a shift, a merge of the lane's bits and an LEA.
-__device__ __forceinline__ int shared_word(u32 at) {
-    int v;
-    asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(v) : "r"(at));
-    return v;
-}
-
 extern "C" __global__ void __launch_bounds__(TILE_M, 16 / TILE_WARPS)
 head_loss(const i8* y, const i8* emb_t, const int* sb, const int* tokens, const u32* seeds,
           const int* signs, const i8* ov_out, u32 off_a, const int* exp_tab, u32* loss, int rows) {
@@ -138,14 +125,7 @@ head_loss(const i8* y, const i8* emb_t, const int* sb, const int* tokens, const 
             dot = __dp4a(*(const int*)(a_row + k), *(const int*)(e_row + k), dot);
         dot += __shfl_xor_sync(0xffffffffu, dot, 1);
         dot += __shfl_xor_sync(0xffffffffu, dot, 2);
-        if (tig == 0 && mine.valid[s]) {
-            const u32 seed = seeds[m] + off_a;
-            const int a_v = scaled(noise(seed, target), adaptive_factor(ov_out, seed, target));
-            const int lt = wrap_add(dot, rank1_term(mine.sbs[s], a_v)) >> SHIFT_LOGIT;
-            long long log_sum = 0;
-            if (t > 0) log_sum = ((long long)(63 - __clzll(t)) << 4) - ((long long)SCALE_BIT << 4);
-            const long long per_position = (log_sum >> 1) + peak[s] - lt;
-            atomicAdd(loss + m, (u32)per_position);
-        }
+        if (tig == 0 && mine.valid[s])
+            add_position_loss(loss + m, t, peak[s], dot, mine.sbs[s], seeds[m] + off_a, ov_out, target);
     }
 }

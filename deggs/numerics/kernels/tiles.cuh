@@ -112,6 +112,32 @@ struct ThreadRows {
 
 __device__ __forceinline__ int rank1_term(u32 sbs, int av) { return ((int)(sbs * (u32)av)) >> MSHIFT; }
 
+#define VOCAB_PAD (VOCAB % TILE_N != 0)  // the last tile has columns past the vocabulary
+// A thread's per-tile partial sum of one row (2 TILE_N / 8 entries) fits 32 bits.
+#define TOTAL32 (EXP_MAX * (TILE_N / 4) < 4294967296)  // preprocessor: 64-bit
+
+// sequence_loss's loss of one position, added to its member's (an unsigned atomic: the
+// member's sum wraps like the CPU's int32 sum, in any order): total is the row's sum of
+// exp-table entries, peak its largest shifted logit, dot the target's product before
+// its rank-1 term, seed the member's seed plus the head's offset.
+__device__ __forceinline__ void add_position_loss(u32* member_loss, unsigned long long total, int peak,
+                                                  int dot, u32 sbs, u32 seed, const i8* ov_out,
+                                                  int target) {
+    const int a_v = scaled(noise(seed, target), adaptive_factor(ov_out, seed, target));
+    const int lt = wrap_add(dot, rank1_term(sbs, a_v)) >> SHIFT_LOGIT;
+    long long log_sum = 0;
+    if (total > 0) log_sum = ((long long)(63 - __clzll(total)) << 4) - ((long long)SCALE_BIT << 4);
+    atomicAdd(member_loss, (u32)((log_sum >> 1) + peak - lt));
+}
+
+// A word of shared memory at a shared-space address. Written out, a lookup's address is
+// one IMAD (the index times 4 EXP_COPIES plus the lane's copy); indexing an array, the
+// compiler made it a shift, a merge of the lane's bits and an LEA.
+__device__ __forceinline__ int shared_word(u32 at) {
+    int v;
+    asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(v) : "r"(at));
+    return v;
+}
 
 // A tile's per-member output noise, av[member][col] = (int)(a_j * factor_j) for the
 // matrix columns j = j0 + col (0 past `limit`), members m0.. of the block.

@@ -1,0 +1,110 @@
+// head_loss_sm90: head_loss (head_loss.cu) on Hopper's warpgroup MMAs (wgmma.cuh).
+//
+// The arithmetic and the result are head_loss's; only the way the products are made
+// differs. head_loss's warps load every MMA fragment from shared memory through their
+// registers, for each vocabulary tile again, and the tensor cores wait while the warps
+// run a tile's epilogue; here the products of the next tile run during the epilogue.
+// A block of 256 rows reads the embedding table from L2 once per pass, as head_loss.
+
+extern "C" __global__ void __launch_bounds__(SM90_THREADS, 1)
+head_loss_sm90(const i8* y, const i8* emb_t, const int* sb, const int* tokens, const u32* seeds,
+               const int* signs, const i8* ov_out, u32 off_a, const int* exp_tab, u32* loss,
+               int rows) {
+    extern __shared__ __align__(128) unsigned char head_loss_sm90_shared[];
+    i8* s_a = (i8*)head_loss_sm90_shared;          // TILE_M rows, core matrices
+    i8* s_b = s_a + TILE_M * HIDDEN;               // [2] tiles of TILE_N rows, core matrices
+    av_t* s_av = (av_t*)(s_b + 2 * TILE_N * HIDDEN);       // [3][TILE_MEMBERS][TILE_N]
+    int* s_exp = (int*)(s_av + 3 * TILE_MEMBERS * TILE_N);  // [EXP_LAST + 1][EXP_COPIES]
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, tig = lane & 3;
+    const int row0 = blockIdx.x * TILE_M;
+    const int m0 = row0 / SEQ;
+    const int n_members = (min(row0 + TILE_M, rows) - 1) / SEQ - m0 + 1;
+    const int tiles = (VOCAB + TILE_N - 1) / TILE_N;
+    const i8* s_rows = s_a + (warp >> 2) * 64 * HIDDEN;  // the warpgroup's 64 rows
+
+    rows_to_cores(s_a, y, row0, TILE_M, rows);
+    copy_commit();  // waited for with the first tile's
+    for (int i = threadIdx.x; i < (EXP_LAST + 1) * EXP_COPIES; i += blockDim.x)
+        s_exp[i] = exp_tab[i / EXP_COPIES];
+    const u32 my_exp = (u32)__cvta_generic_to_shared(s_exp + lane % EXP_COPIES);
+
+    const GroupRows mine(sb, signs, row0, m0, rows);
+
+    auto load_tile = [&](int tile) {
+        rows_to_cores(s_b + (tile & 1) * TILE_N * HIDDEN, emb_t, tile * TILE_N, TILE_N, VOCAB);
+        copy_commit();
+        tile_noise(s_av + (tile % 3) * TILE_MEMBERS * TILE_N, n_members, m0, seeds, off_a, ov_out,
+                   tile * TILE_N, VOCAB);
+    };
+
+    int peak[2] = {INT_MIN_, INT_MIN_};
+    unsigned long long total[2] = {0ull, 0ull};
+
+    // Tile t's epilogue on its products d: pass 0 the rows' peaks, pass 1 their sums.
+    auto epilogue = [&](const int (&d)[32], int tile, int pass) {
+        const av_t* av = s_av + (tile % 3) * TILE_MEMBERS * TILE_N;
+        const int v0 = tile * TILE_N;
+#if TOTAL32
+        u32 part[2] = {0u, 0u};
+#else
+        unsigned long long* part = total;
+#endif
+#pragma unroll
+        for (int j = 0; j < TILE_N / 8; j++)
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                const int col = 8 * j + 2 * tig + e;
+                if (VOCAB_PAD && v0 + col >= VOCAB) continue;
+#pragma unroll
+                for (int s = 0; s < 2; s++) {
+                    const int raw = wrap_add(d[4 * j + 2 * s + e], rank1_term(mine.sbs[s], mine.of(av, s, col)));
+                    if (pass == 0) {
+                        peak[s] = max(peak[s], raw);
+                    } else {
+                        const u32 dist = (u32)peak[s] - (u32)(raw >> SHIFT_LOGIT);  // >= 0
+                        part[s] += shared_word(my_exp + min(dist, (u32)EXP_LAST) * (4 * EXP_COPIES));
+                    }
+                }
+            }
+#if TOTAL32
+        if (pass == 1)
+#pragma unroll
+            for (int s = 0; s < 2; s++) total[s] += part[s];
+#endif
+    };
+
+    // Unrolled, so that `pass` is a constant in each copy (as in head_loss).
+#pragma unroll
+    for (int pass = 0; pass < 2; pass++) {
+        sweep_async(tiles, s_rows, s_b, load_tile, [&](const int (&d)[32], int tile) { epilogue(d, tile, pass); });
+        if (pass == 0) {  // the quad of threads holding a row shares its peak
+#pragma unroll
+            for (int s = 0; s < 2; s++) {
+                int p = max(peak[s], __shfl_xor_sync(0xffffffffu, peak[s], 1));
+                p = max(p, __shfl_xor_sync(0xffffffffu, p, 2));
+                peak[s] = p >> SHIFT_LOGIT;
+            }
+        }
+    }
+
+    // The target's logit: the quad splits the row's dot product with its embedding row.
+#pragma unroll
+    for (int s = 0; s < 2; s++) {
+        unsigned long long t = total[s];
+        t += __shfl_xor_sync(0xffffffffu, t, 1);
+        t += __shfl_xor_sync(0xffffffffu, t, 2);
+        const int r = 16 * warp + g + 8 * s;  // of the block's rows
+        const int m = m0 + mine.member[s];
+        const int target = mine.valid[s] ? tokens[m * (SEQ + 1) + (row0 + r) % SEQ + 1] : 0;
+        const i8* cores = s_a + (r >> 3) * CORE_SBO + (r & 7) * 16 + 4 * tig;
+        const i8* e_row = emb_t + (long)target * HIDDEN + 4 * tig;
+        int dot = 0;
+        for (int piece = 0; piece < TILE_PIECES; piece++)
+            dot = __dp4a(*(const int*)(cores + piece * CORE_LBO), *(const int*)(e_row + 16 * piece), dot);
+        dot += __shfl_xor_sync(0xffffffffu, dot, 1);
+        dot += __shfl_xor_sync(0xffffffffu, dot, 2);
+        if (tig == 0 && mine.valid[s])
+            add_position_loss(loss + m, t, peak[s], dot, mine.sbs[s], seeds[m] + off_a, ov_out, target);
+    }
+}

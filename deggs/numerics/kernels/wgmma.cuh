@@ -1,0 +1,154 @@
+// Warpgroup MMAs on Hopper (sm_90a only: gpu.py compiles SM90_FILES as a program of
+// their own), for the kernels that fuse a GEMM with its epilogue: head_loss_sm90.cu,
+// up_gelu_sm90.cu.
+//
+// A block is four warpgroups (512 threads) owning TILE_M = 256 rows, 64 a warpgroup;
+// it sweeps a weight matrix Wt[out, HIDDEN] in tiles of TILE_N rows. `wgmma.mma_async`
+// reads both operands straight from shared memory and runs asynchronously: each
+// warpgroup starts tile t + 1's products into a second set of accumulators, then runs
+// tile t's epilogue, so the tensor cores and the warps work at once (`sweep_async`).
+// That holds only if ptxas sees every product it waits for issued on every path: where
+// one is issued under a condition (the last tile's "next"), ptxas cannot tell at the loop
+// edge which accumulators are in flight and injects a wait after each product (its
+// message C7517; tests/test_kernels.py fails on it). So the product after the last tile
+// is issued anyway, into accumulators that are then dropped.
+//
+// The rows and two tiles sit in shared memory in wgmma's K-major layout without
+// swizzle: "core matrices" of 8 rows x 16 bytes, 128 contiguous bytes each, the core
+// matrix of row group r / 8 and bytes k / 16 at ((r / 8) * HIDDEN / 16 + k / 16) * 128.
+// Copying 16-byte pieces in that order makes the shared address 16 x the piece's index.
+//
+// The accumulator of `wgmma m64n64k32` is mma.sync's m16n8 layout once per warp and
+// 8-column group: thread (warp w of the group, g = lane / 4, tig = lane % 4) holds rows
+// 16 w + g and 16 w + g + 8, columns 8 j + 2 tig and + 1, as d[4 j + 2 s + e].
+
+#define CORE_LBO 128           // bytes from one core matrix to the next along K
+#define CORE_SBO (8 * HIDDEN)  // bytes from one row group (8 rows) to the next
+#define SM90_THREADS (2 * TILE_M)  // four warpgroups of 64 rows
+
+// n rows of a K-contiguous int8 matrix into shared memory in the core-matrix layout
+// above, asynchronously: row r from source(r), zeros where that is null.
+template <typename Source>
+__device__ __forceinline__ void rows_to_cores(i8* to, int n, Source source) {
+    for (int i = threadIdx.x; i < n * TILE_PIECES; i += blockDim.x) {
+        const int r = (i >> 3) / TILE_PIECES * 8 + (i & 7), piece = (i >> 3) % TILE_PIECES;
+        const i8* row = source(r);
+        if (row)
+            copy16_async(to + 16 * i, row + 16 * piece);
+        else
+            *(int4*)(to + 16 * i) = make_int4(0, 0, 0, 0);
+    }
+}
+
+// Rows [first, first + n) of the matrix `from`; rows at or past `valid` are zeros.
+__device__ __forceinline__ void rows_to_cores(i8* to, const i8* from, int first, int n, int valid) {
+    rows_to_cores(to, n, [&](int r) { return first + r < valid ? from + (long)(first + r) * HIDDEN : nullptr; });
+}
+
+// The shared-memory matrix descriptor of wgmma: start address, the two strides (all in
+// 16-byte units), no swizzle (bits 62-63 zero).
+__device__ __forceinline__ u64 core_descriptor(const i8* at) {
+    const u32 a = (u32)__cvta_generic_to_shared(at);
+    return (u64)((a & 0x3FFFF) >> 4) | ((u64)(CORE_LBO >> 4) << 16) | ((u64)(CORE_SBO >> 4) << 32);
+}
+
+// Writes of the generic proxy (cp.async, plain stores) become visible to wgmma's reads.
+__device__ __forceinline__ void fence_async_shared() {
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+// d (+)= A[64 rows, 32 bytes] B[64 rows, 32 bytes]^T for the warpgroup; asynchronous
+// until wgmma_wait. accumulate 0 overwrites d.
+__device__ __forceinline__ void wgmma_64x64x32(int (&d)[32], u64 a, u64 b, int accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k32.s32.s8.s8 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+        "%32, %33, p;\n}\n"
+        : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3]), "+r"(d[4]), "+r"(d[5]), "+r"(d[6]),
+          "+r"(d[7]), "+r"(d[8]), "+r"(d[9]), "+r"(d[10]), "+r"(d[11]), "+r"(d[12]),
+          "+r"(d[13]), "+r"(d[14]), "+r"(d[15]), "+r"(d[16]), "+r"(d[17]), "+r"(d[18]),
+          "+r"(d[19]), "+r"(d[20]), "+r"(d[21]), "+r"(d[22]), "+r"(d[23]), "+r"(d[24]),
+          "+r"(d[25]), "+r"(d[26]), "+r"(d[27]), "+r"(d[28]), "+r"(d[29]), "+r"(d[30]),
+          "+r"(d[31])
+        : "l"(a), "l"(b), "r"(accumulate));
+}
+
+// The warpgroup's 64 rows (s_a) times a tile's TILE_N rows (s_b), K = HIDDEN, into d:
+// issued and committed as one group, not waited for.
+__device__ __forceinline__ void tile_product_async(int (&d)[32], const i8* s_a, const i8* s_b) {
+    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+    for (int k = 0; k < TILE_PIECES / 2; k++)  // 32 bytes of K a step: two core matrices
+        wgmma_64x64x32(d, core_descriptor(s_a + 2 * CORE_LBO * k),
+                       core_descriptor(s_b + 2 * CORE_LBO * k), k > 0);
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+
+// Waits for the warpgroup's products; d's registers are then the results (the empty
+// asm keeps the compiler from reading them before the wait).
+__device__ __forceinline__ void tile_product_wait(int (&d)[32]) {
+    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+#pragma unroll
+    for (int i = 0; i < 32; i++) asm volatile("" : "+r"(d[i])::"memory");
+}
+
+// The thread's two rows (row0 + 16 warp + 8 s + g, s = 0, 1; warp counts the block's
+// 16): their input dot times their member's sign (u32: wraps as the CPU's int32), their
+// member counted from the block's first (m0), and whether they exist.
+struct GroupRows {
+    u32 sbs[2];
+    int member[2];
+    bool valid[2];
+    __device__ __forceinline__ GroupRows(const int* sb, const int* signs, int row0, int m0, int rows) {
+#pragma unroll
+        for (int s = 0; s < 2; s++) {
+            const int row = row0 + 16 * (threadIdx.x >> 5) + 8 * s + ((threadIdx.x & 31) >> 2);
+            valid[s] = row < rows;
+            const int m = valid[s] ? row / SEQ : m0;
+            member[s] = m - m0;
+            sbs[s] = valid[s] ? (u32)sb[row] * (u32)signs[m] : 0u;
+        }
+    }
+    // A per-member table entry of row s (a warp's 16 rows share one where SEQ % 16 == 0).
+    template <typename T>
+    __device__ __forceinline__ T of(const T* table, int s, int col) const {
+        return table[(SEQ % 16 == 0 ? member[0] : member[s]) * TILE_N + col];
+    }
+};
+
+// One sweep over n tiles of s_b's two buffers: load(t) starts tile t's copy into buffer
+// t & 1 (and commits it), with whatever else tile t needs (tables in a third slot: tile
+// t + 2 loads while t's epilogue runs); epilogue(d, t) gets the warpgroup's products
+// with tile t. The block's rows (s_rows: the warpgroup's 64) must be in shared memory,
+// their copy committed before.
+template <typename Load, typename Epilogue>
+__device__ __forceinline__ void sweep_async(int n, const i8* s_rows, const i8* s_b, Load load,
+                                            Epilogue epilogue) {
+    __syncthreads();  // the last sweep's epilogue is done with its buffers and tables
+    load(0);
+    if (n > 1) load(1);
+    if (n > 1) copy_wait<1>(); else copy_wait<0>();
+    fence_async_shared();
+    __syncthreads();
+    // Tile t's products (in `now`) are waited for; once every warpgroup is past them,
+    // tile t + 1's start into `next` (past the last tile, a stale buffer's, never read),
+    // tile t + 2 loads into the buffer t used, and t's epilogue runs.
+    auto step = [&](int (&now)[32], int (&next)[32], int tile) {
+        tile_product_wait(now);
+        copy_wait<0>();  // tile t + 1, the last copy committed
+        fence_async_shared();
+        __syncthreads();
+        tile_product_async(next, s_rows, s_b + ((tile + 1) & 1) * TILE_N * HIDDEN);
+        if (tile + 2 < n) load(tile + 2);
+        if (tile < n) epilogue(now, tile);
+    };
+    int d0[32], d1[32];
+    tile_product_async(d0, s_rows, s_b);
+    for (int tile = 0; tile < n; tile += 2) {
+        step(d0, d1, tile);
+        step(d1, d0, tile + 1);
+    }
+    tile_product_wait(d0);  // the products past the last tile
+}
