@@ -20,6 +20,11 @@ Structure (kernels/*.cu, KERNEL_FILES; kernels named after model.py's functions)
   the kernel's tiles do not fit the device's shared memory); and attention, whose
   scores and mix run on the int8 tensor cores (attention.cu) where head_dim is a
   multiple of 32 (elsewhere attention_mix, on CUDA cores);
+- on an H100 or H200, the head and the MLP's up-projection run on Hopper's warpgroup
+  MMAs (SM90_FILES, compiled apart for sm_90a), the next tile's products during this
+  tile's epilogue: head_loss_sm90, and up_gelu_sm90 (the up-projection with mlp_up, so
+  no int32 product of it is written) where their tiles fit; `hopper=False` keeps the
+  portable kernels;
 - the update builds, per matrix, the pairs' noise as int8 matrices [index, pair] (the
   output side times the ternary fitness) and gets every vote with one int8 GEMM, then
   runs the quantised AdamW step and the overlay update in elementwise kernels. The whole
@@ -235,20 +240,21 @@ def tile_members(cfg: Config, rows: int) -> int:
 def head_loss_sm90_shared(cfg: Config, defines: dict[str, int]) -> int:
     """Bytes of dynamic shared memory of head_loss_sm90 (head_loss_sm90.cu's layout) as
     compiled with `defines`: the block's rows, two vocabulary tiles (no padding: wgmma's
-    core-matrix layout), three tiles of output noise per member, the exp table's copies."""
-    rows = 32 * defines["TILE_WARPS"]
+    core-matrix layout), the output noise of each member over the whole vocabulary (in
+    whole tiles), the exp table's copies."""
+    rows, vocab = 32 * defines["TILE_WARPS"], -(-cfg.model.vocab_size // TILE_N) * TILE_N
     tiles = (rows + 2 * TILE_N) * cfg.model.hidden_dim
     table = 4 * (defines["EXP_LAST"] + 1) * defines["EXP_COPIES"]
-    return tiles + av_bytes(cfg) * 3 * tile_members(cfg, rows) * TILE_N + table
+    return tiles + av_bytes(cfg) * tile_members(cfg, rows) * vocab + table
 
 
 def up_gelu_sm90_shared(cfg: Config, defines: dict[str, int]) -> int:
     """Bytes of dynamic shared memory of up_gelu_sm90 (up_gelu_sm90.cu's layout): the
-    block's rows, two tiles of the up matrix, three tiles of two 8-byte tables per
-    member, the GELU table."""
-    rows = 32 * defines["TILE_WARPS"]
+    block's rows, two tiles of the up matrix, two 8-byte tables per member and column of
+    the matrix, the GELU table."""
+    rows, up = 32 * defines["TILE_WARPS"], 4 * cfg.model.hidden_dim
     tiles = (rows + 2 * TILE_N) * cfg.model.hidden_dim
-    return tiles + 16 * 3 * tile_members(cfg, rows) * TILE_N + 4 * 256
+    return tiles + 16 * tile_members(cfg, rows) * up + 4 * 256
 
 
 def attention_shared(cfg: Config) -> int:

@@ -13,14 +13,14 @@ head_loss_sm90(const i8* y, const i8* emb_t, const int* sb, const int* tokens, c
     extern __shared__ __align__(128) unsigned char head_loss_sm90_shared[];
     i8* s_a = (i8*)head_loss_sm90_shared;          // TILE_M rows, core matrices
     i8* s_b = s_a + TILE_M * HIDDEN;               // [2] tiles of TILE_N rows, core matrices
-    av_t* s_av = (av_t*)(s_b + 2 * TILE_N * HIDDEN);       // [3][TILE_MEMBERS][TILE_N]
-    int* s_exp = (int*)(s_av + 3 * TILE_MEMBERS * TILE_N);  // [EXP_LAST + 1][EXP_COPIES]
+    constexpr int TILES = (VOCAB + TILE_N - 1) / TILE_N;
+    av_t* s_av = (av_t*)(s_b + 2 * TILE_N * HIDDEN);             // [TILE_MEMBERS][TILES * TILE_N]
+    int* s_exp = (int*)(s_av + TILE_MEMBERS * TILES * TILE_N);  // [EXP_LAST + 1][EXP_COPIES]
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, tig = lane & 3;
     const int row0 = blockIdx.x * TILE_M;
     const int m0 = row0 / SEQ;
     const int n_members = (min(row0 + TILE_M, rows) - 1) / SEQ - m0 + 1;
-    const int tiles = (VOCAB + TILE_N - 1) / TILE_N;
     const i8* s_rows = s_a + (warp >> 2) * 64 * HIDDEN;  // the warpgroup's 64 rows
 
     rows_to_cores(s_a, y, row0, TILE_M, rows);
@@ -31,11 +31,17 @@ head_loss_sm90(const i8* y, const i8* emb_t, const int* sb, const int* tokens, c
 
     const GroupRows mine(sb, signs, row0, m0, rows);
 
+    // The members' output noise over the whole vocabulary, once for both passes: built
+    // tile by tile, its global loads stalled every warp between two tiles' products.
+    for (int i = threadIdx.x; i < n_members * TILES * TILE_N; i += blockDim.x) {
+        const int j = i % (TILES * TILE_N);
+        const u32 seed = seeds[m0 + i / (TILES * TILE_N)] + off_a;
+        s_av[i] = j < VOCAB ? (av_t)scaled(noise(seed, j), adaptive_factor(ov_out, seed, j)) : 0;
+    }
+
     auto load_tile = [&](int tile) {
         rows_to_cores(s_b + (tile & 1) * TILE_N * HIDDEN, emb_t, tile * TILE_N, TILE_N, VOCAB);
         copy_commit();
-        tile_noise(s_av + (tile % 3) * TILE_MEMBERS * TILE_N, n_members, m0, seeds, off_a, ov_out,
-                   tile * TILE_N, VOCAB);
     };
 
     int peak[2] = {INT_MIN_, INT_MIN_};
@@ -43,7 +49,7 @@ head_loss_sm90(const i8* y, const i8* emb_t, const int* sb, const int* tokens, c
 
     // Tile t's epilogue on its products d: pass 0 the rows' peaks, pass 1 their sums.
     auto epilogue = [&](const int (&d)[32], int tile, int pass) {
-        const av_t* av = s_av + (tile % 3) * TILE_MEMBERS * TILE_N;
+        const av_t* av = s_av + tile * TILE_N;
         const int v0 = tile * TILE_N;
 #if TOTAL32
         u32 part[2] = {0u, 0u};
@@ -58,7 +64,7 @@ head_loss_sm90(const i8* y, const i8* emb_t, const int* sb, const int* tokens, c
                 if (VOCAB_PAD && v0 + col >= VOCAB) continue;
 #pragma unroll
                 for (int s = 0; s < 2; s++) {
-                    const int raw = wrap_add(d[4 * j + 2 * s + e], rank1_term(mine.sbs[s], mine.of(av, s, col)));
+                    const int raw = wrap_add(d[4 * j + 2 * s + e], rank1_term(mine.sbs[s], mine.of(av, s, col, TILES * TILE_N)));
                     if (pass == 0) {
                         peak[s] = max(peak[s], raw);
                     } else {
@@ -77,7 +83,7 @@ head_loss_sm90(const i8* y, const i8* emb_t, const int* sb, const int* tokens, c
     // Unrolled, so that `pass` is a constant in each copy (as in head_loss).
 #pragma unroll
     for (int pass = 0; pass < 2; pass++) {
-        sweep_async(tiles, s_rows, s_b, load_tile, [&](const int (&d)[32], int tile) { epilogue(d, tile, pass); });
+        sweep_async(TILES, s_rows, s_b, load_tile, [&](const int (&d)[32], int tile) { epilogue(d, tile, pass); });
         if (pass == 0) {  // the quad of threads holding a row shares its peak
 #pragma unroll
             for (int s = 0; s < 2; s++) {

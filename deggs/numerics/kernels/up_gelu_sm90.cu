@@ -42,14 +42,15 @@ up_gelu_sm90(const i8* y, const i8* w_up, const int* sb_up, const u32* seeds, co
              u32 up_a, u32 bias_a, u32 bias_b, u32 down_b, const int* gelu, i8* hidden,
              int* sb_down, int rows) {
     extern __shared__ __align__(128) unsigned char up_gelu_sm90_shared[];
+    constexpr int TILES = HIDDEN / UP_GROUPS;
     constexpr int TABLE = TILE_MEMBERS * TILE_N;  // one tile's, per member
     i8* s_a = (i8*)up_gelu_sm90_shared;           // TILE_M rows, core matrices
     i8* s_b = s_a + TILE_M * HIDDEN;              // [2] tiles of TILE_N rows, core matrices
     // Per tile, member and column, in pairs read together: the output noise and the
     // perturbed bias; the down-projection's input noise and the bits of its factor.
-    int2* s_up = (int2*)(s_b + 2 * TILE_N * HIDDEN);  // [3][TABLE]
-    int2* s_down = s_up + 3 * TABLE;                  // [3][TABLE]
-    int* s_gelu = (int*)(s_down + 3 * TABLE);         // [256]
+    int2* s_up = (int2*)(s_b + 2 * TILE_N * HIDDEN);  // [TILES][TABLE]
+    int2* s_down = s_up + TILES * TABLE;              // [TILES][TABLE]
+    int* s_gelu = (int*)(s_down + TILES * TABLE);     // [256]
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, tig = lane & 3;
     const int row0 = blockIdx.x * TILE_M;
@@ -61,26 +62,29 @@ up_gelu_sm90(const i8* y, const i8* w_up, const int* sb_up, const u32* seeds, co
     copy_commit();  // waited for with the first tile's
     for (int i = threadIdx.x; i < 256; i += blockDim.x) s_gelu[i] = gelu[i];
     const GroupRows mine(sb_up, signs, row0, m0, rows);
+    // Every tile's tables at once, before the sweep: built tile by tile, their global
+    // loads (seeds, overlays, bias) held every warp between two tiles' products.
+    for (int i = threadIdx.x; i < TILES * TABLE; i += blockDim.x) {
+        const int tile = i / TABLE, member = i % TABLE / TILE_N;
+        if (member >= n_members) continue;
+        const int m = m0 + member, j = up_column(tile, i % TILE_N);
+        const u32 seed = seeds[m];
+        s_up[i] = make_int2(scaled(noise(seed + up_a, j), adaptive_factor(ov_up_out, seed + up_a, j)),
+                            bias_up[j] + vector_noise(ov_bias_up, seed, bias_a, bias_b, j, signs[m]));
+        s_down[i] = make_int2(noise(seed + down_b, j),
+                              __float_as_int(adaptive_factor(ov_down_in, seed + down_b, j)));
+    }
 
-    // One tile's gathered matrix rows (async) and its members' tables.
+    // One tile's gathered matrix rows, asynchronously.
     auto load_tile = [&](int tile) {
         rows_to_cores(s_b + (tile & 1) * TILE_N * HIDDEN, TILE_N,
                       [&](int r) { return w_up + (long)up_column(tile, r) * HIDDEN; });
         copy_commit();
-        for (int i = threadIdx.x; i < n_members * TILE_N; i += blockDim.x) {
-            const int m = m0 + i / TILE_N, j = up_column(tile, i % TILE_N), at = (tile % 3) * TABLE + i;
-            const u32 seed = seeds[m];
-            s_up[at] = make_int2(
-                scaled(noise(seed + up_a, j), adaptive_factor(ov_up_out, seed + up_a, j)),
-                bias_up[j] + vector_noise(ov_bias_up, seed, bias_a, bias_b, j, signs[m]));
-            s_down[at] = make_int2(noise(seed + down_b, j),
-                                   __float_as_int(adaptive_factor(ov_down_in, seed + down_b, j)));
-        }
     };
 
     u32 total[2] = {0u, 0u};  // the thread's rows' input dots, over its groups
-    sweep_async(HIDDEN / UP_GROUPS, s_rows, s_b, load_tile, [&](const int (&d)[32], int tile) {
-        const int at = (tile % 3) * TABLE;
+    sweep_async(TILES, s_rows, s_b, load_tile, [&](const int (&d)[32], int tile) {
+        const int at = tile * TABLE;
         // The products to GELU'd bytes first, stored; then the input dot from the bytes,
         // so the products' registers are free before the dot's tables are read.
         u32 bytes[2][4];  // [s][sub], byte q: group 4 q + tig

@@ -111,18 +111,19 @@ struct GroupRows {
             sbs[s] = valid[s] ? (u32)sb[row] * (u32)signs[m] : 0u;
         }
     }
-    // A per-member table entry of row s (a warp's 16 rows share one where SEQ % 16 == 0).
+    // A per-member table entry of row s, the members `stride` apart (a warp's 16 rows
+    // share one where SEQ % 16 == 0).
     template <typename T>
-    __device__ __forceinline__ T of(const T* table, int s, int col) const {
-        return table[(SEQ % 16 == 0 ? member[0] : member[s]) * TILE_N + col];
+    __device__ __forceinline__ T of(const T* table, int s, int col, int stride = TILE_N) const {
+        return table[(SEQ % 16 == 0 ? member[0] : member[s]) * stride + col];
     }
 };
 
 // One sweep over n tiles of s_b's two buffers: load(t) starts tile t's copy into buffer
-// t & 1 (and commits it), with whatever else tile t needs (tables in a third slot: tile
-// t + 2 loads while t's epilogue runs); epilogue(d, t) gets the warpgroup's products
-// with tile t. The block's rows (s_rows: the warpgroup's 64) must be in shared memory,
-// their copy committed before.
+// t & 1 (and commits it; tile t + 2's while t's epilogue runs); epilogue(d, t) gets the
+// warpgroup's products with tile t. The block's rows (s_rows: the warpgroup's 64) must
+// be in shared memory, their copy committed before. Tables the epilogues read are best
+// built before: between two tiles, a global load's wait stalls every warp.
 template <typename Load, typename Epilogue>
 __device__ __forceinline__ void sweep_async(int n, const i8* s_rows, const i8* s_b, Load load,
                                             Epilogue epilogue) {
