@@ -115,9 +115,7 @@ attention_mma(const i8* q, const i8* k, const i8* v, i8* mixed, int* sb_o, const
         }
 #pragma unroll
         for (int r = 0; r < 2; r++) {
-            int p = max(top[r], __shfl_xor_sync(0xffffffffu, top[r], 1));
-            p = max(p, __shfl_xor_sync(0xffffffffu, p, 2));
-            top[r] = p >> SHIFT_ATTN;
+            top[r] = quad_max(top[r]) >> SHIFT_ATTN;
         }
 
         u32 total[2] = {0u, 0u};  // the weights' sums (int in attention_mix: wraps alike)
@@ -166,8 +164,7 @@ attention_mma(const i8* q, const i8* k, const i8* v, i8* mixed, int* sb_o, const
             if (d0 == 0)
 #pragma unroll
                 for (int r = 0; r < 2; r++) {
-                    total[r] += __shfl_xor_sync(0xffffffffu, total[r], 1);
-                    total[r] += __shfl_xor_sync(0xffffffffu, total[r], 2);
+                    total[r] = quad_sum(total[r]);
                     if (total[r] == 0u) total[r] = 1u;
                 }
 
@@ -188,8 +185,7 @@ attention_mma(const i8* q, const i8* k, const i8* v, i8* mixed, int* sb_o, const
                 }
 #pragma unroll
             for (int r = 0; r < 2; r++) {
-                u32 total_dot = dot[r] + __shfl_xor_sync(0xffffffffu, dot[r], 1);
-                total_dot += __shfl_xor_sync(0xffffffffu, total_dot, 2);
+                const u32 total_dot = quad_sum(dot[r]);
                 if (tig == 0 && tq[r] < SEQ) atomicAdd((u32*)&sb_o[(long)m * SEQ + tq[r]], total_dot);
             }
         }

@@ -174,6 +174,19 @@ __device__ __forceinline__ int warp_max_int(int v) {
     return v;
 }
 
+// Over the four lanes of a quad (lane ^ 1, lane ^ 2): the threads that hold one row of
+// an MMA accumulator.
+template <typename T>
+__device__ __forceinline__ T quad_sum(T v) {
+    v += __shfl_xor_sync(0xffffffffu, v, 1);
+    return v + __shfl_xor_sync(0xffffffffu, v, 2);
+}
+
+__device__ __forceinline__ int quad_max(int v) {
+    v = max(v, __shfl_xor_sync(0xffffffffu, v, 1));
+    return max(v, __shfl_xor_sync(0xffffffffu, v, 2));
+}
+
 // Row kernels below give each warp whole rows: lane l holds features l + 32 i, i < FPL.
 #define FPL (HIDDEN / 32)
 #define LANE (threadIdx.x & 31)

@@ -48,7 +48,7 @@ head_loss(const i8* y, const i8* emb_t, const int* sb, const int* tokens, const 
     for (int i = threadIdx.x; i < (EXP_LAST + 1) * EXP_COPIES; i += blockDim.x)
         s_exp[i] = exp_tab[i / EXP_COPIES];
     const u32 my_exp = (u32)__cvta_generic_to_shared(s_exp + lane % EXP_COPIES);
-    const ThreadRows mine(sb, signs, row0, m0, rows);
+    const ThreadRows<4> mine(sb, signs, row0, m0, rows);
 
     // One tile's embedding rows (async) and its members' output noise.
     auto load_tile = [&](int tile, int buf) {
@@ -102,9 +102,7 @@ head_loss(const i8* y, const i8* emb_t, const int* sb, const int* tokens, const 
         if (pass == 0) {  // the quad of threads holding a row shares its peak
 #pragma unroll
             for (int s = 0; s < 4; s++) {
-                int p = max(peak[s], __shfl_xor_sync(0xffffffffu, peak[s], 1));
-                p = max(p, __shfl_xor_sync(0xffffffffu, p, 2));
-                peak[s] = p >> SHIFT_LOGIT;
+                peak[s] = quad_max(peak[s]) >> SHIFT_LOGIT;
             }
         }
     }
@@ -112,9 +110,7 @@ head_loss(const i8* y, const i8* emb_t, const int* sb, const int* tokens, const 
     // The target's logit: the quad splits the row's dot product with its embedding row.
 #pragma unroll
     for (int s = 0; s < 4; s++) {
-        unsigned long long t = total[s];
-        t += __shfl_xor_sync(0xffffffffu, t, 1);
-        t += __shfl_xor_sync(0xffffffffu, t, 2);
+        const unsigned long long t = quad_sum(total[s]);
         const int row = row0 + warp * 32 + 8 * s + g;
         const int m = m0 + mine.member[s];
         const int target = mine.valid[s] ? tokens[m * (SEQ + 1) + row % SEQ + 1] : 0;
@@ -123,8 +119,7 @@ head_loss(const i8* y, const i8* emb_t, const int* sb, const int* tokens, const 
         int dot = 0;
         for (int k = tig * 4; k < HIDDEN; k += 16)
             dot = __dp4a(*(const int*)(a_row + k), *(const int*)(e_row + k), dot);
-        dot += __shfl_xor_sync(0xffffffffu, dot, 1);
-        dot += __shfl_xor_sync(0xffffffffu, dot, 2);
+        dot = quad_sum(dot);
         if (tig == 0 && mine.valid[s])
             add_position_loss(loss + m, t, peak[s], dot, mine.sbs[s], seeds[m] + off_a, ov_out, target);
     }

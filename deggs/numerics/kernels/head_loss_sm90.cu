@@ -29,15 +29,11 @@ head_loss_sm90(const i8* y, const i8* emb_t, const int* sb, const int* tokens, c
         s_exp[i] = exp_tab[i / EXP_COPIES];
     const u32 my_exp = (u32)__cvta_generic_to_shared(s_exp + lane % EXP_COPIES);
 
-    const GroupRows mine(sb, signs, row0, m0, rows);
+    const ThreadRows<2> mine(sb, signs, row0, m0, rows);
 
     // The members' output noise over the whole vocabulary, once for both passes: built
     // tile by tile, its global loads stalled every warp between two tiles' products.
-    for (int i = threadIdx.x; i < n_members * TILES * TILE_N; i += blockDim.x) {
-        const int j = i % (TILES * TILE_N);
-        const u32 seed = seeds[m0 + i / (TILES * TILE_N)] + off_a;
-        s_av[i] = j < VOCAB ? (av_t)scaled(noise(seed, j), adaptive_factor(ov_out, seed, j)) : 0;
-    }
+    tile_noise(s_av, n_members, m0, seeds, off_a, ov_out, 0, VOCAB, TILES * TILE_N);
 
     auto load_tile = [&](int tile) {
         rows_to_cores(s_b + (tile & 1) * TILE_N * HIDDEN, emb_t, tile * TILE_N, TILE_N, VOCAB);
@@ -87,9 +83,7 @@ head_loss_sm90(const i8* y, const i8* emb_t, const int* sb, const int* tokens, c
         if (pass == 0) {  // the quad of threads holding a row shares its peak
 #pragma unroll
             for (int s = 0; s < 2; s++) {
-                int p = max(peak[s], __shfl_xor_sync(0xffffffffu, peak[s], 1));
-                p = max(p, __shfl_xor_sync(0xffffffffu, p, 2));
-                peak[s] = p >> SHIFT_LOGIT;
+                peak[s] = quad_max(peak[s]) >> SHIFT_LOGIT;
             }
         }
     }
@@ -97,9 +91,7 @@ head_loss_sm90(const i8* y, const i8* emb_t, const int* sb, const int* tokens, c
     // The target's logit: the quad splits the row's dot product with its embedding row.
 #pragma unroll
     for (int s = 0; s < 2; s++) {
-        unsigned long long t = total[s];
-        t += __shfl_xor_sync(0xffffffffu, t, 1);
-        t += __shfl_xor_sync(0xffffffffu, t, 2);
+        const unsigned long long t = quad_sum(total[s]);
         const int r = 16 * warp + g + 8 * s;  // of the block's rows
         const int m = m0 + mine.member[s];
         const int target = mine.valid[s] ? tokens[m * (SEQ + 1) + (row0 + r) % SEQ + 1] : 0;
@@ -108,8 +100,7 @@ head_loss_sm90(const i8* y, const i8* emb_t, const int* sb, const int* tokens, c
         int dot = 0;
         for (int piece = 0; piece < TILE_PIECES; piece++)
             dot = __dp4a(*(const int*)(cores + piece * CORE_LBO), *(const int*)(e_row + 16 * piece), dot);
-        dot += __shfl_xor_sync(0xffffffffu, dot, 1);
-        dot += __shfl_xor_sync(0xffffffffu, dot, 2);
+        dot = quad_sum(dot);
         if (tig == 0 && mine.valid[s])
             add_position_loss(loss + m, t, peak[s], dot, mine.sbs[s], seeds[m] + off_a, ov_out, target);
     }

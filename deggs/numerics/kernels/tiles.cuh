@@ -12,7 +12,6 @@
 #define TILE_PIECES (HIDDEN / 16)           // 16-byte pieces of a row
 // Members a block's rows can belong to (rows start at a multiple of TILE_M).
 #define TILE_MEMBERS (TILE_M % SEQ == 0 ? TILE_M / SEQ : TILE_M / SEQ + 2)
-#define ONE_MEMBER_A_WARP (SEQ % 32 == 0)  // then a thread's four rows share a member
 // __launch_bounds__(TILE_M, 16 / TILE_WARPS): 16 warps an SM, at most 128 registers each
 
 __device__ __forceinline__ void copy16_async(void* shared, const void* global) {
@@ -86,27 +85,30 @@ __device__ __forceinline__ void warp_tile_product(int (&c)[2][TILE_N / 8][4], co
     }
 }
 
-// The thread's four rows (row0 + warp * 32 + 8 s + g): their input dot times their
-// member's sign (u32: wraps as the CPU's int32), their member counted from the block's
-// first (m0), and whether they exist.
+// The thread's N rows (row0 + warp * 8 N + 8 s + g, s < N: four in head_loss's mma.sync
+// tiles, two in a warpgroup MMA's): their input dot times their member's sign (u32:
+// wraps as the CPU's int32), their member counted from the block's first (m0), and
+// whether they exist.
+template <int N>
 struct ThreadRows {
-    u32 sbs[4];
-    int member[4];
-    bool valid[4];
+    u32 sbs[N];
+    int member[N];
+    bool valid[N];
     __device__ __forceinline__ ThreadRows(const int* sb, const int* signs, int row0, int m0, int rows) {
 #pragma unroll
-        for (int s = 0; s < 4; s++) {
-            const int row = row0 + (threadIdx.x >> 5) * 32 + 8 * s + ((threadIdx.x & 31) >> 2);
+        for (int s = 0; s < N; s++) {
+            const int row = row0 + (threadIdx.x >> 5) * 8 * N + 8 * s + ((threadIdx.x & 31) >> 2);
             valid[s] = row < rows;
             const int m = valid[s] ? row / SEQ : m0;
             member[s] = m - m0;
             sbs[s] = valid[s] ? (u32)sb[row] * (u32)signs[m] : 0u;
         }
     }
-    // A per-member table entry of row s (a thread's rows share it when ONE_MEMBER_A_WARP).
+    // A per-member table entry of row s, the members `stride` apart (a warp's 8 N rows
+    // share one where SEQ is a multiple of them).
     template <typename T>
-    __device__ __forceinline__ T of(const T* table, int s, int col) const {
-        return table[(ONE_MEMBER_A_WARP ? member[0] : member[s]) * TILE_N + col];
+    __device__ __forceinline__ T of(const T* table, int s, int col, int stride = TILE_N) const {
+        return table[(SEQ % (8 * N) == 0 ? member[0] : member[s]) * stride + col];
     }
 };
 
@@ -139,13 +141,15 @@ __device__ __forceinline__ int shared_word(u32 at) {
     return v;
 }
 
-// A tile's per-member output noise, av[member][col] = (int)(a_j * factor_j) for the
-// matrix columns j = j0 + col (0 past `limit`), members m0.. of the block.
+// The per-member output noise of `width` columns (a tile's by default), av[member][col]
+// = (int)(a_j * factor_j) for the matrix columns j = j0 + col (0 past `limit`), members
+// m0.. of the block.
 __device__ __forceinline__ void tile_noise(av_t* av, int n_members, int m0, const u32* seeds,
-                                           u32 off_a, const i8* ov_out, int j0, int limit) {
-    for (int i = threadIdx.x; i < n_members * TILE_N; i += blockDim.x) {
-        const int j = j0 + i % TILE_N;
-        const u32 seed = seeds[m0 + i / TILE_N] + off_a;
+                                           u32 off_a, const i8* ov_out, int j0, int limit,
+                                           int width = TILE_N) {
+    for (int i = threadIdx.x; i < n_members * width; i += blockDim.x) {
+        const int j = j0 + i % width;
+        const u32 seed = seeds[m0 + i / width] + off_a;
         av[i] = j < limit ? (av_t)scaled(noise(seed, j), adaptive_factor(ov_out, seed, j)) : 0;
     }
 }

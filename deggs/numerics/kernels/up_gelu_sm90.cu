@@ -61,7 +61,7 @@ up_gelu_sm90(const i8* y, const i8* w_up, const int* sb_up, const u32* seeds, co
     rows_to_cores(s_a, y, row0, TILE_M, rows);
     copy_commit();  // waited for with the first tile's
     for (int i = threadIdx.x; i < 256; i += blockDim.x) s_gelu[i] = gelu[i];
-    const GroupRows mine(sb_up, signs, row0, m0, rows);
+    const ThreadRows<2> mine(sb_up, signs, row0, m0, rows);
     // Every tile's tables at once, before the sweep: built tile by tile, their global
     // loads (seeds, overlays, bias) held every warp between two tiles' products.
     for (int i = threadIdx.x; i < TILES * TABLE; i += blockDim.x) {
@@ -132,9 +132,7 @@ up_gelu_sm90(const i8* y, const i8* w_up, const int* sb_up, const u32* seeds, co
     });
 #pragma unroll
     for (int s = 0; s < 2; s++) {
-        u32 t = total[s];
-        t += __shfl_xor_sync(0xffffffffu, t, 1);
-        t += __shfl_xor_sync(0xffffffffu, t, 2);
+        const u32 t = quad_sum(total[s]);
         if (tig == 0 && mine.valid[s]) sb_down[row0 + 16 * warp + 8 * s + g] = (int)t;
     }
 }

@@ -94,31 +94,6 @@ __device__ __forceinline__ void tile_product_wait(int (&d)[32]) {
     for (int i = 0; i < 32; i++) asm volatile("" : "+r"(d[i])::"memory");
 }
 
-// The thread's two rows (row0 + 16 warp + 8 s + g, s = 0, 1; warp counts the block's
-// 16): their input dot times their member's sign (u32: wraps as the CPU's int32), their
-// member counted from the block's first (m0), and whether they exist.
-struct GroupRows {
-    u32 sbs[2];
-    int member[2];
-    bool valid[2];
-    __device__ __forceinline__ GroupRows(const int* sb, const int* signs, int row0, int m0, int rows) {
-#pragma unroll
-        for (int s = 0; s < 2; s++) {
-            const int row = row0 + 16 * (threadIdx.x >> 5) + 8 * s + ((threadIdx.x & 31) >> 2);
-            valid[s] = row < rows;
-            const int m = valid[s] ? row / SEQ : m0;
-            member[s] = m - m0;
-            sbs[s] = valid[s] ? (u32)sb[row] * (u32)signs[m] : 0u;
-        }
-    }
-    // A per-member table entry of row s, the members `stride` apart (a warp's 16 rows
-    // share one where SEQ % 16 == 0).
-    template <typename T>
-    __device__ __forceinline__ T of(const T* table, int s, int col, int stride = TILE_N) const {
-        return table[(SEQ % 16 == 0 ? member[0] : member[s]) * stride + col];
-    }
-};
-
 // One sweep over n tiles of s_b's two buffers: load(t) starts tile t's copy into buffer
 // t & 1 (and commits it; tile t + 2's while t's epilogue runs); epilogue(d, t) gets the
 // warpgroup's products with tile t. The block's rows (s_rows: the warpgroup's 64) must
