@@ -25,7 +25,7 @@ from deggs.numerics.gpu import (
     up_gelu_sm90_shared,
 )
 from deggs.numerics.launch import Kernel, signatures
-from deggs.numerics.model import make_tables
+from deggs.numerics.model import cdiv, f32, fma32, make_tables, trunc_i32
 
 H100_OPTIN = 232448  # cudaDevAttrMaxSharedMemoryPerBlockOptin of an H100 (227 KiB)
 
@@ -124,6 +124,21 @@ def test_the_exp_table_head_loss_keeps_gives_every_lookup_the_same_entry(softmax
     assert copies == 32 or not fits(2 * copies)
     if not softmax:  # exp(-i / 6) * 2^18 rounds to 0 from i = 75: one copy a lane
         assert (last, copies) == (75, 32)
+
+
+def test_the_integer_input_dot_of_modes_0_and_1_is_the_float_one():
+    """common.cuh's down_step where every factor is k / 64 (INT_FACTOR): the integer
+    (h * b * k + 64 pb) / 64, truncated, is the specification's (int)fmaf(h * b, k / 64,
+    pb) for every byte h, every noise b (three samples of the widest mask) and every k,
+    at partial sums up to four of the largest terms."""
+    rng = np.random.default_rng(7)
+    h = np.arange(-127, 128)[:, None, None]
+    b = np.arange(-93, 94)[None, :, None]
+    k = np.arange(65)[None, None, :]
+    for partial in (0, 1, -1, 63, -64, *rng.integers(-4 * 127 * 93, 4 * 127 * 93, 6)):
+        ours = cdiv(h * b * k + 64 * partial, 64)
+        spec = trunc_i32(fma32(f32(h * b), f32(k / 64), f32(np.full(k.shape, partial))))
+        assert np.array_equal(ours, spec), partial
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc on this machine")

@@ -250,11 +250,13 @@ def head_loss_sm90_shared(cfg: Config, defines: dict[str, int]) -> int:
 
 def up_gelu_sm90_shared(cfg: Config, defines: dict[str, int]) -> int:
     """Bytes of dynamic shared memory of up_gelu_sm90 (up_gelu_sm90.cu's layout): the
-    block's rows, two tiles of the up matrix, two 8-byte tables per member and column of
-    the matrix, the GELU table."""
+    block's rows, two tiles of the up matrix, per member and column of the matrix an
+    8-byte entry and a down_t (common.cuh: 4 bytes, 8 in adaptive mode 2), the GELU
+    table in bytes."""
     rows, up = 32 * defines["TILE_WARPS"], 4 * cfg.model.hidden_dim
     tiles = (rows + 2 * TILE_N) * cfg.model.hidden_dim
-    return tiles + 16 * tile_members(cfg, rows) * up + 4 * 256
+    down = 8 if cfg.adaptive_noise.mode == 2 else 4
+    return tiles + (8 + down) * tile_members(cfg, rows) * up + 255
 
 
 def attention_shared(cfg: Config) -> int:

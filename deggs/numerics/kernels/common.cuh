@@ -91,6 +91,39 @@ __device__ __forceinline__ int scaled(int value, float f) {
     return __float2int_rz(__fmul_rn(__int2float_rn(value), f));
 }
 
+// The down-projection's input dot as the reference's threads sum it: thread j adds the
+// GELU'd hidden bytes h of columns j, j + HIDDEN, j + 2 HIDDEN, j + 3 HIDDEN in that
+// order, pb = (int)fmaf(h * b, factor, pb), b and the factor the column's (mlp_up,
+// up_gelu_sm90). A column's noise and factor are a down_t entry.
+//
+// In adaptive modes 0 and 1 every factor is k / 64 for an integer k (0..64), and every
+// fmaf of the chain is exact in float32: |h * b * k + 64 pb| < 2^22, as |h| <= 127 and
+// |b| <= 3 * 31 (config.py bounds the noise). So (int)fmaf(h * b, k / 64, pb) is the
+// integer (h * b * k + 64 pb) / 64, truncated as C divides, and the entry is b * k: no
+// conversions, the same bits.
+#define INT_FACTOR (ADAPTIVE_MODE != 2)
+#if INT_FACTOR
+typedef int down_t;
+__device__ __forceinline__ down_t down_entry(const i8* ov, u32 seed, u32 j) {
+#if ADAPTIVE_MODE == 0
+    const int k = 64;
+#else
+    const int o = ov[j];  // adaptive_factor's o / 64, clamped to 0..1
+    const int k = o < 0 ? 0 : (o < 64 ? o : 64);
+#endif
+    return noise(seed, j) * k;
+}
+__device__ __forceinline__ int down_step(int partial, int h, down_t e) { return (h * e + partial * 64) / 64; }
+#else
+typedef int2 down_t;  // the noise and the bits of its float factor
+__device__ __forceinline__ down_t down_entry(const i8* ov, u32 seed, u32 j) {
+    return make_int2(noise(seed, j), __float_as_int(adaptive_factor(ov, seed, j)));
+}
+__device__ __forceinline__ int down_step(int partial, int h, down_t e) {
+    return __float2int_rz(__fmaf_rn(__int2float_rn(h * e.x), __int_as_float(e.y), __int2float_rn(partial)));
+}
+#endif
+
 // Rank-1 noise of a vector parameter entry.
 __device__ __forceinline__ int vector_noise(const i8* ov, u32 seed, u32 off_a, u32 off_b, int i, int sign) {
     int prod = noise(seed + off_a, i) * noise(seed + off_b, i);

@@ -319,8 +319,7 @@ extern "C" __global__ void residual_norm(const int* g, const int* sb_in, i8* x, 
 }
 
 // MLP up-projection epilogue: rank-1 term, >> SHIFT_MLP_UP, bias (+ noise), GELU table;
-// then the down-projection's input dot as the reference's threads sum it: virtual
-// thread j adds columns j, j+H, j+2H, j+3H through float32, pb = (int)fmaf(h*b, f, pb).
+// then the down-projection's input dot as the reference's threads sum it (down_step).
 extern "C" __global__ void mlp_up(const int* g, const int* sb_up, i8* hidden, int* sb_down,
                                   const u32* seeds, const int* signs, const i8* bias_up,
                                   const i8* ov_up_out, const i8* ov_bias_up, const i8* ov_down_in,
@@ -329,8 +328,7 @@ extern "C" __global__ void mlp_up(const int* g, const int* sb_up, i8* hidden, in
     extern __shared__ int s_mlp[];  // dynamic: 4 UP words (gpu.shared_memory)
     int* s_av = s_mlp;
     int* s_bias = s_mlp + UP;
-    int* s_bn = s_mlp + 2 * UP;
-    float* s_bf = (float*)(s_mlp + 3 * UP);
+    down_t* s_down = (down_t*)(s_mlp + 2 * UP);
     __shared__ int s_gelu[256];
     const int m = blockIdx.x;
     const u32 seed = seeds[m];
@@ -338,8 +336,7 @@ extern "C" __global__ void mlp_up(const int* g, const int* sb_up, i8* hidden, in
     output_noise(s_av, UP, ov_up_out, seed + up_a);
     for (int j = threadIdx.x; j < UP; j += blockDim.x) {
         s_bias[j] = bias_up[j] + vector_noise(ov_bias_up, seed, bias_a, bias_b, j, sign);
-        s_bn[j] = noise(seed + down_b, j);
-        s_bf[j] = adaptive_factor(ov_down_in, seed + down_b, j);
+        s_down[j] = down_entry(ov_down_in, seed + down_b, j);
     }
     for (int i = threadIdx.x; i < 256; i += blockDim.x) s_gelu[i] = gelu[i];
     __syncthreads();
@@ -366,8 +363,7 @@ extern "C" __global__ void mlp_up(const int* g, const int* sb_up, i8* hidden, in
                 const int pre = (out >> SHIFT_MLP_UP) + s_bias[j];
                 const int hv = s_gelu[(unsigned char)(i8)clip8(pre)];
                 hidden[row * UP + j] = (i8)hv;
-                const float term = __int2float_rn(hv * s_bn[j]);
-                partial = __float2int_rz(__fmaf_rn(term, s_bf[j], __int2float_rn(partial)));
+                partial = down_step(partial, hv, s_down[j]);
             }
             total += (u32)partial;
         }

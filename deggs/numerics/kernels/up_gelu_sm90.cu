@@ -46,11 +46,13 @@ up_gelu_sm90(const i8* y, const i8* w_up, const int* sb_up, const u32* seeds, co
     constexpr int TABLE = TILE_MEMBERS * TILE_N;  // one tile's, per member
     i8* s_a = (i8*)up_gelu_sm90_shared;           // TILE_M rows, core matrices
     i8* s_b = s_a + TILE_M * HIDDEN;              // [2] tiles of TILE_N rows, core matrices
-    // Per tile, member and column, in pairs read together: the output noise and the
-    // perturbed bias; the down-projection's input noise and the bits of its factor.
-    int2* s_up = (int2*)(s_b + 2 * TILE_N * HIDDEN);  // [TILES][TABLE]
-    int2* s_down = s_up + TILES * TABLE;              // [TILES][TABLE]
-    int* s_gelu = (int*)(s_down + TILES * TABLE);     // [256]
+    // Per tile, member and column: the output noise and the perturbed bias, in pairs
+    // read together; the down-projection's input noise and factor (down_entry).
+    int2* s_up = (int2*)(s_b + 2 * TILE_N * HIDDEN);       // [TILES][TABLE]
+    down_t* s_down = (down_t*)(s_up + TILES * TABLE);      // [TILES][TABLE]
+    // The GELU table by the clipped value plus 127, in bytes: one load of an address
+    // plus a constant, and at most two words a bank for the warp's lookups.
+    i8* s_gelu = (i8*)(s_down + TILES * TABLE);            // [255]
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, tig = lane & 3;
     const int row0 = blockIdx.x * TILE_M;
@@ -60,7 +62,7 @@ up_gelu_sm90(const i8* y, const i8* w_up, const int* sb_up, const u32* seeds, co
 
     rows_to_cores(s_a, y, row0, TILE_M, rows);
     copy_commit();  // waited for with the first tile's
-    for (int i = threadIdx.x; i < 256; i += blockDim.x) s_gelu[i] = gelu[i];
+    for (int i = threadIdx.x; i < 2 * MAXV + 1; i += blockDim.x) s_gelu[i] = (i8)gelu[(i - MAXV) & 0xFF];
     const ThreadRows<2> mine(sb_up, signs, row0, m0, rows);
     // Every tile's tables at once, before the sweep: built tile by tile, their global
     // loads (seeds, overlays, bias) held every warp between two tiles' products.
@@ -71,8 +73,7 @@ up_gelu_sm90(const i8* y, const i8* w_up, const int* sb_up, const u32* seeds, co
         const u32 seed = seeds[m];
         s_up[i] = make_int2(scaled(noise(seed + up_a, j), adaptive_factor(ov_up_out, seed + up_a, j)),
                             bias_up[j] + vector_noise(ov_bias_up, seed, bias_a, bias_b, j, signs[m]));
-        s_down[i] = make_int2(noise(seed + down_b, j),
-                              __float_as_int(adaptive_factor(ov_down_in, seed + down_b, j)));
+        s_down[i] = down_entry(ov_down_in, seed + down_b, j);
     }
 
     // One tile's gathered matrix rows, asynchronously.
@@ -85,11 +86,10 @@ up_gelu_sm90(const i8* y, const i8* w_up, const int* sb_up, const u32* seeds, co
     u32 total[2] = {0u, 0u};  // the thread's rows' input dots, over its groups
     sweep_async(TILES, s_rows, s_b, load_tile, [&](const int (&d)[32], int tile) {
         const int at = tile * TABLE;
-        // The products to GELU'd bytes first, stored; then the input dot from the bytes,
-        // so the products' registers are free before the dot's tables are read.
-        u32 bytes[2][4];  // [s][sub], byte q: group 4 q + tig
+        int partial[2][4];  // [s][q]: group 4 q + tig's input dot, over its subs in order
 #pragma unroll
         for (int sub = 0; sub < 4; sub++) {
+            u32 bytes[2];  // [s], byte q: group 4 q + tig
 #pragma unroll
             for (int q = 0; q < 4; q++) {
                 const int nt = 2 * q + (sub >> 1), jj = sub & 1;
@@ -98,37 +98,23 @@ up_gelu_sm90(const i8* y, const i8* w_up, const int* sb_up, const u32* seeds, co
                 for (int s = 0; s < 2; s++) {
                     const int2 t = mine.of(s_up + at, s, col);
                     const int out = wrap_add(d[4 * nt + 2 * s + jj], rank1_term(mine.sbs[s], t.x));
-                    const int pre = (out >> SHIFT_MLP_UP) + t.y;
-                    const u32 hv = (unsigned char)(i8)s_gelu[(unsigned char)(i8)clip8(pre)];
-                    bytes[s][sub] = q == 0 ? hv : bytes[s][sub] | hv << (8 * q);
+                    const int hv = s_gelu[clip8((out >> SHIFT_MLP_UP) + t.y) + MAXV];
+                    bytes[s] = q == 0 ? (u32)(unsigned char)hv : bytes[s] | (u32)(unsigned char)hv << (8 * q);
+                    partial[s][q] = down_step(sub == 0 ? 0 : partial[s][q], hv, mine.of(s_down + at, s, col));
                 }
             }
 #pragma unroll
             for (int s = 0; s < 2; s++) {
-                const u32 word = transpose_bytes(bytes[s][sub], tig);
+                const u32 word = transpose_bytes(bytes[s], tig);
                 const long row = row0 + 16 * warp + 8 * s + g;
                 if (mine.valid[s])
                     *(u32*)(hidden + row * (4 * HIDDEN) + sub * HIDDEN + tile * UP_GROUPS + 4 * tig) = word;
             }
         }
 #pragma unroll
-        for (int q = 0; q < 4; q++) {
-            int partial[2] = {0, 0};  // [s]: group 4 q + tig's, over its subs in order
+        for (int s = 0; s < 2; s++)
 #pragma unroll
-            for (int sub = 0; sub < 4; sub++) {
-                const int col = (2 * q + (sub >> 1)) * 8 + tig * 2 + (sub & 1);
-#pragma unroll
-                for (int s = 0; s < 2; s++) {
-                    const int hv = (int)(i8)(bytes[s][sub] >> (8 * q));
-                    const int2 t = mine.of(s_down + at, s, col);
-                    const float term = __int2float_rn(hv * t.x);
-                    partial[s] = __float2int_rz(
-                        __fmaf_rn(term, __int_as_float(t.y), __int2float_rn(partial[s])));
-                }
-            }
-#pragma unroll
-            for (int s = 0; s < 2; s++) total[s] += (u32)partial[s];
-        }
+            for (int q = 0; q < 4; q++) total[s] += (u32)partial[s][q];
     });
 #pragma unroll
     for (int s = 0; s < 2; s++) {
