@@ -104,6 +104,13 @@ def test_head_loss_fits_two_blocks_an_sm_at_the_default_and_gives_way_when_too_b
     assert head_loss_bytes(config(hidden_dim=1024, head_dim=64)) > H100_OPTIN  # unfused
 
 
+@pytest.mark.parametrize("mode", [0, 1, 2])
+def test_up_gelu_sm90_fits_two_blocks_an_sm_at_the_default(mode):
+    cfg = Config().replace(adaptive_noise=dict(mode=mode))
+    shared = up_gelu_sm90_shared(cfg, kernel_defines(cfg, make_tables(cfg)))
+    assert 2 * (shared + 1024) <= 233472  # an H100's SM, each block reserving 1 KiB
+
+
 @pytest.mark.parametrize(
     "softmax", [{}, dict(scale_bit=30, exp_scale=100.0), dict(lut_size=16), dict(lut_size=1)]
 )

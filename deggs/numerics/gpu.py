@@ -91,6 +91,7 @@ ATT_WARPS = 4  # attention_mma: at most this many warps a block, 16 queries a wa
 LOSS_REGISTER_LPT = 16  # sequence_loss keeps up to this many logits a thread in registers
 # (more read the logits twice: 20% faster at vocab 8192, where 32 in registers cut occupancy)
 TILE_WARPS, TILE_N = 8, 64  # head_loss: 32 rows a warp, vocabulary tiles of 64 embedding rows
+UP_ROWS = 128  # up_gelu_sm90: rows a block, two warpgroups of 64
 # Shared memory of an H100's or H200's SM (228 KiB): head_loss's copies of the exp table
 # fill what two blocks an SM leave of it, each block reserving 1 KiB
 SM_SHARED, BLOCK_RESERVED = 233472, 1024
@@ -188,6 +189,7 @@ def kernel_defines(cfg: Config, tables) -> dict[str, int]:
         ATT_WARPS=min(ATT_WARPS, -(-m.seq_len // 16)),
         TILE_WARPS=TILE_WARPS,
         TILE_N=TILE_N,
+        UP_ROWS=UP_ROWS,
         EXP_MAX=lut0,
         EXP_LAST=last,
         EXP_COPIES=exp_copies(cfg, last),
@@ -253,7 +255,7 @@ def up_gelu_sm90_shared(cfg: Config, defines: dict[str, int]) -> int:
     block's rows, two tiles of the up matrix, per member and column of the matrix an
     8-byte entry and a down_t (common.cuh: 4 bytes, 8 in adaptive mode 2), the GELU
     table in bytes."""
-    rows, up = 32 * defines["TILE_WARPS"], 4 * cfg.model.hidden_dim
+    rows, up = defines["UP_ROWS"], 4 * cfg.model.hidden_dim
     tiles = (rows + 2 * TILE_N) * cfg.model.hidden_dim
     down = 8 if cfg.adaptive_noise.mode == 2 else 4
     return tiles + (8 + down) * tile_members(cfg, rows) * up + 255
@@ -865,8 +867,8 @@ class GpuBackend:
         buf, r = ctx[0], ctx[5]
         self._launch(
             "up_gelu_sm90",
-            (-(-r // self.tile_rows),),
-            (2 * self.tile_rows,),  # a warpgroup of 128 threads for 64 rows
+            (-(-r // self.defines["UP_ROWS"]),),
+            (2 * self.defines["UP_ROWS"],),  # a warpgroup of 128 threads for 64 rows
             y=buf["y"],
             w_up=self._param(names.up, layer)[0],
             sb_up=buf["sb"],

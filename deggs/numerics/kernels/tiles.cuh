@@ -10,8 +10,9 @@
 #define TILE_LD (HIDDEN + 16)               // bytes per row in shared memory: the padding
                                             // makes the fragment loads conflict-free
 #define TILE_PIECES (HIDDEN / 16)           // 16-byte pieces of a row
-// Members a block's rows can belong to (rows start at a multiple of TILE_M).
-#define TILE_MEMBERS (TILE_M % SEQ == 0 ? TILE_M / SEQ : TILE_M / SEQ + 2)
+// Members a block of M rows can hold rows of (its rows start at a multiple of M).
+#define MEMBERS_OF(M) ((M) % SEQ == 0 ? (M) / SEQ : (M) / SEQ + 2)
+#define TILE_MEMBERS MEMBERS_OF(TILE_M)
 // __launch_bounds__(TILE_M, 16 / TILE_WARPS): 16 warps an SM, at most 128 registers each
 
 __device__ __forceinline__ void copy16_async(void* shared, const void* global) {

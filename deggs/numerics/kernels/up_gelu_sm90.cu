@@ -2,7 +2,7 @@
 // warpgroup MMAs (wgmma.cuh).
 //
 // Unfused, cuBLAS writes rows x 4 HIDDEN int32 products and mlp_up reads them back: at
-// the default config that traffic bounds both. Here a block owns TILE_M rows and sweeps
+// the default config that traffic bounds both. Here a block owns UP_ROWS rows and sweeps
 // the up matrix Wt[4 HIDDEN, HIDDEN] in tiles of TILE_N of its rows; each tile is
 // finished in registers (rank-1 term, shift, bias, GELU table, the int8 store and the
 // down-projection's input dot) while the next tile's products run, and no product is
@@ -36,16 +36,22 @@ __device__ __forceinline__ u32 transpose_bytes(u32 w, int tig) {
     return __byte_perm(w, other, (tig & 1) ? 0x3715 : 0x6240);
 }
 
-extern "C" __global__ void __launch_bounds__(SM90_THREADS, 1)
+// Two warpgroups of 64 rows a block and two blocks an SM: in blocks of four warpgroups,
+// one an SM, every warp waited at each tile's barrier for the slowest of sixteen, and
+// nothing ran beside a block's tables and first loads (5% slower on an H100).
+#define UP_THREADS (2 * UP_ROWS)
+#define UP_MEMBERS MEMBERS_OF(UP_ROWS)
+
+extern "C" __global__ void __launch_bounds__(UP_THREADS, 512 / UP_THREADS)
 up_gelu_sm90(const i8* y, const i8* w_up, const int* sb_up, const u32* seeds, const int* signs,
              const i8* bias_up, const i8* ov_up_out, const i8* ov_bias_up, const i8* ov_down_in,
              u32 up_a, u32 bias_a, u32 bias_b, u32 down_b, const int* gelu, i8* hidden,
              int* sb_down, int rows) {
     extern __shared__ __align__(128) unsigned char up_gelu_sm90_shared[];
     constexpr int TILES = HIDDEN / UP_GROUPS;
-    constexpr int TABLE = TILE_MEMBERS * TILE_N;  // one tile's, per member
-    i8* s_a = (i8*)up_gelu_sm90_shared;           // TILE_M rows, core matrices
-    i8* s_b = s_a + TILE_M * HIDDEN;              // [2] tiles of TILE_N rows, core matrices
+    constexpr int TABLE = UP_MEMBERS * TILE_N;  // one tile's, per member
+    i8* s_a = (i8*)up_gelu_sm90_shared;         // UP_ROWS rows, core matrices
+    i8* s_b = s_a + UP_ROWS * HIDDEN;           // [2] tiles of TILE_N rows, core matrices
     // Per tile, member and column: the output noise and the perturbed bias, in pairs
     // read together; the down-projection's input noise and factor (down_entry).
     int2* s_up = (int2*)(s_b + 2 * TILE_N * HIDDEN);       // [TILES][TABLE]
@@ -55,12 +61,12 @@ up_gelu_sm90(const i8* y, const i8* w_up, const int* sb_up, const u32* seeds, co
     i8* s_gelu = (i8*)(s_down + TILES * TABLE);            // [255]
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, tig = lane & 3;
-    const int row0 = blockIdx.x * TILE_M;
+    const int row0 = blockIdx.x * UP_ROWS;
     const int m0 = row0 / SEQ;
-    const int n_members = (min(row0 + TILE_M, rows) - 1) / SEQ - m0 + 1;
+    const int n_members = (min(row0 + UP_ROWS, rows) - 1) / SEQ - m0 + 1;
     const i8* s_rows = s_a + (warp >> 2) * 64 * HIDDEN;  // the warpgroup's 64 rows
 
-    rows_to_cores(s_a, y, row0, TILE_M, rows);
+    rows_to_cores(s_a, y, row0, UP_ROWS, rows);
     copy_commit();  // waited for with the first tile's
     for (int i = threadIdx.x; i < 2 * MAXV + 1; i += blockDim.x) s_gelu[i] = (i8)gelu[(i - MAXV) & 0xFF];
     const ThreadRows<2> mine(sb_up, signs, row0, m0, rows);

@@ -2,8 +2,8 @@
 // their own), for the kernels that fuse a GEMM with its epilogue: head_loss_sm90.cu,
 // up_gelu_sm90.cu.
 //
-// A block is four warpgroups (512 threads) owning TILE_M = 256 rows, 64 a warpgroup;
-// it sweeps a weight matrix Wt[out, HIDDEN] in tiles of TILE_N rows. `wgmma.mma_async`
+// A block's warpgroups own 64 rows each (head_loss_sm90: four, TILE_M = 256 rows;
+// up_gelu_sm90: two, UP_ROWS = 128, so that two blocks share an SM); a block sweeps a weight matrix Wt[out, HIDDEN] in tiles of TILE_N rows. `wgmma.mma_async`
 // reads both operands straight from shared memory and runs asynchronously: each
 // warpgroup starts tile t + 1's products into a second set of accumulators, then runs
 // tile t's epilogue, so the tensor cores and the warps work at once (`sweep_async`).
@@ -24,7 +24,7 @@
 
 #define CORE_LBO 128           // bytes from one core matrix to the next along K
 #define CORE_SBO (8 * HIDDEN)  // bytes from one row group (8 rows) to the next
-#define SM90_THREADS (2 * TILE_M)  // four warpgroups of 64 rows
+#define SM90_THREADS (2 * TILE_M)  // head_loss_sm90's: four warpgroups of 64 rows
 
 // n rows of a K-contiguous int8 matrix into shared memory in the core-matrix layout
 // above, asynchronously: row r from source(r), zeros where that is null.
