@@ -84,14 +84,7 @@ KERNEL_FILES = (
 )
 # GEMMs fused with their epilogues on Hopper's warpgroup MMAs: a program of its own,
 # built for sm_90a (the one architecture with wgmma) where the device is an H100 or H200
-SM90_FILES = (
-    "common.cuh",
-    "tiles.cuh",
-    "wgmma.cuh",
-    "head_loss_sm90.cu",
-    "up_gelu_sm90.cu",
-    "o_residual_sm90.cu",
-)
+SM90_FILES = ("common.cuh", "tiles.cuh", "wgmma.cuh", "head_loss_sm90.cu", "up_gelu_sm90.cu")
 NT = 256  # threads of the row kernels
 ATT_SPLIT = 2  # attention_mix: threads per query, each accumulating 1/ATT_SPLIT of a head
 ATT_WARPS = 4  # attention_mma: at most this many warps a block, 16 queries a warp at a time
@@ -197,7 +190,6 @@ def kernel_defines(cfg: Config, tables) -> dict[str, int]:
         TILE_WARPS=TILE_WARPS,
         TILE_N=TILE_N,
         UP_ROWS=UP_ROWS,
-        O_GROUPS=O_GROUPS,
         EXP_MAX=lut0,
         EXP_LAST=last,
         EXP_COPIES=exp_copies(cfg, last),
@@ -267,37 +259,6 @@ def up_gelu_sm90_shared(cfg: Config, defines: dict[str, int]) -> int:
     tiles = (rows + 2 * TILE_N) * cfg.model.hidden_dim
     down = 8 if cfg.adaptive_noise.mode == 2 else 4
     return tiles + (8 + down) * tile_members(cfg, rows) * up + 255
-
-
-O_GROUPS = 2  # o_residual_sm90: warpgroups a block, each on its own 64 rows
-
-
-def o_residual_sm90_shared(cfg: Config) -> int:
-    """Bytes of dynamic shared memory of o_residual_sm90 (o_residual_sm90.cu's layout)."""
-    h = cfg.model.hidden_dim
-    return h * h + O_GROUPS * (64 * h + 2 * 64 * h + 36 * h)
-
-
-def o_term_bound(cfg: Config) -> int | None:
-    """The largest |(g + rank-1 term) >> shift_out| of the o-projection in modes 0 and 1."""
-    if cfg.adaptive_noise.mode == 2:
-        return None
-    h, q = cfg.model.hidden_dim, cfg.quantization
-    noise = cfg.noise.perturb_mask * (3 if cfg.noise.perturb_distribution == "three_sample" else 1)
-    term = (h * 127 * noise * noise) >> (q.fixed_point + q.sigma_shift)
-    return (h * 127 * 127 + term + 1) >> q.shift_out
-
-
-def o_residual_sm90_fits(cfg: Config, shared_optin: int) -> bool:
-    m, bound = cfg.model, o_term_bound(cfg)
-    return (
-        m.seq_len % 64 == 0
-        and m.hidden_dim % 64 == 0
-        and m.hidden_dim <= 256
-        and bound is not None
-        and bound < 2**15
-        and o_residual_sm90_shared(cfg) <= shared_optin
-    )
 
 
 def attention_shared(cfg: Config) -> int:
@@ -496,10 +457,6 @@ class GpuBackend:
         self.fused_up = self.hopper and up_sm90 <= optin
         if self.fused_up:
             self.dynamic_shared["up_gelu_sm90"] = up_sm90
-        self.fused_o = self.hopper and o_residual_sm90_fits(cfg, optin)
-        if self.fused_o:
-            self.dynamic_shared["o_residual_sm90"] = o_residual_sm90_shared(cfg)
-            self.sms = cp.cuda.Device().attributes["MultiProcessorCount"]
         # Attention on the tensor cores (attention.cu) where a head fills whole MMAs.
         self.tensor_attention = m.head_dim % 32 == 0 and attention_shared(cfg) <= optin
         if self.tensor_attention:
@@ -964,33 +921,8 @@ class GpuBackend:
             self._attention_mix(ctx, layer, self.tensor_attention)
         else:
             self._cached_attention(ctx, cache, start)
-        if self.fused_o and cache is None and ctx[4] == self.cfg.model.seq_len:
-            self._o_residual(ctx, layer, then)
-        else:
-            self._project(self._param("w_o", layer)[0], buf["y"], buf["g"], d, r, d)
-            self._residual(ctx, "w_o", layer, self.cfg.quantization.shift_out, then)
-
-    def _o_residual(self, ctx, layer, then: Norm):
-        buf, seeds, signs, nb, seq, r = ctx
-        w_o, (_, ov_out), (off_a, _) = self._param("w_o", layer)
-        self._launch(
-            "o_residual_sm90",
-            (min(-(-r // (64 * O_GROUPS)), self.sms),),
-            (128 * O_GROUPS,),
-            mixed=buf["y"],
-            w_o=w_o,
-            sb_in=buf["sbd"],
-            x=buf["x"],
-            seeds=seeds,
-            signs=signs,
-            ov_out=ov_out,
-            off_a=off_a,
-            shift=self.cfg.quantization.shift_out,
-            y=buf["y"],
-            sb_out=buf["sb"],
-            rows=r,
-            **self._norm_arguments(then),
-        )
+        self._project(self._param("w_o", layer)[0], buf["y"], buf["g"], d, r, d)
+        self._residual(ctx, "w_o", layer, self.cfg.quantization.shift_out, then)
 
     def _qkv_parts(self, ctx):
         buf, r, d = ctx[0], ctx[5], self.cfg.model.hidden_dim

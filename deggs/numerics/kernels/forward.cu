@@ -37,8 +37,73 @@ extern "C" __global__ void embed(const int* tokens, const u32* seeds, const int*
 
 // standard_norm with perturbed weight and bias, then up to three input dot products
 // sb[p][row] = sum_i (int)(y_i * b_i * factor_i) for the projections that read y. Its
-// per-member tables and its row (norm_tables, norm_row: common.cuh) are device
-// functions: residual_norm and o_residual_sm90 run them too.
+// per-member tables and its row are device functions: residual_norm runs them too.
+
+// The member's tables in s_norm (8 HIDDEN words): weight and bias with their noise, and
+// each input dot's noise and factors ([3][HIDDEN] each).
+__device__ __forceinline__ void norm_tables(int* s_norm, u32 seed, int sign, const i8* w, const i8* b,
+                                            const i8* ov_w, const i8* ov_b, u32 w_a, u32 w_b, u32 b_a,
+                                            u32 b_b, int ndots, const i8* ov0, const i8* ov1,
+                                            const i8* ov2, u32 off0, u32 off1, u32 off2) {
+    const i8* ovs[3] = {ov0, ov1, ov2};
+    const u32 offs[3] = {off0, off1, off2};
+    int* s_n = s_norm + 2 * HIDDEN;
+    float* s_f = (float*)(s_norm + 5 * HIDDEN);
+    // Loops over the dots run to 3 with a test, unrolled: runtime-indexed arrays would
+    // live in local memory, read and written for every element.
+    for (int f = threadIdx.x; f < HIDDEN; f += blockDim.x) {
+        s_norm[f] = w[f] + vector_noise(ov_w, seed, w_a, w_b, f, sign);
+        s_norm[HIDDEN + f] = b[f] + vector_noise(ov_b, seed, b_a, b_b, f, sign);
+#pragma unroll
+        for (int p = 0; p < 3; p++)
+            if (p < ndots) {
+                s_n[p * HIDDEN + f] = noise(seed + offs[p], f);
+                s_f[p * HIDDEN + f] = adaptive_factor(ovs[p], seed + offs[p], f);
+            }
+    }
+}
+
+// standard_norm of the row a warp holds (lane: features LANE + 32 i of xv) into yr, and
+// its NDOTS input dots into sb[p * rows + row].
+template <int NDOTS>
+__device__ __forceinline__ void norm_row_dots(const int* xv, i8* yr, int* sb, long row, int rows,
+                                              const int* s_norm) {
+    const int* s_n = s_norm + 2 * HIDDEN;
+    const float* s_f = (const float*)(s_norm + 5 * HIDDEN);
+    u32 s = 0;
+#pragma unroll
+    for (int i = 0; i < FPL; i++) s += (u32)abs(xv[i]);
+    int mean = (int)(warp_sum_u32(s) / HIDDEN);
+    if (mean == 0) mean = 1;
+    const float inverse = __frcp_rn(__int2float_rn(mean));
+    u32 dots[3] = {0u, 0u, 0u};
+#pragma unroll
+    for (int i = 0; i < FPL; i++) {
+        const int f = LANE + 32 * i;
+        const int v = clip8(divide(xv[i] * s_norm[f], mean, inverse) + s_norm[HIDDEN + f]);
+        yr[f] = (i8)v;
+#pragma unroll
+        for (int p = 0; p < NDOTS; p++)
+            dots[p] += (u32)scaled(v * s_n[p * HIDDEN + f], s_f[p * HIDDEN + f]);
+    }
+#pragma unroll
+    for (int p = 0; p < NDOTS; p++) {
+        const u32 total = warp_sum_u32(dots[p]);
+        if (LANE == 0) sb[(long)p * rows + row] = (int)total;
+    }
+}
+
+// The dot count as a constant of the row's code: with the runtime count in the
+// element loop, every element issued all three dots' instructions, predicated off.
+__device__ __forceinline__ void norm_row(const int* xv, i8* yr, int* sb, long row, int rows, int ndots,
+                                         const int* s_norm) {
+    switch (ndots) {
+        case 0: norm_row_dots<0>(xv, yr, sb, row, rows, s_norm); break;
+        case 1: norm_row_dots<1>(xv, yr, sb, row, rows, s_norm); break;
+        case 2: norm_row_dots<2>(xv, yr, sb, row, rows, s_norm); break;
+        default: norm_row_dots<3>(xv, yr, sb, row, rows, s_norm);
+    }
+}
 
 extern "C" __global__ void standard_norm(const i8* x, i8* y, const u32* seeds, const int* signs,
                                          const i8* w, const i8* b, const i8* ov_w, const i8* ov_b,
@@ -57,6 +122,13 @@ extern "C" __global__ void standard_norm(const i8* x, i8* y, const u32* seeds, c
         for (int i = 0; i < FPL; i++) xv[i] = x[row * HIDDEN + LANE + 32 * i];
         norm_row(xv, y + row * HIDDEN, sb, row, rows, ndots, s_norm);
     }
+}
+
+// Per-member output side of a projection: av[j] = (int)(a_j * factor_j).
+template <typename T>
+__device__ __forceinline__ void output_noise(T* av, int n, const i8* ov, u32 seed) {
+    for (int j = threadIdx.x; j < n; j += blockDim.x)
+        av[j] = (T)scaled(noise(seed, j), adaptive_factor(ov, seed, j));
 }
 
 // Q, K, V: rank-1 terms, RoPE on Q and K, max-abs normalisation of each.

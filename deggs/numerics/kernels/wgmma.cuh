@@ -27,12 +27,10 @@
 #define SM90_THREADS (2 * TILE_M)  // head_loss_sm90's: four warpgroups of 64 rows
 
 // n rows of a K-contiguous int8 matrix into shared memory in the core-matrix layout
-// above, asynchronously: row r from source(r), zeros where that is null; copied by
-// threads tid, tid + nthreads, ... (by default the block's).
+// above, asynchronously: row r from source(r), zeros where that is null.
 template <typename Source>
-__device__ __forceinline__ void rows_to_cores(i8* to, int n, Source source, int tid = threadIdx.x,
-                                              int nthreads = blockDim.x) {
-    for (int i = tid; i < n * TILE_PIECES; i += nthreads) {
+__device__ __forceinline__ void rows_to_cores(i8* to, int n, Source source) {
+    for (int i = threadIdx.x; i < n * TILE_PIECES; i += blockDim.x) {
         const int r = (i >> 3) / TILE_PIECES * 8 + (i & 7), piece = (i >> 3) % TILE_PIECES;
         const i8* row = source(r);
         if (row)
@@ -43,11 +41,8 @@ __device__ __forceinline__ void rows_to_cores(i8* to, int n, Source source, int 
 }
 
 // Rows [first, first + n) of the matrix `from`; rows at or past `valid` are zeros.
-__device__ __forceinline__ void rows_to_cores(i8* to, const i8* from, int first, int n, int valid,
-                                              int tid = threadIdx.x, int nthreads = blockDim.x) {
-    rows_to_cores(
-        to, n, [&](int r) { return first + r < valid ? from + (long)(first + r) * HIDDEN : nullptr; }, tid,
-        nthreads);
+__device__ __forceinline__ void rows_to_cores(i8* to, const i8* from, int first, int n, int valid) {
+    rows_to_cores(to, n, [&](int r) { return first + r < valid ? from + (long)(first + r) * HIDDEN : nullptr; });
 }
 
 // The shared-memory matrix descriptor of wgmma: start address, the two strides (all in
