@@ -3,10 +3,11 @@
 // up_gelu_sm90.cu.
 //
 // A block's warpgroups own 64 rows each (head_loss_sm90: four, TILE_M = 256 rows;
-// up_gelu_sm90: two, UP_ROWS = 128, so that two blocks share an SM); a block sweeps a weight matrix Wt[out, HIDDEN] in tiles of TILE_N rows. `wgmma.mma_async`
-// reads both operands straight from shared memory and runs asynchronously: each
-// warpgroup starts tile t + 1's products into a second set of accumulators, then runs
-// tile t's epilogue, so the tensor cores and the warps work at once (`sweep_async`).
+// up_gelu_sm90: two, UP_ROWS = 128, so that two blocks share an SM); a block sweeps a
+// weight matrix Wt[out, HIDDEN] in tiles of TILE_N rows. `wgmma.mma_async` reads both
+// operands straight from shared memory and runs asynchronously: each warpgroup starts
+// tile t + 1's products into a second set of accumulators, then runs tile t's epilogue,
+// so the tensor cores and the warps work at once (`sweep_async`).
 // That holds only if ptxas sees every product it waits for issued on every path: where
 // one is issued under a condition (the last tile's "next"), ptxas cannot tell at the loop
 // edge which accumulators are in flight and injects a wait after each product (its
