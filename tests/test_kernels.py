@@ -12,12 +12,14 @@ from deggs.numerics.gpu import (
     KERNEL_FILES,
     SM90_FILES,
     TILE_WARPS,
+    cached_cubin,
     choose_token_threads,
     exp_copies,
     exp_last,
     head_loss_layout,
     head_loss_shared,
     head_loss_sm90_shared,
+    kernel_cache_folder,
     kernel_defines,
     kernel_source,
     shared_memory,
@@ -131,6 +133,38 @@ def test_the_exp_table_head_loss_keeps_gives_every_lookup_the_same_entry(softmax
     assert copies == 32 or not fits(2 * copies)
     if not softmax:  # exp(-i / 6) * 2^18 rounds to 0 from i = 75: one copy a lane
         assert (last, copies) == (75, 32)
+
+
+def test_the_sm90a_program_is_compiled_once_and_a_damaged_copy_again(tmp_path):
+    compiles = []
+
+    def compile_program(payload=b"\x7fELF cubin of key a"):
+        compiles.append(payload)
+        return payload
+
+    folder = tmp_path / "kernel_cache"
+    assert cached_cubin(folder, "key a", compile_program) == b"\x7fELF cubin of key a"
+    assert cached_cubin(folder, "key a", compile_program) == b"\x7fELF cubin of key a"
+    assert len(compiles) == 1  # the second start read the file
+    (cached,) = folder.iterdir()  # one whole file, no partial one left beside it
+    for damage in (cached.read_bytes()[:-3], cached.read_bytes()[:-1] + b"?", b""):
+        cached.write_bytes(damage)  # cut short, a byte changed, empty
+        assert cached_cubin(folder, "key a", compile_program) == b"\x7fELF cubin of key a"
+    assert len(compiles) == 4
+    assert cached_cubin(folder, "key b", lambda: compile_program(b"other")) == b"other"
+    assert len(list(folder.iterdir())) == 2  # another key, another file
+    blocked = tmp_path / "a file, not a folder"
+    blocked.write_text("")
+    assert cached_cubin(blocked, "key a", compile_program) == b"\x7fELF cubin of key a"
+    assert len(compiles) == 6  # nothing could be kept there: compiled each time
+
+
+def test_the_kernel_cache_is_cupys(monkeypatch, tmp_path):
+    monkeypatch.setenv("CUPY_CACHE_DIR", str(tmp_path))
+    assert kernel_cache_folder() == tmp_path
+    monkeypatch.delenv("CUPY_CACHE_DIR")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert kernel_cache_folder() == tmp_path / ".cupy" / "kernel_cache"
 
 
 def test_the_integer_input_dot_of_modes_0_and_1_is_the_float_one():

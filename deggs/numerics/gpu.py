@@ -40,7 +40,10 @@ the token buffer on the device, so nothing returns to the host until the end.
 
 from __future__ import annotations
 
+import hashlib
+import logging
 import math
+import os
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -66,6 +69,8 @@ from .params import (
     param_slices,
 )
 from .sampling import SAMPLE_STRIDE, sampler_limits
+
+log = logging.getLogger(__name__)
 
 try:  # CuPy is optional: the backend is only usable where it imports and sees a GPU
     import cupy as cp
@@ -291,6 +296,47 @@ def supports(cfg: Config, shared_optin: int) -> list[str]:
     return problems
 
 
+def kernel_cache_folder() -> Path:
+    """CuPy's kernel cache folder, as its documentation names it: $CUPY_CACHE_DIR, else
+    ~/.cupy/kernel_cache."""
+    folder = os.environ.get("CUPY_CACHE_DIR")
+    return Path(folder) if folder else Path.home() / ".cupy" / "kernel_cache"
+
+
+CUBIN_MAGIC = b"deggs cubin 1\n"  # then the payload's SHA-256, then the payload
+
+
+def cached_cubin(folder: Path, key: str, compile_program: Callable[[], bytes]) -> bytes:
+    """The compiled program for `key` from `folder` (a file named by the key's SHA-256),
+    else compile_program()'s, stored there for the next start. A cached file that is
+    not whole (a start killed while writing, a bad disk) is compiled again; a folder
+    that cannot be written only costs the next start a compile."""
+    path = folder / f"deggs-{hashlib.sha256(key.encode()).hexdigest()}.cubin"
+    try:
+        data = path.read_bytes()
+        digest, payload = (
+            data[len(CUBIN_MAGIC) : len(CUBIN_MAGIC) + 32],
+            data[len(CUBIN_MAGIC) + 32 :],
+        )
+        if data.startswith(CUBIN_MAGIC) and hashlib.sha256(payload).digest() == digest:
+            return payload
+    except OSError:
+        pass
+    payload = compile_program()
+    part = None
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=path.name, delete=False) as f:
+            part = Path(f.name)
+            f.write(CUBIN_MAGIC + hashlib.sha256(payload).digest() + payload)
+        os.replace(part, path)  # whole or not there, for the starts beside this one
+    except OSError as e:
+        if part is not None:
+            part.unlink(missing_ok=True)
+        log.warning("could not keep the compiled sm_90a program in %s: %s", folder, e)
+    return payload
+
+
 def gpu_available() -> bool:
     """CuPy imports and sees at least one CUDA device."""
     if cp is None:
@@ -498,20 +544,31 @@ class GpuBackend:
     def _compile_sm90a(self) -> dict:
         """The typed launchers of the SM90_FILES program, compiled by NVRTC for sm_90a
         (CuPy's RawModule always names plain sm_90, which has no wgmma) with the options
-        RawModule gives the main program."""
+        RawModule gives the main program; kept in CuPy's kernel cache folder, as CuPy
+        keeps the main program, so that only the first start compiles it."""
         from cupy_backends.cuda.libs import nvrtc
 
         source = kernel_source(SM90_FILES)
-        program = nvrtc.createProgram(source, "deggs_sm90a.cu", [], [])
-        try:
+        options = [
+            *self.options,
+            "-ftz=true",
+            "--device-as-default-execution-space",
+            "-arch=sm_90a",
+        ]
+
+        def compile_program() -> bytes:
+            program = nvrtc.createProgram(source, "deggs_sm90a.cu", [], [])
             try:
-                flags = ["-ftz=true", "--device-as-default-execution-space", "-arch=sm_90a"]
-                nvrtc.compileProgram(program, [*self.options, *flags])
-            except nvrtc.NVRTCError as e:
-                raise RuntimeError(f"{e}: {nvrtc.getProgramLog(program)}") from e
-            cubin = nvrtc.getCUBIN(program)
-        finally:
-            nvrtc.destroyProgram(program)
+                try:
+                    nvrtc.compileProgram(program, options)
+                except nvrtc.NVRTCError as e:
+                    raise RuntimeError(f"{e}: {nvrtc.getProgramLog(program)}") from e
+                return nvrtc.getCUBIN(program)
+            finally:
+                nvrtc.destroyProgram(program)
+
+        key = "\n".join([source, *options, f"nvrtc {nvrtc.getVersion()}"])
+        cubin = cached_cubin(kernel_cache_folder(), key, compile_program)
         with tempfile.TemporaryDirectory() as folder:
             path = Path(folder) / "deggs_sm90a.cubin"
             path.write_bytes(cubin)
