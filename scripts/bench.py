@@ -3,7 +3,7 @@
 
     python scripts/bench.py [--config PATH | --golden NAME.npz] [--backend cpu|gpu]
         [--members N] [--repeats R] [--updates U] [--steps S] [--batch B] [--profile]
-        [--replay N]
+        [--head KERNEL] [--qkv KERNEL] [--replay N]
 
 After one warm-up of each (compilation, caches, graph capture) it times R forward runs
 of N members (default: a whole chunk on the GPU, 64 members on the CPU), U updates from
@@ -82,6 +82,11 @@ def device_name(backend):
     help="GPU: the fused head's kernel (default: the one chosen for the device)",
 )
 @click.option(
+    "--qkv",
+    type=click.Choice(["qkv_rope", "qkv_rope_sm90"]),
+    help="GPU: q, k, v by cuBLAS + qkv_rope or the fused kernel (default: the device's choice)",
+)
+@click.option(
     "--replay",
     "replay_steps",
     type=click.IntRange(min=0),
@@ -99,6 +104,7 @@ def main(
     batch,
     profile,
     head,
+    qkv,
     replay_steps,
 ):
     if golden:
@@ -116,6 +122,10 @@ def main(
         if head not in engine.kernels:
             raise click.UsageError(f"{head} is not built for this device")
         engine.head_kernel = head
+    if qkv:
+        if qkv not in engine.kernels:
+            raise click.UsageError(f"{qkv} is not built for this device")
+        engine.fused_qkv = qkv == "qkv_rope_sm90"
     trainer = Trainer(engine)
     init_s = time.perf_counter() - start
     rng = np.random.default_rng(0)
@@ -171,6 +181,7 @@ def main(
         record.update(
             batch=engine.batch,
             head=engine.head_kernel if engine.fused else "cuBLAS + sequence_loss",
+            qkv="qkv_rope_sm90" if engine.fused_qkv else "cuBLAS + qkv_rope",
             graph=engine.graph is not None,
             graph_error=engine.graph_error,
         )

@@ -141,7 +141,6 @@ def check_standard_norm(b):
 def check_qkv_rope(b):
     g = b.ints(-(2**20), 2**20, (b.m, b.t, 3, b.d))
     sb = b.ints(-(2**18), 2**18, (3, b.m, b.t))
-    positions = np.arange(b.t)
 
     def setup():
         b.put("g", g)
@@ -151,18 +150,49 @@ def check_qkv_rope(b):
         b.gpu._qkv(b.ctx, 0, 0)
 
     def reference():
-        out = []
-        for i, name in enumerate(("w_q", "w_k", "w_v")):
-            v = projection_terms(b, name, 0, g[:, :, i].astype(np.int64), sb[i], b.d)
-            if i < 2:
-                v = model.rope(b.cfg, b.tables, v, positions)
-            out.append(model.max_abs_normalize(v))
-        return np.stack(out)
+        return qkv_rope_reference(b, g.astype(np.int64), sb)
 
     def result():
         return b.get("qkv", (3, b.m, b.t, b.d), np.int64)
 
     return setup, launch, reference, result, g.nbytes + sb.nbytes + 3 * b.rows * b.d
+
+
+def qkv_rope_reference(b, g, sb):
+    """RoPE'd, max-abs normalised q, k, v ([3, member, position, hidden]) from the
+    projections g [member, position, 3, hidden] and their input dots sb [3, ...]."""
+    out = []
+    for i, name in enumerate(("w_q", "w_k", "w_v")):
+        v = projection_terms(b, name, 0, g[:, :, i], sb[i], b.d)
+        if i < 2:
+            v = model.rope(b.cfg, b.tables, v, np.arange(b.t))
+        out.append(model.max_abs_normalize(v))
+    return np.stack(out)
+
+
+def check_qkv_rope_sm90(b):
+    """The q, k, v GEMM and qkv_rope fused on warpgroup MMAs (qkv_rope_sm90.cu): no
+    products in memory. Built on H100s and H200s only."""
+    y = b.ints(-127, 128, (b.m, b.t, b.d), np.int8)
+    sb = b.ints(-(2**18), 2**18, (3, b.m, b.t))
+    layer = b.weights.at(0)
+
+    def setup():
+        b.put("y", y)
+        b.put("sb", sb)
+
+    def launch():
+        b.gpu._qkv_rope_sm90(b.ctx, 0)
+
+    def reference():
+        g = [model.int_matmul(y, layer.arrays(name)[0]) for name in ("w_q", "w_k", "w_v")]
+        return qkv_rope_reference(b, np.stack(g, 2), sb)
+
+    def result():
+        return b.get("qkv", (3, b.m, b.t, b.d), np.int64)
+
+    moved = y.nbytes + sb.nbytes + 3 * b.d * b.d + 3 * b.rows * b.d
+    return setup, launch, reference, result, moved
 
 
 def check_attention_mix(b, tensor_cores=False):

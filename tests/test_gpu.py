@@ -64,16 +64,17 @@ def test_gpu_matches_cpu_on_random_configs(case):
     cfg = small_config(rng, **SWITCHES[case])
     data = rng.integers(0, cfg.model.vocab_size, 5000).astype(cfg.token_dtype)
     # case 2 runs the unfused head (cuBLAS logits, then sequence_loss), case 1 the
-    # portable kernels; the others Hopper's (head_loss_sm90, up_gelu_sm90) on an H100
-    # or H200
+    # portable kernels; the others Hopper's (head_loss_sm90, up_gelu_sm90, and
+    # qkv_rope_sm90 at hidden 64) on an H100 or H200
     batch = int(rng.integers(3, 40))
     cpu = CpuBackend(cfg, threads=1)
     gpu = GpuBackend_(cfg, batch=batch, fused=case != 2, hopper=False if case == 1 else None)
     assert gpu.fused == (case != 2)
     if case in (0, 3) and cp_device_is_hopper():
         assert gpu.head_kernel == "head_loss_sm90" and gpu.fused_up
+        assert gpu.fused_qkv == (cfg.model.hidden_dim == 64)
     if case == 1:
-        assert gpu.head_kernel == "head_loss" and not gpu.fused_up
+        assert gpu.head_kernel == "head_loss" and not gpu.fused_up and not gpu.fused_qkv
     compare_states(cpu, gpu)
     seed = cfg.training.seed
     members = np.arange(cfg.training.population_size)
@@ -264,7 +265,7 @@ def test_every_kernel_matches_its_cpu_reference(switches, too_big):
     )
     lines = []
     ok = harness.run(cfg, sorted(harness.CHECKS), members=6, repeats=1, out=lines.append)
-    assert ok and len(lines) == len(harness.CHECKS) == 15, "\n".join(lines)
+    assert ok and len(lines) == len(harness.CHECKS) == 16, "\n".join(lines)
     built = not any("not built" in line for line in lines)
     assert built == cp_device_is_hopper(), "\n".join(lines)  # the *_sm90 on Hopper
     skipped = [line.split()[0] for line in lines if "do not fit" in line]

@@ -20,11 +20,12 @@ Structure (kernels/*.cu, KERNEL_FILES; kernels named after model.py's functions)
   the kernel's tiles do not fit the device's shared memory); and attention, whose
   scores and mix run on the int8 tensor cores (attention.cu) where head_dim is a
   multiple of 32 (elsewhere attention_mix, on CUDA cores);
-- on an H100 or H200, the head and the MLP's up-projection run on Hopper's warpgroup
-  MMAs (SM90_FILES, compiled apart for sm_90a), the next tile's products during this
-  tile's epilogue: head_loss_sm90, and up_gelu_sm90 (the up-projection with mlp_up, so
-  no int32 product of it is written) where their tiles fit; `hopper=False` keeps the
-  portable kernels;
+- on an H100 or H200, the head, the MLP's up-projection and q, k, v run on Hopper's
+  warpgroup MMAs (SM90_FILES, compiled apart for sm_90a): head_loss_sm90 and
+  up_gelu_sm90 (the up-projection with mlp_up) with the next tile's products during
+  this tile's epilogue, qkv_rope_sm90 (the three projections with qkv_rope, a row's
+  products whole in registers), so no int32 product of theirs is written, where their
+  tiles fit; `hopper=False` keeps the portable kernels;
 - the update builds, per matrix, the pairs' noise as int8 matrices [index, pair] (the
   output side times the ternary fitness) and gets every vote with one int8 GEMM, then
   runs the quantised AdamW step and the overlay update in elementwise kernels. The whole
@@ -89,7 +90,14 @@ KERNEL_FILES = (
 )
 # GEMMs fused with their epilogues on Hopper's warpgroup MMAs: a program of its own,
 # built for sm_90a (the one architecture with wgmma) where the device is an H100 or H200
-SM90_FILES = ("common.cuh", "tiles.cuh", "wgmma.cuh", "head_loss_sm90.cu", "up_gelu_sm90.cu")
+SM90_FILES = (
+    "common.cuh",
+    "tiles.cuh",
+    "wgmma.cuh",
+    "head_loss_sm90.cu",
+    "up_gelu_sm90.cu",
+    "qkv_rope_sm90.cu",
+)
 NT = 256  # threads of the row kernels
 ATT_SPLIT = 2  # attention_mix: threads per query, each accumulating 1/ATT_SPLIT of a head
 ATT_WARPS = 4  # attention_mma: at most this many warps a block, 16 queries a warp at a time
@@ -264,6 +272,22 @@ def up_gelu_sm90_shared(cfg: Config, defines: dict[str, int]) -> int:
     tiles = (rows + 2 * TILE_N) * cfg.model.hidden_dim
     down = 8 if cfg.adaptive_noise.mode == 2 else 4
     return tiles + (8 + down) * tile_members(cfg, rows) * up + 255
+
+
+QKV_ROWS = 64  # qkv_rope_sm90: rows a block, one warpgroup
+
+
+def qkv_rope_sm90_shared(cfg: Config) -> int | None:
+    """Bytes of dynamic shared memory of qkv_rope_sm90 (qkv_rope_sm90.cu's layout): the
+    block's rows, one of the q, k, v matrices, the output rows staged (padded by 16
+    bytes), the output noise of q, k and v for each member; None where the kernel cannot
+    run the config: a row's products stay in registers, HIDDEN / 2 a thread, in whole
+    tiles."""
+    d = cfg.model.hidden_dim
+    if d % TILE_N or d > 256:
+        return None
+    rows = QKV_ROWS
+    return rows * d + d * d + rows * (d + 16) + 3 * av_bytes(cfg) * tile_members(cfg, rows) * d
 
 
 def attention_shared(cfg: Config) -> int:
@@ -503,6 +527,11 @@ class GpuBackend:
         self.fused_up = self.hopper and up_sm90 <= optin
         if self.fused_up:
             self.dynamic_shared["up_gelu_sm90"] = up_sm90
+        # The q, k, v GEMM fused with qkv_rope (qkv_rope_sm90.cu) likewise.
+        qkv_sm90 = qkv_rope_sm90_shared(cfg)
+        self.fused_qkv = self.hopper and qkv_sm90 is not None and qkv_sm90 <= optin
+        if self.fused_qkv and qkv_sm90 is not None:
+            self.dynamic_shared["qkv_rope_sm90"] = qkv_sm90
         # Attention on the tensor cores (attention.cu) where a head fills whole MMAs.
         self.tensor_attention = m.head_dim % 32 == 0 and attention_shared(cfg) <= optin
         if self.tensor_attention:
@@ -804,14 +833,15 @@ class GpuBackend:
         for layer in layers:
             norms += [Norm("ln_1", "ln_1_bias", layer, QKV), mlp_norm(LAYER_MLP, layer)]
         norms.append(Norm("ln_f", "ln_f_bias", None, ("embedding",)))
-        # up_gelu_sm90 takes rows as whole members of seq_len positions: training's
-        fused_up = self.fused_up and cache is None and ctx[4] == self.cfg.model.seq_len
+        # the sm90 kernels take rows as whole members of seq_len positions: training's
+        whole = cache is None and ctx[4] == self.cfg.model.seq_len
+        fused_up = self.fused_up and whole
         self._embed(ctx, tok)
         self._norm(ctx, norms[0])
         self._mlp(ctx, EMB_MLP, None, norms[1], fused_up)
         for layer in layers:
             layer_cache = None if cache is None else cache[layer]
-            self._attention(ctx, layer, norms[2 * layer + 2], layer_cache, start)
+            self._attention(ctx, layer, norms[2 * layer + 2], layer_cache, start, whole)
             self._mlp(ctx, LAYER_MLP, layer, norms[2 * layer + 3], fused_up)
 
     def _embed(self, ctx, tok):
@@ -967,13 +997,17 @@ class GpuBackend:
             **self._norm_arguments(then),
         )
 
-    def _attention(self, ctx, layer, then: Norm, cache=None, start=0):
+    def _attention(self, ctx, layer, then: Norm, cache=None, start=0, whole=False):
         """Attention block of ctx's rows (its norm already in buf["y"]), then the norm
         `then`; with a cache (keys, values of the layer, flat [position, hidden]), the
-        rows are positions start.. of one unperturbed sequence."""
+        rows are positions start.. of one unperturbed sequence. `whole`: the rows are
+        whole members (training), so q, k and v may come from qkv_rope_sm90."""
         buf, r, d = ctx[0], ctx[5], self.cfg.model.hidden_dim
-        self._project(self.d_qkv[layer], buf["y"], buf["g"], 3 * d, r, d)  # [rows, q | k | v]
-        self._qkv(ctx, layer, start)
+        if self.fused_qkv and whole:
+            self._qkv_rope_sm90(ctx, layer)
+        else:
+            self._project(self.d_qkv[layer], buf["y"], buf["g"], 3 * d, r, d)  # [rows, q | k | v]
+            self._qkv(ctx, layer, start)
         if cache is None:
             self._attention_mix(ctx, layer, self.tensor_attention)
         else:
@@ -986,31 +1020,43 @@ class GpuBackend:
         qkv = buf["qkv"]
         return qkv[: r * d], qkv[r * d : 2 * r * d], qkv[2 * r * d : 3 * r * d]
 
-    def _qkv(self, ctx, layer, start=0):
-        """buf["g"] ([rows, q | k | v]) -> RoPE'd, normalised q, k, v in buf["qkv"]."""
-        buf, seeds, signs, nb, seq, r = ctx
+    def _qkv_arguments(self, ctx, layer) -> dict:
+        """qkv_rope's per-member parameters (the output noise of q, k and v), shared by
+        qkv_rope and qkv_rope_sm90."""
+        buf, seeds, signs = ctx[:3]
         (_, (_, ov_q), (q_a, _)), (_, (_, ov_k), (k_a, _)), (_, (_, ov_v), (v_a, _)) = (
             self._param(w, layer) for w in QKV
         )
+        return dict(
+            sb=buf["sb"], out=buf["qkv"], seeds=seeds, signs=signs, ov_q=ov_q, ov_k=ov_k,
+            ov_v=ov_v, q_a=q_a, k_a=k_a, v_a=v_a, rows=ctx[5],
+        )  # fmt: skip
+
+    def _qkv(self, ctx, layer, start=0):
+        """buf["g"] ([rows, q | k | v]) -> RoPE'd, normalised q, k, v in buf["qkv"]."""
         rope = self.d_rope[start * self.cfg.model.head_dim :]
         self._launch(
             "qkv_rope",
-            (nb,),
+            (ctx[3],),
             (self.nt,),
-            g=buf["g"],
-            sb=buf["sb"],
-            out=buf["qkv"],
-            seeds=seeds,
-            signs=signs,
-            ov_q=ov_q,
-            ov_k=ov_k,
-            ov_v=ov_v,
-            q_a=q_a,
-            k_a=k_a,
-            v_a=v_a,
+            g=ctx[0]["g"],
             rope_tab=rope,
-            seq=seq,
-            rows=r,
+            seq=ctx[4],
+            **self._qkv_arguments(ctx, layer),
+        )
+
+    def _qkv_rope_sm90(self, ctx, layer):
+        """qkv_rope of the q, k, v projections of buf["y"] (their input dots in buf["sb"])
+        without writing them: the GEMM and qkv_rope in one kernel (qkv_rope_sm90.cu); the
+        rows are whole members, from position 0."""
+        self._launch(
+            "qkv_rope_sm90",
+            (-(-ctx[5] // QKV_ROWS),),
+            (2 * QKV_ROWS,),  # a warpgroup of 128 threads for 64 rows
+            y=ctx[0]["y"],
+            w_qkv=self.d_qkv[layer],
+            rope_tab=self.d_rope,
+            **self._qkv_arguments(ctx, layer),
         )
 
     def _attention_mix(self, ctx, layer, tensor_cores=False):

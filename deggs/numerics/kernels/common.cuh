@@ -226,6 +226,15 @@ __device__ __forceinline__ int quad_max(int v) {
 #define WARP (threadIdx.x >> 5)
 #define NWARPS (blockDim.x >> 5)
 
+// max_abs_normalize's float32 steps: the scale of a row whose largest magnitude is
+// peak, and one value scaled, rounded half away from zero and clipped.
+__device__ __forceinline__ float peak_scale(int peak) {
+    return __fdiv_rn(127.0f, __fadd_rn(__int2float_rn(peak), 1e-9f));
+}
+__device__ __forceinline__ int scaled_byte(int v, float scale) {
+    return (int)fmaxf(-127.0f, fminf(127.0f, roundf(__fmul_rn(__int2float_rn(v), scale))));
+}
+
 // max_abs_normalize of the row a warp holds in v[FPL] into out, and into kept[FPL] too
 // when given (for a kernel that goes on with the row).
 __device__ __forceinline__ void max_abs_normalize_warp(const int* v, i8* out, int* kept = nullptr) {
@@ -233,11 +242,10 @@ __device__ __forceinline__ void max_abs_normalize_warp(const int* v, i8* out, in
 #pragma unroll
     for (int i = 0; i < FPL; i++) peak = max(peak, abs(v[i]));
     peak = warp_max_int(peak);
-    const float scale = __fdiv_rn(127.0f, __fadd_rn(__int2float_rn(peak), 1e-9f));
+    const float scale = peak_scale(peak);
 #pragma unroll
     for (int i = 0; i < FPL; i++) {
-        const float r = roundf(__fmul_rn(__int2float_rn(v[i]), scale));
-        const int n = (int)fmaxf(-127.0f, fminf(127.0f, r));
+        const int n = scaled_byte(v[i], scale);
         out[LANE + 32 * i] = (i8)n;
         if (kept) kept[i] = n;
     }
@@ -248,12 +256,8 @@ __device__ __forceinline__ void max_abs_normalize_row(const int* buf, i8* out) {
     int peak = 0;
     for (int f = threadIdx.x; f < HIDDEN; f += blockDim.x) peak = max(peak, abs(buf[f]));
     peak = block_max_int(peak);
-    float scale = __fdiv_rn(127.0f, __fadd_rn(__int2float_rn(peak), 1e-9f));
-    for (int f = threadIdx.x; f < HIDDEN; f += blockDim.x) {
-        float r = roundf(__fmul_rn(__int2float_rn(buf[f]), scale));
-        int v = (int)fmaxf(-127.0f, fminf(127.0f, r));
-        out[f] = (i8)v;
-    }
+    const float scale = peak_scale(peak);
+    for (int f = threadIdx.x; f < HIDDEN; f += blockDim.x) out[f] = (i8)scaled_byte(buf[f], scale);
 }
 
 // --- int8 tensor cores (sm_80+): D = A B + D, m16n8k32, A row-major, B column-major ----

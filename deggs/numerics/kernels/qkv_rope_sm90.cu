@@ -1,0 +1,140 @@
+// qkv_rope_sm90: a layer's q, k and v projections fused with qkv_rope (forward.cu) on
+// Hopper's warpgroup MMAs (wgmma.cuh).
+//
+// Unfused, cuBLAS writes rows x 3 HIDDEN int32 products and qkv_rope reads them back:
+// 16 GB a layer at the default chunk, the time of both. Here a block is one warpgroup
+// of 64 rows. For each of q, k and v in turn it holds that matrix (HIDDEN rows of Wt)
+// in shared memory and takes the products of all HIDDEN columns at once: max-abs
+// normalisation needs the whole row, so the warpgroup's 64 x HIDDEN products stay in
+// its registers (HIDDEN / 2 a thread, hence HIDDEN <= 256, a multiple of TILE_N). Then
+// qkv_rope's arithmetic runs on them there: the rank-1 term, RoPE on q and k (a thread
+// holds whole feature pairs: accumulator columns 2 tig and 2 tig + 1), the row's peak
+// over its quad, and the scaled bytes go through shared memory to 16-byte stores. The
+// next matrix is copied in during the epilogue; two blocks share an SM, so one's
+// products run during the other's epilogue.
+//
+// Integer sums are exact in any order; every other operation is qkv_rope's, in its
+// order (scripts/kernels.py checks both against the CPU). gpu.qkv_rope_sm90_shared()
+// sizes the dynamic shared memory from the layout below.
+
+// A compile-time flag for a generic lambda: its code is built once with, once without.
+template <bool B>
+struct Flag {
+    static constexpr bool value = B;
+};
+
+#define QKV_ROWS 64                   // rows a block: one warpgroup
+#define QKV_TILES (HIDDEN / TILE_N)   // wgmma tiles of a matrix's columns
+#define QKV_MEMBERS MEMBERS_OF(QKV_ROWS)
+#define QKV_LD (HIDDEN + 16)          // bytes a row of the staged output: with the
+                                      // padding, a warp's 2-byte stores hit distinct banks
+
+extern "C" __global__ void __launch_bounds__(128, 2)
+qkv_rope_sm90(const i8* y, const i8* w_qkv, const int* sb, i8* out, const u32* seeds,
+              const int* signs, const i8* ov_q, const i8* ov_k, const i8* ov_v, u32 q_a,
+              u32 k_a, u32 v_a, const int* rope_tab, int rows) {
+#if HIDDEN % TILE_N == 0 && HIDDEN <= 256  // else gpu.py never launches it
+    extern __shared__ __align__(128) unsigned char qkv_rope_sm90_shared[];
+    i8* s_a = (i8*)qkv_rope_sm90_shared;     // QKV_ROWS rows, core matrices
+    i8* s_w = s_a + QKV_ROWS * HIDDEN;       // one matrix, HIDDEN rows, core matrices
+    i8* s_out = s_w + HIDDEN * HIDDEN;       // [QKV_ROWS][QKV_LD]: the bytes before they go out
+    av_t* s_av = (av_t*)(s_out + QKV_ROWS * QKV_LD);  // [3][QKV_MEMBERS][HIDDEN] output noise
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, tig = lane & 3;
+    const int row0 = blockIdx.x * QKV_ROWS;
+    const int m0 = row0 / SEQ;
+    const int n_members = (min(row0 + QKV_ROWS, rows) - 1) / SEQ - m0 + 1;
+
+    // q's matrix, then k's and v's each into the same place once the last products are done
+    auto load_matrix = [&](int p) {
+        rows_to_cores(s_w, w_qkv, p * HIDDEN, HIDDEN, 3 * HIDDEN);
+        copy_commit();
+    };
+    rows_to_cores(s_a, y, row0, QKV_ROWS, rows);
+    load_matrix(0);  // one group with the rows
+    for (int i = threadIdx.x; i < 3 * QKV_MEMBERS * HIDDEN; i += blockDim.x) {
+        const int p = i / (QKV_MEMBERS * HIDDEN), member = i / HIDDEN % QKV_MEMBERS, j = i % HIDDEN;
+        if (member >= n_members) continue;
+        const u32 seed = seeds[m0 + member] + (p == 0 ? q_a : p == 1 ? k_a : v_a);
+        s_av[i] = (av_t)scaled(noise(seed, j), adaptive_factor(p == 0 ? ov_q : p == 1 ? ov_k : ov_v, seed, j));
+    }
+    // The thread's two rows' positions, for RoPE
+    int position[2];
+#pragma unroll
+    for (int s = 0; s < 2; s++) position[s] = (row0 + 16 * warp + 8 * s + g) % SEQ;
+    const int2* rope = (const int2*)rope_tab;  // [position][HEAD_DIM / 2]: cos, sin
+
+#pragma unroll 1
+    for (int p = 0; p < 3; p++) {
+        copy_wait<0>();
+        fence_async_shared();
+        __syncthreads();  // the matrix (and the first time the rows and tables) in place
+        int d[QKV_TILES][32];
+#pragma unroll
+        for (int c = 0; c < QKV_TILES; c++) tile_product_async(d[c], s_a, s_w + c * TILE_N * HIDDEN);
+#pragma unroll
+        for (int c = 0; c < QKV_TILES; c++) tile_product_wait(d[c]);
+        __syncthreads();  // every warp's products are done reading the matrix
+        if (p < 2) load_matrix(p + 1);
+
+        // The rank-1 term of every product, then RoPE on q and k, and the rows' peaks.
+        // d[c][4 j + 2 s + e]: row 16 warp + 8 s + g, column TILE_N c + 8 j + 2 tig + e.
+        const ThreadRows<2> mine(sb + p * rows, signs, row0, m0, rows);
+        const av_t* av = s_av + p * QKV_MEMBERS * HIDDEN;
+        int peak[2] = {0, 0};
+        auto finish = [&](auto with_rope) {
+#pragma unroll
+            for (int c = 0; c < QKV_TILES; c++)
+#pragma unroll
+                for (int j = 0; j < 8; j++)
+#pragma unroll
+                    for (int s = 0; s < 2; s++) {
+                        const int col = TILE_N * c + 8 * j + 2 * tig;
+                        int even = wrap_add(d[c][4 * j + 2 * s], rank1_term(mine.sbs[s], mine.of(av, s, col, HIDDEN)));
+                        int odd = wrap_add(d[c][4 * j + 2 * s + 1], rank1_term(mine.sbs[s], mine.of(av, s, col + 1, HIDDEN)));
+                        if constexpr (decltype(with_rope)::value) {
+                            const int2 cs = rope[position[s] * (HEAD_DIM / 2) + (col % HEAD_DIM) / 2];
+                            const long long half = 1ll << (ROPE_SHIFT - 1);
+                            const long long e = (long long)even * cs.x - (long long)odd * cs.y + half;
+                            const long long o = (long long)even * cs.y + (long long)odd * cs.x + half;
+                            even = (int)(e >> ROPE_SHIFT);
+                            odd = (int)(o >> ROPE_SHIFT);
+                        }
+                        d[c][4 * j + 2 * s] = even;
+                        d[c][4 * j + 2 * s + 1] = odd;
+                        peak[s] = max(peak[s], max(abs(even), abs(odd)));
+                    }
+        };
+        if (p < 2)
+            finish(Flag<true>());
+        else
+            finish(Flag<false>());
+
+        // max_abs_normalize of each row (its quad shares the peak), staged as bytes
+        i8* out_p = out + (long)p * rows * HIDDEN;
+#pragma unroll
+        for (int s = 0; s < 2; s++) {
+            const float scale = peak_scale(quad_max(peak[s]));
+            unsigned char* staged = (unsigned char*)s_out + (16 * warp + 8 * s + g) * QKV_LD + 2 * tig;
+#pragma unroll
+            for (int c = 0; c < QKV_TILES; c++)
+#pragma unroll
+                for (int j = 0; j < 8; j++) {
+                    const u32 lo = (unsigned char)scaled_byte(d[c][4 * j + 2 * s], scale);
+                    const u32 hi = (unsigned char)scaled_byte(d[c][4 * j + 2 * s + 1], scale);
+                    *(unsigned short*)(staged + TILE_N * c + 8 * j) = (unsigned short)(lo | hi << 8);
+                }
+        }
+        __syncwarp();  // a warp stages and stores its own 16 rows
+        for (int i = lane; i < 16 * (HIDDEN / 16); i += 32) {
+            const int r = i / (HIDDEN / 16), piece = i % (HIDDEN / 16);
+            const long row = row0 + 16 * warp + r;
+            if (row < rows)
+                *(int4*)(out_p + row * HIDDEN + 16 * piece) = *(const int4*)(s_out + (16 * warp + r) * QKV_LD + 16 * piece);
+        }
+        __syncwarp();  // before the next matrix's bytes are staged
+    }
+#else
+    __trap();
+#endif
+}
