@@ -122,9 +122,9 @@ def main(
         if head not in engine.kernels:
             raise click.UsageError(f"{head} is not built for this device")
         engine.head_kernel = head
+    if qkv == "qkv_rope_sm90" and not engine.fused_qkv:
+        raise click.UsageError("qkv_rope_sm90 does not run this config on this device")
     if qkv:
-        if qkv not in engine.kernels:
-            raise click.UsageError(f"{qkv} is not built for this device")
         engine.fused_qkv = qkv == "qkv_rope_sm90"
     trainer = Trainer(engine)
     init_s = time.perf_counter() - start

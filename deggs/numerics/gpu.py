@@ -614,6 +614,8 @@ class GpuBackend:
         # GEMM projects all three; the table's names keep views of their parts.
         self.d_qkv = cp.stack([self.dp[k] for k in QKV], axis=1)
         self.dp.update({k: self.d_qkv[:, i] for i, k in enumerate(QKV)})
+        self.d_qkv_cores = cp.empty_like(self.d_qkv) if self.fused_qkv else None
+        self._qkv_to_cores()
         self.dov = {k: cp.asarray(np.ascontiguousarray(v, np.int8)) for k, v in overlays.items()}
         if state is None:
             state = OptimizerState.zeros(self.cfg)
@@ -627,6 +629,18 @@ class GpuBackend:
             k: cp.asarray(to_device_layout(k, np.asarray(state.acc[k], np.float32))) for k in shapes
         }
         self.graph = None  # the captured update points at the old arrays
+
+    def _qkv_to_cores(self):
+        """qkv_rope_sm90 copies each of q, k, v whole into shared memory in wgmma's
+        core-matrix layout (wgmma.cuh: 8 rows x 16 bytes, 128 contiguous bytes each); the
+        matrices are kept in that order on the device too, so that the copy is contiguous.
+        Made again after every update (in the captured graph: no allocation)."""
+        if self.d_qkv_cores is None:
+            return
+        layers, three, d = self.d_qkv.shape[:3]
+        cores = self.d_qkv_cores.reshape(layers, three * d // 8, d // 16, 8, 16)
+        rows = self.d_qkv.reshape(layers, three * d // 8, 8, d // 16, 16)
+        cp.copyto(cores, rows.transpose(0, 1, 3, 2, 4))
 
     @property
     def params(self) -> dict:
@@ -1054,7 +1068,7 @@ class GpuBackend:
             (-(-ctx[5] // QKV_ROWS),),
             (2 * QKV_ROWS,),  # a warpgroup of 128 threads for 64 rows
             y=ctx[0]["y"],
-            w_qkv=self.d_qkv[layer],
+            w_cores=self.d_qkv_cores[layer],
             rope_tab=self.d_rope,
             **self._qkv_arguments(ctx, layer),
         )
@@ -1268,6 +1282,7 @@ class GpuBackend:
             else:
                 cp.cuda.runtime.memsetAsync(U["rows"].data.ptr, 0, U["rows"].nbytes, stream)
                 cp.cuda.runtime.memsetAsync(U["cols"].data.ptr, 0, U["cols"].nbytes, stream)
+        self._qkv_to_cores()
 
     def _optimizer_step(
         self, w, m, v, acc, vote, n, inner, lr_buf, lr_index, row_counts, col_counts, changes

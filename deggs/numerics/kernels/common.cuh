@@ -231,8 +231,15 @@ __device__ __forceinline__ int quad_max(int v) {
 __device__ __forceinline__ float peak_scale(int peak) {
     return __fdiv_rn(127.0f, __fadd_rn(__int2float_rn(peak), 1e-9f));
 }
-__device__ __forceinline__ int scaled_byte(int v, float scale) {
-    return (int)fmaxf(-127.0f, fminf(127.0f, roundf(__fmul_rn(__int2float_rn(v), scale))));
+__device__ __forceinline__ float scaled_rounded(int v, float scale) {
+    return fmaxf(-127.0f, fminf(127.0f, roundf(__fmul_rn(__int2float_rn(v), scale))));
+}
+__device__ __forceinline__ int scaled_byte(int v, float scale) { return (int)scaled_rounded(v, scale); }
+// The same byte in the low 8 bits of a word, with no float-to-int conversion (a quarter-rate
+// instruction): r + 1.5 x 2^23 is exact for a whole |r| <= 127 and holds r's two's complement
+// in its low mantissa bits.
+__device__ __forceinline__ u32 scaled_byte_bits(int v, float scale) {
+    return __float_as_uint(__fadd_rn(scaled_rounded(v, scale), 12582912.0f));
 }
 
 // max_abs_normalize of the row a warp holds in v[FPL] into out, and into kept[FPL] too

@@ -24,13 +24,14 @@ struct Flag {
 };
 
 #define QKV_ROWS 64                   // rows a block: one warpgroup
+#define QKV_THREADS 128
 #define QKV_TILES (HIDDEN / TILE_N)   // wgmma tiles of a matrix's columns
 #define QKV_MEMBERS MEMBERS_OF(QKV_ROWS)
 #define QKV_LD (HIDDEN + 16)          // bytes a row of the staged output: with the
                                       // padding, a warp's 2-byte stores hit distinct banks
 
-extern "C" __global__ void __launch_bounds__(128, 2)
-qkv_rope_sm90(const i8* y, const i8* w_qkv, const int* sb, i8* out, const u32* seeds,
+extern "C" __global__ void __launch_bounds__(QKV_THREADS, 2)
+qkv_rope_sm90(const i8* y, const i8* w_cores, const int* sb, i8* out, const u32* seeds,
               const int* signs, const i8* ov_q, const i8* ov_k, const i8* ov_v, u32 q_a,
               u32 k_a, u32 v_a, const int* rope_tab, int rows) {
 #if HIDDEN % TILE_N == 0 && HIDDEN <= 256  // else gpu.py never launches it
@@ -45,9 +46,16 @@ qkv_rope_sm90(const i8* y, const i8* w_qkv, const int* sb, i8* out, const u32* s
     const int m0 = row0 / SEQ;
     const int n_members = (min(row0 + QKV_ROWS, rows) - 1) / SEQ - m0 + 1;
 
-    // q's matrix, then k's and v's each into the same place once the last products are done
+    // q's matrix, then k's and v's each into the same place once the last products are
+    // done. w_cores holds them in the core-matrix layout (gpu.py's _qkv_to_cores): one
+    // contiguous copy, 16 bytes a thread at a time.
     auto load_matrix = [&](int p) {
-        rows_to_cores(s_w, w_qkv, p * HIDDEN, HIDDEN, 3 * HIDDEN);
+        const i8* from = w_cores + p * HIDDEN * HIDDEN;
+#pragma unroll
+        for (int i = 0; i < HIDDEN * HIDDEN / 16 / QKV_THREADS; i++) {
+            const int at = 16 * (QKV_THREADS * i + threadIdx.x);
+            copy16_async(s_w + at, from + at);
+        }
         copy_commit();
     };
     rows_to_cores(s_a, y, row0, QKV_ROWS, rows);
@@ -120,9 +128,9 @@ qkv_rope_sm90(const i8* y, const i8* w_qkv, const int* sb, i8* out, const u32* s
             for (int c = 0; c < QKV_TILES; c++)
 #pragma unroll
                 for (int j = 0; j < 8; j++) {
-                    const u32 lo = (unsigned char)scaled_byte(d[c][4 * j + 2 * s], scale);
-                    const u32 hi = (unsigned char)scaled_byte(d[c][4 * j + 2 * s + 1], scale);
-                    *(unsigned short*)(staged + TILE_N * c + 8 * j) = (unsigned short)(lo | hi << 8);
+                    const u32 lo = scaled_byte_bits(d[c][4 * j + 2 * s], scale);
+                    const u32 hi = scaled_byte_bits(d[c][4 * j + 2 * s + 1], scale);
+                    *(unsigned short*)(staged + TILE_N * c + 8 * j) = (unsigned short)__byte_perm(lo, hi, 0x40);
                 }
         }
         __syncwarp();  // a warp stages and stores its own 16 rows
