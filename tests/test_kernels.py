@@ -14,6 +14,7 @@ from deggs.numerics.gpu import (
     TILE_WARPS,
     cached_cubin,
     choose_token_threads,
+    core_pieces,
     exp_copies,
     exp_last,
     head_loss_layout,
@@ -26,6 +27,7 @@ from deggs.numerics.gpu import (
     shared_memory,
     supports,
     up_gelu_sm90_shared,
+    up_order,
 )
 from deggs.numerics.launch import Kernel, signatures
 from deggs.numerics.model import cdiv, f32, fma32, make_tables, trunc_i32
@@ -65,7 +67,7 @@ def test_every_kernel_signature_is_read_from_the_shipped_sources():
     assert set(kernels) == set(
         re.findall(r'extern "C" __global__ void (?:__launch_bounds__\(.*?\)\s*)?(\w+)\(', source)
     )
-    assert len(kernels) == 15 and set(shared_memory(Config())) <= set(kernels)
+    assert len(kernels) == 16 and set(shared_memory(Config())) <= set(kernels)
     embed = {p.name: p for p in kernels["embed"]}
     assert embed["tokens"].pointer and embed["tokens"].dtype is np.int32
     assert not embed["off_emb"].pointer and embed["off_emb"].dtype is np.uint32
@@ -123,6 +125,48 @@ def test_qkv_rope_sm90_fits_two_blocks_an_sm_at_the_default_and_gives_way_when_t
     assert qkv_rope_sm90_shared(config(hidden_dim=512)) is None
     assert qkv_rope_sm90_shared(config(hidden_dim=96, head_dim=32)) is None
     assert qkv_rope_sm90_shared(config(hidden_dim=64, head_dim=32)) is not None
+
+
+def rows_to_cores(matrix, order):
+    """wgmma.cuh's rows_to_cores in NumPy: shared-memory piece i (16 bytes) is piece
+    (i / 8) % (k / 16) of row order[(i / 8) / (k / 16) * 8 + i % 8], zeros for row -1."""
+    k = matrix.shape[1]
+    pieces, out = k // 16, []
+    for i in range(len(order) * pieces):
+        row = order[(i >> 3) // pieces * 8 + (i & 7)]
+        piece = (i >> 3) % pieces
+        out.append(np.zeros(16, np.int8) if row < 0 else matrix[row, 16 * piece : 16 * piece + 16])
+    return np.concatenate(out)
+
+
+@pytest.mark.parametrize("k", [64, 256])
+def test_the_core_copies_hold_what_the_kernels_gathered(k):
+    """gpu.core_pieces: the copy an sm90 kernel now copies into shared memory as it is
+    holds the bytes its tiles gathered row by row before (rows_to_cores)."""
+    rng = np.random.default_rng(k)
+    matrix = rng.integers(-127, 128, (4 * k, k)).astype(np.int8)
+
+    def copy(order):
+        index = core_pieces(order, k)
+        pieces = matrix.reshape(-1, 16)
+        return np.where(index[:, None] < 0, 0, pieces[np.maximum(index, 0)]).ravel()
+
+    padded = np.where(np.arange(4 * k + 64) < 4 * k - 8, np.arange(4 * k + 64), -1)  # a head
+    for order in (np.arange(3 * k), up_order(k), padded):
+        assert np.array_equal(copy(order), rows_to_cores(matrix, order))
+
+
+@pytest.mark.parametrize("hidden", [64, 256, 1024])
+def test_up_order_is_up_gelu_sm90s_up_column(hidden):
+    order = up_order(hidden)
+    assert np.array_equal(np.sort(order), np.arange(4 * hidden))  # each row once
+    groups = 16  # UP_GROUPS: TILE_N / 4
+
+    def up_column(tile, col):  # up_gelu_sm90.cu's
+        nt, tig, jj = col >> 3, (col >> 1) & 3, col & 1
+        return tile * groups + (nt >> 1) * 4 + tig + ((nt & 1) * 2 + jj) * hidden
+
+    assert [up_column(t, c) for t in range(hidden // groups) for c in range(64)] == list(order)
 
 
 @pytest.mark.parametrize(

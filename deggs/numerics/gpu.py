@@ -290,6 +290,41 @@ def qkv_rope_sm90_shared(cfg: Config) -> int | None:
     return rows * d + d * d + rows * (d + 16) + 3 * av_bytes(cfg) * tile_members(cfg, rows) * d
 
 
+def core_pieces(order: np.ndarray, k: int) -> np.ndarray:
+    """The copy of a matrix that an sm90 kernel copies into shared memory as it is: its
+    row i is row order[i] of a K-contiguous int8 matrix with k bytes a row (-1: zeros),
+    each group of 8 rows in wgmma's core-matrix layout (wgmma.cuh: 8 rows x 16 bytes,
+    128 contiguous bytes, along K, then the next group). For each 16-byte piece of the
+    copy, the index of the source's piece, or -1."""
+    pieces = k // 16
+    group, piece, r = np.meshgrid(
+        np.arange(len(order) // 8), np.arange(pieces), np.arange(8), indexing="ij"
+    )
+    row = np.asarray(order)[group * 8 + r]
+    return np.where(row < 0, -1, row * pieces + piece).astype(np.int32).ravel()
+
+
+def up_order(hidden: int) -> np.ndarray:
+    """The up matrix's rows in up_gelu_sm90's tiles (up_gelu_sm90.cu's up_column): tile
+    t's column 8 nt + 2 tig + jj is row t UP_GROUPS + 4 (nt / 2) + tig + (2 (nt % 2) +
+    jj) hidden, UP_GROUPS = TILE_N / 4."""
+    col = np.arange(TILE_N)
+    nt, tig, jj = col >> 3, (col >> 1) & 3, col & 1
+    groups = TILE_N // 4
+    tile = (nt >> 1) * 4 + tig + ((nt & 1) * 2 + jj) * hidden
+    return np.concatenate([t * groups + tile for t in range(hidden // groups)])
+
+
+@dataclass(frozen=True)
+class CoreCopy:
+    """A weight matrix kept on the device in the order an sm90 kernel copies it into
+    shared memory (core_pieces), made again from `source` after every update."""
+
+    source: object  # the matrix, K-contiguous int8 on the device
+    index: object  # core_pieces, on the device
+    out: object
+
+
 def attention_shared(cfg: Config) -> int:
     """Bytes of dynamic shared memory of attention_mma (attention.cu's layout): the
     head's keys and its transposed values (keys padded to 32), the exp table, o's input
@@ -614,8 +649,6 @@ class GpuBackend:
         # GEMM projects all three; the table's names keep views of their parts.
         self.d_qkv = cp.stack([self.dp[k] for k in QKV], axis=1)
         self.dp.update({k: self.d_qkv[:, i] for i, k in enumerate(QKV)})
-        self.d_qkv_cores = cp.empty_like(self.d_qkv) if self.fused_qkv else None
-        self._qkv_to_cores()
         self.dov = {k: cp.asarray(np.ascontiguousarray(v, np.int8)) for k, v in overlays.items()}
         if state is None:
             state = OptimizerState.zeros(self.cfg)
@@ -629,18 +662,48 @@ class GpuBackend:
             k: cp.asarray(to_device_layout(k, np.asarray(state.acc[k], np.float32))) for k in shapes
         }
         self.graph = None  # the captured update points at the old arrays
+        self.cores = self._core_copies()
+        cp.cuda.Device().synchronize()  # the arrays above came on the current stream
+        with self.stream:  # where the forward reads them
+            self._copy_cores()
 
-    def _qkv_to_cores(self):
-        """qkv_rope_sm90 copies each of q, k, v whole into shared memory in wgmma's
-        core-matrix layout (wgmma.cuh: 8 rows x 16 bytes, 128 contiguous bytes each); the
-        matrices are kept in that order on the device too, so that the copy is contiguous.
-        Made again after every update (in the captured graph: no allocation)."""
-        if self.d_qkv_cores is None:
-            return
-        layers, three, d = self.d_qkv.shape[:3]
-        cores = self.d_qkv_cores.reshape(layers, three * d // 8, d // 16, 8, 16)
-        rows = self.d_qkv.reshape(layers, three * d // 8, 8, d // 16, 16)
-        cp.copyto(cores, rows.transpose(0, 1, 3, 2, 4))
+    def _core_copies(self) -> dict:
+        """The sm90 kernels' copies of their matrices (CoreCopy), by (name, layer): so a
+        tile's copy into shared memory is contiguous, with no index arithmetic (it was a
+        third of qkv_rope_sm90's instructions). Only for the kernels this device runs."""
+        m = self.cfg.model
+        d, layers = m.hidden_dim, range(m.n_layers)
+        copies = {}
+
+        def keep(key, source, order):
+            index = cp.asarray(core_pieces(order, d))
+            copies[key] = CoreCopy(source, index, cp.empty(16 * index.size, cp.int8))
+
+        if self.fused_qkv:
+            for layer in layers:
+                keep(("qkv", layer), self.d_qkv[layer], np.arange(3 * d))
+        if self.fused_up:
+            for name, at in [(EMB_MLP.up, None), *((LAYER_MLP.up, layer) for layer in layers)]:
+                keep((name, at), self._param(name, at)[0], up_order(d))
+        if "head_loss_sm90" in self.dynamic_shared:
+            rows = np.arange(-(-m.vocab_size // TILE_N) * TILE_N)  # whole tiles
+            keep(("embedding", None), self.dp["embedding"], np.where(rows < m.vocab_size, rows, -1))
+        return copies
+
+    def _copy_cores(self):
+        """Make the sm90 kernels' copies again (after the weights changed; no allocation,
+        so the update's graph captures it)."""
+        for copy in self.cores.values():
+            n = copy.index.size
+            self._launch(
+                "gather_pieces",
+                (-(-n // 256),),
+                (256,),
+                source=copy.source,
+                index=copy.index,
+                out=copy.out,
+                n=n,
+            )
 
     @property
     def params(self) -> dict:
@@ -971,7 +1034,7 @@ class GpuBackend:
             (-(-r // self.defines["UP_ROWS"]),),
             (2 * self.defines["UP_ROWS"],),  # a warpgroup of 128 threads for 64 rows
             y=buf["y"],
-            w_up=self._param(names.up, layer)[0],
+            up_cores=self.cores[names.up, layer].out,
             sb_up=buf["sb"],
             hidden=buf["hidden"],
             sb_down=buf["sbd"],
@@ -1068,7 +1131,7 @@ class GpuBackend:
             (-(-ctx[5] // QKV_ROWS),),
             (2 * QKV_ROWS,),  # a warpgroup of 128 threads for 64 rows
             y=ctx[0]["y"],
-            w_cores=self.d_qkv_cores[layer],
+            w_cores=self.cores["qkv", layer].out,
             rope_tab=self.d_rope,
             **self._qkv_arguments(ctx, layer),
         )
@@ -1146,13 +1209,16 @@ class GpuBackend:
         buf, seeds, signs, nb, seq, r = ctx
         table, (_, ov_vocab), (off_a, _) = self._param("embedding")
         kernel = kernel or self.head_kernel
+        sm90 = kernel == "head_loss_sm90"
+        cores = dict(emb_cores=self.cores["embedding", None].out) if sm90 else {}
         loss.fill(0)  # rows add to their member's loss
         self._launch(
             kernel,
             (-(-r // self.tile_rows),),
-            (self.tile_rows * (2 if kernel == "head_loss_sm90" else 1),),  # sm90: warpgroups
+            (self.tile_rows * (2 if sm90 else 1),),  # sm90: warpgroups
             y=buf["y"],
             emb_t=table,
+            **cores,
             sb=buf["sb"],
             tokens=tok,
             seeds=seeds,
@@ -1282,7 +1348,7 @@ class GpuBackend:
             else:
                 cp.cuda.runtime.memsetAsync(U["rows"].data.ptr, 0, U["rows"].nbytes, stream)
                 cp.cuda.runtime.memsetAsync(U["cols"].data.ptr, 0, U["cols"].nbytes, stream)
-        self._qkv_to_cores()
+        self._copy_cores()
 
     def _optimizer_step(
         self, w, m, v, acc, vote, n, inner, lr_buf, lr_index, row_counts, col_counts, changes

@@ -7,9 +7,9 @@
 // A block of 256 rows reads the embedding table from L2 once per pass, as head_loss.
 
 extern "C" __global__ void __launch_bounds__(SM90_THREADS, 1)
-head_loss_sm90(const i8* y, const i8* emb_t, const int* sb, const int* tokens, const u32* seeds,
-               const int* signs, const i8* ov_out, u32 off_a, const int* exp_tab, u32* loss,
-               int rows) {
+head_loss_sm90(const i8* y, const i8* emb_t, const i8* emb_cores, const int* sb, const int* tokens,
+               const u32* seeds, const int* signs, const i8* ov_out, u32 off_a, const int* exp_tab,
+               u32* loss, int rows) {
     extern __shared__ __align__(128) unsigned char head_loss_sm90_shared[];
     i8* s_a = (i8*)head_loss_sm90_shared;          // TILE_M rows, core matrices
     i8* s_b = s_a + TILE_M * HIDDEN;               // [2] tiles of TILE_N rows, core matrices
@@ -35,8 +35,10 @@ head_loss_sm90(const i8* y, const i8* emb_t, const int* sb, const int* tokens, c
     // tile by tile, its global loads stalled every warp between two tiles' products.
     tile_noise(s_av, n_members, m0, seeds, off_a, ov_out, 0, VOCAB, TILES * TILE_N);
 
+    // emb_cores: the embedding in the core-matrix layout, zero rows past the vocabulary
     auto load_tile = [&](int tile) {
-        rows_to_cores(s_b + (tile & 1) * TILE_N * HIDDEN, emb_t, tile * TILE_N, TILE_N, VOCAB);
+        cores_to_shared<SM90_THREADS, TILE_N * HIDDEN>(s_b + (tile & 1) * TILE_N * HIDDEN,
+                                                       emb_cores + (long)tile * TILE_N * HIDDEN);
         copy_commit();
     };
 

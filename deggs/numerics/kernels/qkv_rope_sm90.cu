@@ -47,15 +47,9 @@ qkv_rope_sm90(const i8* y, const i8* w_cores, const int* sb, i8* out, const u32*
     const int n_members = (min(row0 + QKV_ROWS, rows) - 1) / SEQ - m0 + 1;
 
     // q's matrix, then k's and v's each into the same place once the last products are
-    // done. w_cores holds them in the core-matrix layout (gpu.py's _qkv_to_cores): one
-    // contiguous copy, 16 bytes a thread at a time.
+    // done (w_cores: the three in the core-matrix layout)
     auto load_matrix = [&](int p) {
-        const i8* from = w_cores + p * HIDDEN * HIDDEN;
-#pragma unroll
-        for (int i = 0; i < HIDDEN * HIDDEN / 16 / QKV_THREADS; i++) {
-            const int at = 16 * (QKV_THREADS * i + threadIdx.x);
-            copy16_async(s_w + at, from + at);
-        }
+        cores_to_shared<QKV_THREADS, HIDDEN * HIDDEN>(s_w, w_cores + p * HIDDEN * HIDDEN);
         copy_commit();
     };
     rows_to_cores(s_a, y, row0, QKV_ROWS, rows);

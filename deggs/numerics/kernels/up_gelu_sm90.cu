@@ -43,7 +43,7 @@ __device__ __forceinline__ u32 transpose_bytes(u32 w, int tig) {
 #define UP_MEMBERS MEMBERS_OF(UP_ROWS)
 
 extern "C" __global__ void __launch_bounds__(UP_THREADS, 512 / UP_THREADS)
-up_gelu_sm90(const i8* y, const i8* w_up, const int* sb_up, const u32* seeds, const int* signs,
+up_gelu_sm90(const i8* y, const i8* up_cores, const int* sb_up, const u32* seeds, const int* signs,
              const i8* bias_up, const i8* ov_up_out, const i8* ov_bias_up, const i8* ov_down_in,
              u32 up_a, u32 bias_a, u32 bias_b, u32 down_b, const int* gelu, i8* hidden,
              int* sb_down, int rows) {
@@ -82,10 +82,11 @@ up_gelu_sm90(const i8* y, const i8* w_up, const int* sb_up, const u32* seeds, co
         s_down[i] = down_entry(ov_down_in, seed + down_b, j);
     }
 
-    // One tile's gathered matrix rows, asynchronously.
+    // One tile's gathered matrix rows, asynchronously: up_cores holds the up matrix's
+    // rows in the tiles' order (up_column), in the core-matrix layout.
     auto load_tile = [&](int tile) {
-        rows_to_cores(s_b + (tile & 1) * TILE_N * HIDDEN, TILE_N,
-                      [&](int r) { return w_up + (long)up_column(tile, r) * HIDDEN; });
+        cores_to_shared<UP_THREADS, TILE_N * HIDDEN>(s_b + (tile & 1) * TILE_N * HIDDEN,
+                                                     up_cores + tile * TILE_N * HIDDEN);
         copy_commit();
     };
 

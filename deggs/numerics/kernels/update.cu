@@ -69,6 +69,14 @@ extern "C" __global__ void optimizer_step(i8* w, float* m, float* v, float* acc,
     }
 }
 
+// Piece i of out = piece index[i] of source, in 16-byte pieces, zeros where the index is
+// -1: the copies of matrices that the sm90 kernels keep in their shared memory's order
+// (gpu.py's CoreCopy). n pieces; both arrays 16-byte aligned.
+extern "C" __global__ void gather_pieces(const i8* source, const int* index, i8* out, int n) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) ((int4*)out)[i] = index[i] < 0 ? make_int4(0, 0, 0, 0) : ((const int4*)source)[index[i]];
+}
+
 // Grow an overlay entry by inc where its weights changed, shrink by dec elsewhere; clears the counts.
 extern "C" __global__ void update_overlay(i8* ov, int* counts, int n, int inc, int dec) {
     const int i = blockIdx.x * blockDim.x + threadIdx.x;

@@ -46,6 +46,24 @@ __device__ __forceinline__ void rows_to_cores(i8* to, const i8* from, int first,
     rows_to_cores(to, n, [&](int r) { return first + r < valid ? from + (long)(first + r) * HIDDEN : nullptr; });
 }
 
+// BYTES of a matrix kept on the device in the core-matrix layout already (gpu.py's
+// CoreCopy: in the order the kernel's tiles take its rows) into shared memory,
+// asynchronously: plain 16-byte copies, a block of THREADS threads. Gathering each piece
+// from a row-major matrix (rows_to_cores) took a third of qkv_rope_sm90's instructions.
+template <int THREADS, int BYTES>
+__device__ __forceinline__ void cores_to_shared(i8* to, const i8* from) {
+    constexpr int PIECES = BYTES / 16;
+#pragma unroll
+    for (int i = 0; i < PIECES / THREADS; i++) {
+        const int at = 16 * (THREADS * i + threadIdx.x);
+        copy16_async(to + at, from + at);
+    }
+    if (PIECES % THREADS != 0 && PIECES / THREADS * THREADS + threadIdx.x < PIECES) {
+        const int at = 16 * (PIECES / THREADS * THREADS + threadIdx.x);
+        copy16_async(to + at, from + at);
+    }
+}
+
 // The shared-memory matrix descriptor of wgmma: start address, the two strides (all in
 // 16-byte units), no swizzle (bits 62-63 zero).
 __device__ __forceinline__ u64 core_descriptor(const i8* at) {
