@@ -105,6 +105,7 @@ LOSS_REGISTER_LPT = 16  # sequence_loss keeps up to this many logits a thread in
 # (more read the logits twice: 20% faster at vocab 8192, where 32 in registers cut occupancy)
 TILE_WARPS, TILE_N = 8, 64  # head_loss: 32 rows a warp, vocabulary tiles of 64 embedding rows
 UP_ROWS = 128  # up_gelu_sm90: rows a block, two warpgroups of 64
+QKV_ROWS = 64  # qkv_rope_sm90: rows a block, one warpgroup
 # Shared memory of an H100's or H200's SM (228 KiB): head_loss's copies of the exp table
 # fill what two blocks an SM leave of it, each block reserving 1 KiB
 SM_SHARED, BLOCK_RESERVED = 233472, 1024
@@ -203,6 +204,7 @@ def kernel_defines(cfg: Config, tables) -> dict[str, int]:
         TILE_WARPS=TILE_WARPS,
         TILE_N=TILE_N,
         UP_ROWS=UP_ROWS,
+        QKV_ROWS=QKV_ROWS,
         EXP_MAX=lut0,
         EXP_LAST=last,
         EXP_COPIES=exp_copies(cfg, last),
@@ -272,9 +274,6 @@ def up_gelu_sm90_shared(cfg: Config, defines: dict[str, int]) -> int:
     tiles = (rows + 2 * TILE_N) * cfg.model.hidden_dim
     down = 8 if cfg.adaptive_noise.mode == 2 else 4
     return tiles + (8 + down) * tile_members(cfg, rows) * up + 255
-
-
-QKV_ROWS = 64  # qkv_rope_sm90: rows a block, one warpgroup
 
 
 def qkv_rope_sm90_shared(cfg: Config) -> int | None:

@@ -23,8 +23,8 @@ struct Flag {
     static constexpr bool value = B;
 };
 
-#define QKV_ROWS 64                   // rows a block: one warpgroup
-#define QKV_THREADS 128
+// QKV_ROWS (gpu.py): rows a block, one warpgroup's
+#define QKV_THREADS (2 * QKV_ROWS)
 #define QKV_TILES (HIDDEN / TILE_N)   // wgmma tiles of a matrix's columns
 #define QKV_MEMBERS MEMBERS_OF(QKV_ROWS)
 #define QKV_LD (HIDDEN + 16)          // bytes a row of the staged output: with the
@@ -35,6 +35,7 @@ qkv_rope_sm90(const i8* y, const i8* w_cores, const int* sb, i8* out, const u32*
               const int* signs, const i8* ov_q, const i8* ov_k, const i8* ov_v, u32 q_a,
               u32 k_a, u32 v_a, const int* rope_tab, int rows) {
 #if HIDDEN % TILE_N == 0 && HIDDEN <= 256  // else gpu.py never launches it
+    static_assert(QKV_ROWS == 64, "a block is one warpgroup of 64 rows");
     extern __shared__ __align__(128) unsigned char qkv_rope_sm90_shared[];
     i8* s_a = (i8*)qkv_rope_sm90_shared;     // QKV_ROWS rows, core matrices
     i8* s_w = s_a + QKV_ROWS * HIDDEN;       // one matrix, HIDDEN rows, core matrices
