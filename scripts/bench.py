@@ -114,16 +114,19 @@ def main(
     else:
         cfg = load_config(config_path)
     m, t = cfg.model, cfg.training
+    if (head or qkv) and backend != "gpu":
+        raise click.UsageError("--head and --qkv choose kernels of --backend gpu")
     start = time.perf_counter()
     engine = make_backend(cfg, backend)
     if batch:
         engine.batch = batch  # members per forward sub-batch
-    if head:
-        if head not in engine.kernels:
-            raise click.UsageError(f"{head} is not built for this device")
-        engine.head_kernel = head
+    # a Hopper kernel only where the backend chose it (built, and its tiles fit)
+    if head == "head_loss_sm90" and engine.head_kernel != head:
+        raise click.UsageError("head_loss_sm90 does not run this config on this device")
     if qkv == "qkv_rope_sm90" and not engine.fused_qkv:
         raise click.UsageError("qkv_rope_sm90 does not run this config on this device")
+    if head:
+        engine.head_kernel = head
     if qkv:
         engine.fused_qkv = qkv == "qkv_rope_sm90"
     trainer = Trainer(engine)

@@ -308,3 +308,13 @@ def test_scaling_report_compares_step_times_and_losses():
         scaling.report(runs, [2, 4, 2])
     with pytest.raises(ValueError, match="a: 6 steps recorded"):
         scaling.summary("a", one[:6])
+
+
+@pytest.mark.parametrize("choice", [["--qkv", "qkv_rope"], ["--head", "head_loss"]])
+def test_bench_refuses_gpu_kernel_choices_for_the_cpu_backend(choice):
+    import bench
+    from click.testing import CliRunner
+
+    result = CliRunner().invoke(bench.main, ["--config", str(ROOT / "config.toml"), *choice])
+    assert result.exit_code == 2
+    assert "--head and --qkv choose kernels of --backend gpu" in result.output

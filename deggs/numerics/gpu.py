@@ -663,30 +663,33 @@ class GpuBackend:
         self.graph = None  # the captured update points at the old arrays
         self.cores = self._core_copies()
         cp.cuda.Device().synchronize()  # the arrays above came on the current stream
-        with self.stream:  # where the forward reads them
+        with self.stream:
             self._copy_cores()
+        self.stream.synchronize()  # before any stream reads them
 
     def _core_copies(self) -> dict:
         """The sm90 kernels' copies of their matrices (CoreCopy), by (name, layer): so a
-        tile's copy into shared memory is contiguous, with no index arithmetic (it was a
-        third of qkv_rope_sm90's instructions). Only for the kernels this device runs."""
+        tile's copy into shared memory is contiguous, with no index arithmetic (that was a
+        third of qkv_rope_sm90's warp samples). Only for the kernels this device runs."""
         m = self.cfg.model
         d, layers = m.hidden_dim, range(m.n_layers)
         copies = {}
 
-        def keep(key, source, order):
-            index = cp.asarray(core_pieces(order, d))
+        def keep(key, source, index):
             copies[key] = CoreCopy(source, index, cp.empty(16 * index.size, cp.int8))
 
         if self.fused_qkv:
+            index = cp.asarray(core_pieces(np.arange(3 * d), d))
             for layer in layers:
-                keep(("qkv", layer), self.d_qkv[layer], np.arange(3 * d))
+                keep(("qkv", layer), self.d_qkv[layer], index)
         if self.fused_up:
+            index = cp.asarray(core_pieces(up_order(d), d))
             for name, at in [(EMB_MLP.up, None), *((LAYER_MLP.up, layer) for layer in layers)]:
-                keep((name, at), self._param(name, at)[0], up_order(d))
+                keep((name, at), self._param(name, at)[0], index)
         if "head_loss_sm90" in self.dynamic_shared:
             rows = np.arange(-(-m.vocab_size // TILE_N) * TILE_N)  # whole tiles
-            keep(("embedding", None), self.dp["embedding"], np.where(rows < m.vocab_size, rows, -1))
+            order = np.where(rows < m.vocab_size, rows, -1)
+            keep(("embedding", None), self.dp["embedding"], cp.asarray(core_pieces(order, d)))
         return copies
 
     def _copy_cores(self):

@@ -10,8 +10,9 @@
 // qkv_rope's arithmetic runs on them there: the rank-1 term, RoPE on q and k (a thread
 // holds whole feature pairs: accumulator columns 2 tig and 2 tig + 1), the row's peak
 // over its quad, and the scaled bytes go through shared memory to 16-byte stores. The
-// next matrix is copied in during the epilogue; two blocks share an SM, so one's
-// products run during the other's epilogue.
+// next matrix is copied in during the epilogue; two blocks share an SM (at the
+// default; at short seq_len the noise tables of a block's many members can leave room
+// for one), so one's products run during the other's epilogue.
 //
 // Integer sums are exact in any order; every other operation is qkv_rope's, in its
 // order (scripts/kernels.py checks both against the CPU). gpu.qkv_rope_sm90_shared()

@@ -1,9 +1,10 @@
 // Warpgroup MMAs on Hopper (sm_90a only: gpu.py compiles SM90_FILES as a program of
 // their own), for the kernels that fuse a GEMM with its epilogue: head_loss_sm90.cu,
-// up_gelu_sm90.cu.
+// up_gelu_sm90.cu, qkv_rope_sm90.cu.
 //
 // A block's warpgroups own 64 rows each (head_loss_sm90: four, TILE_M = 256 rows;
-// up_gelu_sm90: two, UP_ROWS = 128, so that two blocks share an SM); a block sweeps a
+// up_gelu_sm90: two, UP_ROWS = 128, so that two blocks share an SM; qkv_rope_sm90: one,
+// which takes a whole matrix's products at once and does not sweep); a block sweeps a
 // weight matrix Wt[out, HIDDEN] in tiles of TILE_N rows. `wgmma.mma_async` reads both
 // operands straight from shared memory and runs asynchronously: each warpgroup starts
 // tile t + 1's products into a second set of accumulators, then runs tile t's epilogue,
@@ -14,7 +15,7 @@
 // message C7517; tests/test_kernels.py fails on it). So the product after the last tile
 // is issued anyway, into accumulators that are then dropped.
 //
-// The rows and two tiles sit in shared memory in wgmma's K-major layout without
+// The rows and the tiles sit in shared memory in wgmma's K-major layout without
 // swizzle: "core matrices" of 8 rows x 16 bytes, 128 contiguous bytes each, the core
 // matrix of row group r / 8 and bytes k / 16 at ((r / 8) * HIDDEN / 16 + k / 16) * 128.
 // Copying 16-byte pieces in that order makes the shared address 16 x the piece's index.
@@ -49,7 +50,7 @@ __device__ __forceinline__ void rows_to_cores(i8* to, const i8* from, int first,
 // BYTES of a matrix kept on the device in the core-matrix layout already (gpu.py's
 // CoreCopy: in the order the kernel's tiles take its rows) into shared memory,
 // asynchronously: plain 16-byte copies, a block of THREADS threads. Gathering each piece
-// from a row-major matrix (rows_to_cores) took a third of qkv_rope_sm90's instructions.
+// from a row-major matrix (rows_to_cores) took a third of qkv_rope_sm90's warp samples.
 template <int THREADS, int BYTES>
 __device__ __forceinline__ void cores_to_shared(i8* to, const i8* from) {
     constexpr int PIECES = BYTES / 16;
