@@ -28,23 +28,17 @@
 #define CORE_SBO (8 * HIDDEN)  // bytes from one row group (8 rows) to the next
 #define SM90_THREADS (2 * TILE_M)  // head_loss_sm90's: four warpgroups of 64 rows
 
-// n rows of a K-contiguous int8 matrix into shared memory in the core-matrix layout
-// above, asynchronously: row r from source(r), zeros where that is null.
-template <typename Source>
-__device__ __forceinline__ void rows_to_cores(i8* to, int n, Source source) {
+// Rows [first, first + n) of a K-contiguous int8 matrix into shared memory in the
+// core-matrix layout above, asynchronously; rows at or past `valid` are zeros (the
+// activation rows: the weights come through cores_to_shared).
+__device__ __forceinline__ void rows_to_cores(i8* to, const i8* from, int first, int n, int valid) {
     for (int i = threadIdx.x; i < n * TILE_PIECES; i += blockDim.x) {
         const int r = (i >> 3) / TILE_PIECES * 8 + (i & 7), piece = (i >> 3) % TILE_PIECES;
-        const i8* row = source(r);
-        if (row)
-            copy16_async(to + 16 * i, row + 16 * piece);
+        if (first + r < valid)
+            copy16_async(to + 16 * i, from + (long)(first + r) * HIDDEN + 16 * piece);
         else
             *(int4*)(to + 16 * i) = make_int4(0, 0, 0, 0);
     }
-}
-
-// Rows [first, first + n) of the matrix `from`; rows at or past `valid` are zeros.
-__device__ __forceinline__ void rows_to_cores(i8* to, const i8* from, int first, int n, int valid) {
-    rows_to_cores(to, n, [&](int r) { return first + r < valid ? from + (long)(first + r) * HIDDEN : nullptr; });
 }
 
 // BYTES of a matrix kept on the device in the core-matrix layout already (gpu.py's
