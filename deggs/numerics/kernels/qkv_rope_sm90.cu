@@ -56,12 +56,9 @@ qkv_rope_sm90(const i8* y, const i8* w_cores, const int* sb, i8* out, const u32*
     };
     rows_to_cores(s_a, y, row0, QKV_ROWS, rows);
     load_matrix(0);  // one group with the rows
-    for (int i = threadIdx.x; i < 3 * QKV_MEMBERS * HIDDEN; i += blockDim.x) {
-        const int p = i / (QKV_MEMBERS * HIDDEN), member = i / HIDDEN % QKV_MEMBERS, j = i % HIDDEN;
-        if (member >= n_members) continue;
-        const u32 seed = seeds[m0 + member] + (p == 0 ? q_a : p == 1 ? k_a : v_a);
-        s_av[i] = (av_t)scaled(noise(seed, j), adaptive_factor(p == 0 ? ov_q : p == 1 ? ov_k : ov_v, seed, j));
-    }
+    tile_noise(s_av, n_members, m0, seeds, q_a, ov_q, 0, HIDDEN, HIDDEN);
+    tile_noise(s_av + QKV_MEMBERS * HIDDEN, n_members, m0, seeds, k_a, ov_k, 0, HIDDEN, HIDDEN);
+    tile_noise(s_av + 2 * QKV_MEMBERS * HIDDEN, n_members, m0, seeds, v_a, ov_v, 0, HIDDEN, HIDDEN);
     // The thread's two rows' positions, for RoPE
     int position[2];
 #pragma unroll
