@@ -238,6 +238,39 @@ def test_the_integer_input_dot_of_modes_0_and_1_is_the_float_one():
         assert np.array_equal(ours, spec), partial
 
 
+def test_the_integer_input_dot_term_of_modes_0_and_1_is_the_float_one():
+    """common.cuh's dot_term where every factor is k / 64 (INT_FACTOR): the integer
+    v * b * k / 64, truncated, is the specification's scaled(v * b, k / 64) for every
+    byte v, every noise b and every k."""
+    v = np.arange(-127, 128)[:, None, None]
+    b = np.arange(-93, 94)[None, :, None]
+    k = np.arange(65)[None, None, :]
+    spec = trunc_i32(f32(v * b) * f32(k / 64))
+    assert np.array_equal(cdiv(v * (b * k), 64), spec)
+
+
+def test_the_divisor_by_a_multiply_is_c_division():
+    """common.cuh's Divisor: the high word of |n| ceil(2^32 / d), with n's sign, is C's
+    truncating n / d for every d < 2^10 and |n| < 2^22 (its bound: the largest n, and
+    each multiple of d near them and near zero, with its neighbours, and random n)."""
+    rng = np.random.default_rng(3)
+    for d in range(1, 1024):
+        magic = 0 if d == 1 else 0xFFFFFFFF // d + 1
+        top = (2**22 - 1) // d * d
+        n = np.concatenate(
+            [
+                np.arange(-2, 3)[:, None] + np.array([top, 2**22 - 1, d, 2 * d, 0])[None, :],
+                rng.integers(0, 2**22, (1, 256)),
+            ],
+            axis=None,
+        )
+        n = np.concatenate([n, -n])
+        n = n[np.abs(n) < 2**22].astype(np.int64)
+        a = np.abs(n)
+        q = a if d == 1 else (a * magic) >> 32
+        assert np.array_equal(np.where(n < 0, -q, q), cdiv(n, d)), d
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc on this machine")
 @pytest.mark.parametrize(
     "model",

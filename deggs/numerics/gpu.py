@@ -268,7 +268,7 @@ def head_loss_sm90_shared(cfg: Config, defines: dict[str, int]) -> int:
 def up_gelu_sm90_shared(cfg: Config, defines: dict[str, int]) -> int:
     """Bytes of dynamic shared memory of up_gelu_sm90 (up_gelu_sm90.cu's layout): the
     block's rows, two tiles of the up matrix, per member and column of the matrix an
-    8-byte entry and a down_t (common.cuh: 4 bytes, 8 in adaptive mode 2), the GELU
+    8-byte entry and a dot_t (common.cuh: 4 bytes, 8 in adaptive mode 2), the GELU
     table in bytes."""
     rows, up = defines["UP_ROWS"], 4 * cfg.model.hidden_dim
     tiles = (rows + 2 * TILE_N) * cfg.model.hidden_dim
@@ -326,8 +326,8 @@ class CoreCopy:
 
 def attention_shared(cfg: Config) -> int:
     """Bytes of dynamic shared memory of attention_mma (attention.cu's layout): the
-    head's keys and its transposed values (keys padded to 32), the exp table, o's input
-    noise and factors."""
+    head's keys and its transposed values (keys padded to 32), o's input dot entries
+    (dot_t: 8 bytes at most), the exp table."""
     keys, d = -(-cfg.model.seq_len // 32) * 32, cfg.model.head_dim
     return keys * (d + 16) + d * (keys + 16) + 4 * cfg.softmax.lut_size + 8 * d
 

@@ -45,9 +45,8 @@ attention_mma(const i8* q, const i8* k, const i8* v, i8* mixed, int* sb_o, const
     extern __shared__ __align__(16) unsigned char attention_shared[];
     i8* s_k = (i8*)attention_shared;                // [ATT_KEYS][ATT_LDK]
     i8* s_vt = s_k + ATT_KEYS * ATT_LDK;             // [HEAD_DIM][ATT_LDV], key_slot order
-    int* s_exp = (int*)(s_vt + HEAD_DIM * ATT_LDV);  // [LUT_SIZE]
-    int* s_bn = s_exp + LUT_SIZE;                    // [HEAD_DIM] o's input noise
-    float* s_bf = (float*)(s_bn + HEAD_DIM);         // [HEAD_DIM] and its factor
+    dot_t* s_dot = (dot_t*)(s_vt + HEAD_DIM * ATT_LDV);  // [HEAD_DIM] o's input dot entries
+    int* s_exp = (int*)(s_dot + HEAD_DIM);               // [LUT_SIZE]
     const int m = blockIdx.x, h = blockIdx.y;
     const u32 seed = seeds[m];
     const long head = (long)m * SEQ * HIDDEN + h * HEAD_DIM;  // (member, position 0, head)
@@ -66,10 +65,8 @@ attention_mma(const i8* q, const i8* k, const i8* v, i8* mixed, int* sb_o, const
         for (int e = 0; e < 16; e++) s_vt[(c + e) * ATT_LDV + slot] = (i8)(words[e >> 2] >> (8 * (e & 3)));
     }
     for (int i = threadIdx.x; i < LUT_SIZE; i += blockDim.x) s_exp[i] = exp_tab[i];
-    for (int i = threadIdx.x; i < HEAD_DIM; i += blockDim.x) {
-        s_bn[i] = noise(seed + o_b, h * HEAD_DIM + i);
-        s_bf[i] = adaptive_factor(ov_o_in, seed + o_b, h * HEAD_DIM + i);
-    }
+    for (int i = threadIdx.x; i < HEAD_DIM; i += blockDim.x)
+        s_dot[i] = dot_entry(ov_o_in, seed + o_b, h * HEAD_DIM + i);
     __syncthreads();
 
     const int lane = threadIdx.x & 31, g = lane >> 2, tig = lane & 3;
@@ -178,7 +175,7 @@ attention_mma(const i8* q, const i8* k, const i8* v, i8* mixed, int* sb_o, const
                     const attn_acc div = (attn_acc)(int)total[r];
                     const int v0 = clip8((int)(acc[nt][2 * r] / div));
                     const int v1 = clip8((int)(acc[nt][2 * r + 1] / div));
-                    dot[r] += (u32)scaled(v0 * s_bn[d], s_bf[d]) + (u32)scaled(v1 * s_bn[d + 1], s_bf[d + 1]);
+                    dot[r] += (u32)dot_term(v0, s_dot[d]) + (u32)dot_term(v1, s_dot[d + 1]);
                     if (tq[r] < SEQ)
                         *(unsigned short*)(mixed + head + (long)tq[r] * HIDDEN + d) =
                             (unsigned short)((v0 & 255) | ((v1 & 255) << 8));

@@ -91,20 +91,24 @@ __device__ __forceinline__ int scaled(int value, float f) {
     return __float2int_rz(__fmul_rn(__int2float_rn(value), f));
 }
 
-// The down-projection's input dot as the reference's threads sum it: thread j adds the
-// GELU'd hidden bytes h of columns j, j + HIDDEN, j + 2 HIDDEN, j + 3 HIDDEN in that
-// order, pb = (int)fmaf(h * b, factor, pb), b and the factor the column's (mlp_up,
-// up_gelu_sm90). A column's noise and factor are a down_t entry.
+// An input dot's term: (int)(v * b * factor) for the value v of column j, b its noise
+// and factor its adaptive factor (scaled(v * b, factor): the norms' dots and attention's
+// of o). A column's noise and factor are a dot_t entry (dot_entry).
+//
+// The down-projection's input dot sums its terms as the reference's threads do: thread
+// j adds the GELU'd hidden bytes h of columns j, j + HIDDEN, j + 2 HIDDEN, j + 3 HIDDEN
+// in that order, pb = (int)fmaf(h * b, factor, pb) (down_step: mlp_up, up_gelu_sm90).
 //
 // In adaptive modes 0 and 1 every factor is k / 64 for an integer k (0..64), and every
-// fmaf of the chain is exact in float32: |h * b * k + 64 pb| < 2^22, as |h| <= 127 and
-// |b| <= 3 * 31 (config.py bounds the noise). So (int)fmaf(h * b, k / 64, pb) is the
-// integer (h * b * k + 64 pb) / 64, truncated as C divides, and the entry is b * k: no
-// conversions, the same bits.
+// float step is exact: |v * b * k + 64 pb| < 2^22, as |v| <= 127 and |b| <= 3 * 31
+// (config.py bounds the noise). So (int)(v * b * (k / 64)) is the integer v * b * k / 64
+// and (int)fmaf(h * b, k / 64, pb) the integer (h * b * k + 64 pb) / 64, both truncated
+// as C divides, with the entry b * k: no conversions (quarter-rate instructions), the
+// same bits.
 #define INT_FACTOR (ADAPTIVE_MODE != 2)
 #if INT_FACTOR
-typedef int down_t;
-__device__ __forceinline__ down_t down_entry(const i8* ov, u32 seed, u32 j) {
+typedef int dot_t;
+__device__ __forceinline__ dot_t dot_entry(const i8* ov, u32 seed, u32 j) {
 #if ADAPTIVE_MODE == 0
     const int k = 64;
 #else
@@ -113,13 +117,15 @@ __device__ __forceinline__ down_t down_entry(const i8* ov, u32 seed, u32 j) {
 #endif
     return noise(seed, j) * k;
 }
-__device__ __forceinline__ int down_step(int partial, int h, down_t e) { return (h * e + partial * 64) / 64; }
+__device__ __forceinline__ int dot_term(int v, dot_t e) { return v * e / 64; }
+__device__ __forceinline__ int down_step(int partial, int h, dot_t e) { return (h * e + partial * 64) / 64; }
 #else
-typedef int2 down_t;  // the noise and the bits of its float factor
-__device__ __forceinline__ down_t down_entry(const i8* ov, u32 seed, u32 j) {
+typedef int2 dot_t;  // the noise and the bits of its float factor
+__device__ __forceinline__ dot_t dot_entry(const i8* ov, u32 seed, u32 j) {
     return make_int2(noise(seed, j), __float_as_int(adaptive_factor(ov, seed, j)));
 }
-__device__ __forceinline__ int down_step(int partial, int h, down_t e) {
+__device__ __forceinline__ int dot_term(int v, dot_t e) { return scaled(v * e.x, __int_as_float(e.y)); }
+__device__ __forceinline__ int down_step(int partial, int h, dot_t e) {
     return __float2int_rz(__fmaf_rn(__int2float_rn(h * e.x), __int_as_float(e.y), __int2float_rn(partial)));
 }
 #endif
@@ -136,17 +142,22 @@ __device__ __forceinline__ int output_term(int sb, int av, int sign) {
     return ((int)p) >> MSHIFT;
 }
 
-// C's truncating n / d for 1 <= d < 2^10, given inverse = 1/d rounded: where |n| < 2^22
-// the float quotient is within 1/2 of n / d, so truncating it is off by at most one,
-// which the remainder corrects; about half the instructions of a general division.
-__device__ __forceinline__ int divide(int n, int d, float inverse) {
-    if (n >= (1 << 22) || n <= -(1 << 22)) return n / d;
-    int quotient = __float2int_rz(__fmul_rn(__int2float_rn(n), inverse));
-    const int r = n - quotient * d;
-    if (n >= 0) quotient += (r >= d) - (r < 0);
-    else quotient -= (r <= -d) - (r > 0);
-    return quotient;
-}
+// C's truncating n / d for one d (1 <= d < 2^10) and many n, by a multiply: with M =
+// ceil(2^32 / d), |n| M / 2^32 = |n| / d + |n| e / (d 2^32) for some 0 <= e < d, and
+// where |n| < 2^22 the second part is below 1 / d, so the floor is |n| / d's. Full-rate
+// instructions only (a float quotient's conversions are quarter-rate); M is one
+// division a d.
+struct Divisor {
+    int d;
+    u32 magic;  // ceil(2^32 / d); 0 for d = 1, whose quotient is n
+    __device__ __forceinline__ explicit Divisor(int d_) : d(d_), magic(d_ == 1 ? 0u : 0xFFFFFFFFu / (u32)d_ + 1u) {}
+    __device__ __forceinline__ int operator()(int n) const {
+        if ((u32)n + (1u << 22) >= (1u << 23)) return n / d;  // |n| >= 2^22
+        const u32 a = (u32)abs(n);
+        const int q = (int)(magic ? __umulhi(a, magic) : a);
+        return n < 0 ? -q : q;
+    }
+};
 
 __device__ __forceinline__ int wrap_add(int a, int b) { return (int)((u32)a + (u32)b); }
 __device__ __forceinline__ int clip8(int v) { return v > MAXV ? MAXV : (v < -MAXV ? -MAXV : v); }

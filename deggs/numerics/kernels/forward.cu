@@ -36,19 +36,18 @@ extern "C" __global__ void embed(const int* tokens, const u32* seeds, const int*
 }
 
 // standard_norm with perturbed weight and bias, then up to three input dot products
-// sb[p][row] = sum_i (int)(y_i * b_i * factor_i) for the projections that read y. Its
+// sb[p][row] = sum_i dot_term(y_i, entry_i) for the projections that read y. Its
 // per-member tables and its row are device functions: residual_norm runs them too.
 
-// The member's tables in s_norm (8 HIDDEN words): weight and bias with their noise, and
-// each input dot's noise and factors ([3][HIDDEN] each).
+// The member's tables in s_norm (at most 8 HIDDEN words): weight and bias with their
+// noise, and each input dot's entries (dot_t[3][HIDDEN]: 1 or 2 words each).
 __device__ __forceinline__ void norm_tables(int* s_norm, u32 seed, int sign, const i8* w, const i8* b,
                                             const i8* ov_w, const i8* ov_b, u32 w_a, u32 w_b, u32 b_a,
                                             u32 b_b, int ndots, const i8* ov0, const i8* ov1,
                                             const i8* ov2, u32 off0, u32 off1, u32 off2) {
     const i8* ovs[3] = {ov0, ov1, ov2};
     const u32 offs[3] = {off0, off1, off2};
-    int* s_n = s_norm + 2 * HIDDEN;
-    float* s_f = (float*)(s_norm + 5 * HIDDEN);
+    dot_t* s_dot = (dot_t*)(s_norm + 2 * HIDDEN);
     // Loops over the dots run to 3 with a test, unrolled: runtime-indexed arrays would
     // live in local memory, read and written for every element.
     for (int f = threadIdx.x; f < HIDDEN; f += blockDim.x) {
@@ -56,10 +55,7 @@ __device__ __forceinline__ void norm_tables(int* s_norm, u32 seed, int sign, con
         s_norm[HIDDEN + f] = b[f] + vector_noise(ov_b, seed, b_a, b_b, f, sign);
 #pragma unroll
         for (int p = 0; p < 3; p++)
-            if (p < ndots) {
-                s_n[p * HIDDEN + f] = noise(seed + offs[p], f);
-                s_f[p * HIDDEN + f] = adaptive_factor(ovs[p], seed + offs[p], f);
-            }
+            if (p < ndots) s_dot[p * HIDDEN + f] = dot_entry(ovs[p], seed + offs[p], f);
     }
 }
 
@@ -68,23 +64,20 @@ __device__ __forceinline__ void norm_tables(int* s_norm, u32 seed, int sign, con
 template <int NDOTS>
 __device__ __forceinline__ void norm_row_dots(const int* xv, i8* yr, int* sb, long row, int rows,
                                               const int* s_norm) {
-    const int* s_n = s_norm + 2 * HIDDEN;
-    const float* s_f = (const float*)(s_norm + 5 * HIDDEN);
+    const dot_t* s_dot = (const dot_t*)(s_norm + 2 * HIDDEN);
     u32 s = 0;
 #pragma unroll
     for (int i = 0; i < FPL; i++) s += (u32)abs(xv[i]);
-    int mean = (int)(warp_sum_u32(s) / HIDDEN);
-    if (mean == 0) mean = 1;
-    const float inverse = __frcp_rn(__int2float_rn(mean));
+    const int mean = (int)(warp_sum_u32(s) / HIDDEN);  // <= 127: xv are bytes
+    const Divisor by_mean(mean == 0 ? 1 : mean);
     u32 dots[3] = {0u, 0u, 0u};
 #pragma unroll
     for (int i = 0; i < FPL; i++) {
         const int f = LANE + 32 * i;
-        const int v = clip8(divide(xv[i] * s_norm[f], mean, inverse) + s_norm[HIDDEN + f]);
+        const int v = clip8(by_mean(xv[i] * s_norm[f]) + s_norm[HIDDEN + f]);
         yr[f] = (i8)v;
 #pragma unroll
-        for (int p = 0; p < NDOTS; p++)
-            dots[p] += (u32)scaled(v * s_n[p * HIDDEN + f], s_f[p * HIDDEN + f]);
+        for (int p = 0; p < NDOTS; p++) dots[p] += (u32)dot_term(v, s_dot[p * HIDDEN + f]);
     }
 #pragma unroll
     for (int p = 0; p < NDOTS; p++) {
@@ -110,7 +103,7 @@ extern "C" __global__ void standard_norm(const i8* x, i8* y, const u32* seeds, c
                                          u32 w_a, u32 w_b, u32 b_a, u32 b_b, int ndots,
                                          const i8* ov0, const i8* ov1, const i8* ov2,
                                          u32 off0, u32 off1, u32 off2, int* sb, int seq, int rows) {
-    extern __shared__ int s_norm[];  // dynamic: 8 HIDDEN words (gpu.shared_memory)
+    extern __shared__ __align__(8) int s_norm[];  // dynamic: 8 HIDDEN words (gpu.shared_memory)
     const int m = blockIdx.x;
     norm_tables(s_norm, seeds[m], signs[m], w, b, ov_w, ov_b, w_a, w_b, b_a, b_b, ndots, ov0, ov1,
                 ov2, off0, off1, off2);
@@ -207,8 +200,7 @@ extern "C" __global__ void attention_mix(const i8* q, const i8* k, const i8* v, 
     int* s_k = s_kv;
     int* s_v = s_kv + SEQ * (HEAD_DIM / 4);
     __shared__ int s_exp[LUT_SIZE];
-    __shared__ int s_bn[HEAD_DIM];
-    __shared__ float s_bf[HEAD_DIM];
+    __shared__ dot_t s_dot[HEAD_DIM];  // o's input dot entries
     const int m = blockIdx.x, h = blockIdx.y;
     const u32 seed = seeds[m];
     for (int i = threadIdx.x; i < SEQ * (HEAD_DIM / 16); i += blockDim.x) {
@@ -218,10 +210,8 @@ extern "C" __global__ void attention_mix(const i8* q, const i8* k, const i8* v, 
         ((int4*)(s_v + s * (HEAD_DIM / 4)))[w] = ((const int4*)(v + at))[w];
     }
     for (int i = threadIdx.x; i < LUT_SIZE; i += blockDim.x) s_exp[i] = exp_tab[i];
-    for (int i = threadIdx.x; i < HEAD_DIM; i += blockDim.x) {
-        s_bn[i] = noise(seed + o_b, h * HEAD_DIM + i);
-        s_bf[i] = adaptive_factor(ov_o_in, seed + o_b, h * HEAD_DIM + i);
-    }
+    for (int i = threadIdx.x; i < HEAD_DIM; i += blockDim.x)
+        s_dot[i] = dot_entry(ov_o_in, seed + o_b, h * HEAD_DIM + i);
     __syncthreads();
     const int t = threadIdx.x % SEQ, part = threadIdx.x / SEQ;
     if (part >= ATT_SPLIT) return;
@@ -272,7 +262,7 @@ extern "C" __global__ void attention_mix(const i8* q, const i8* k, const i8* v, 
         const int dd = d0 + d;
         const int val = clip8((int)(acc[d] / (attn_acc)total));
         mixed[row * HIDDEN + h * HEAD_DIM + dd] = (i8)val;
-        dot += (u32)scaled(val * s_bn[dd], s_bf[dd]);
+        dot += (u32)dot_term(val, s_dot[dd]);
     }
     atomicAdd((u32*)&sb_o[row], dot);
 }
@@ -290,7 +280,7 @@ extern "C" __global__ void residual_norm(const int* g, const int* sb_in, i8* x, 
                                          int ndots, const i8* ov0, const i8* ov1, const i8* ov2,
                                          u32 off0, u32 off1, u32 off2, int* sb_out, int seq,
                                          int rows) {
-    extern __shared__ int s_norm[];  // dynamic: 8 HIDDEN words (gpu.shared_memory)
+    extern __shared__ __align__(8) int s_norm[];  // dynamic: 8 HIDDEN words (gpu.shared_memory)
     __shared__ int s_av[HIDDEN];
     __shared__ int s_bias[HIDDEN];
     const int m = blockIdx.x;
@@ -328,7 +318,7 @@ extern "C" __global__ void mlp_up(const int* g, const int* sb_up, i8* hidden, in
     extern __shared__ int s_mlp[];  // dynamic: 4 UP words (gpu.shared_memory)
     int* s_av = s_mlp;
     int* s_bias = s_mlp + UP;
-    down_t* s_down = (down_t*)(s_mlp + 2 * UP);
+    dot_t* s_down = (dot_t*)(s_mlp + 2 * UP);
     __shared__ int s_gelu[256];
     const int m = blockIdx.x;
     const u32 seed = seeds[m];
@@ -336,7 +326,7 @@ extern "C" __global__ void mlp_up(const int* g, const int* sb_up, i8* hidden, in
     output_noise(s_av, UP, ov_up_out, seed + up_a);
     for (int j = threadIdx.x; j < UP; j += blockDim.x) {
         s_bias[j] = bias_up[j] + vector_noise(ov_bias_up, seed, bias_a, bias_b, j, sign);
-        s_down[j] = down_entry(ov_down_in, seed + down_b, j);
+        s_down[j] = dot_entry(ov_down_in, seed + down_b, j);
     }
     for (int i = threadIdx.x; i < 256; i += blockDim.x) s_gelu[i] = gelu[i];
     __syncthreads();

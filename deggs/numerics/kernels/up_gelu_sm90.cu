@@ -53,9 +53,9 @@ up_gelu_sm90(const i8* y, const i8* up_cores, const int* sb_up, const u32* seeds
     i8* s_a = (i8*)up_gelu_sm90_shared;         // UP_ROWS rows, core matrices
     i8* s_b = s_a + UP_ROWS * HIDDEN;           // [2] tiles of TILE_N rows, core matrices
     // Per tile, member and column: the output noise and the perturbed bias, in pairs
-    // read together; the down-projection's input noise and factor (down_entry).
+    // read together; the down-projection's input noise and factor (dot_entry).
     int2* s_up = (int2*)(s_b + 2 * TILE_N * HIDDEN);       // [TILES][TABLE]
-    down_t* s_down = (down_t*)(s_up + TILES * TABLE);      // [TILES][TABLE]
+    dot_t* s_down = (dot_t*)(s_up + TILES * TABLE);      // [TILES][TABLE]
     // The GELU table by the clipped value plus 127, in bytes: one load of an address
     // plus a constant, and at most two words a bank for the warp's lookups.
     i8* s_gelu = (i8*)(s_down + TILES * TABLE);            // [255]
@@ -79,7 +79,7 @@ up_gelu_sm90(const i8* y, const i8* up_cores, const int* sb_up, const u32* seeds
         const u32 seed = seeds[m];
         s_up[i] = make_int2(scaled(noise(seed + up_a, j), adaptive_factor(ov_up_out, seed + up_a, j)),
                             bias_up[j] + vector_noise(ov_bias_up, seed, bias_a, bias_b, j, signs[m]));
-        s_down[i] = down_entry(ov_down_in, seed + down_b, j);
+        s_down[i] = dot_entry(ov_down_in, seed + down_b, j);
     }
 
     // One tile's gathered matrix rows, asynchronously: up_cores holds the up matrix's
