@@ -71,19 +71,25 @@ __device__ __forceinline__ int sample_from_bits(u32 r) {
 
 __device__ __forceinline__ int noise(u32 seed, u32 idx) { return sample_from_bits(hash_u32(seed, idx)); }
 
-// get_adaptive_factor: seed is the member's seed plus the noise's offset.
-__device__ __forceinline__ float adaptive_factor(const i8* ov, u32 seed, u32 idx) {
+// The one overlay byte an adaptive factor reads (none in mode 0): loaded apart, a
+// table's loop can have several entries' loads in flight (tiles.cuh's tile_noise).
+__device__ __forceinline__ int overlay_byte(const i8* ov, u32 idx) { return ADAPTIVE_MODE == 0 ? 0 : ov[idx]; }
+
+// get_adaptive_factor of overlay byte o: seed is the member's seed plus the noise's offset.
+__device__ __forceinline__ float adaptive_factor_of(int o, u32 seed, u32 idx) {
 #if ADAPTIVE_MODE == 0
     return 1.0f;
 #elif ADAPTIVE_MODE == 1
-    int o = ov[idx];
     return o < 0 ? 0.0f : (o < 64 ? __fdiv_rn((float)o, 64.0f) : 1.0f);
 #else
-    float scale = __fdiv_rn(__fadd_rn((float)ov[idx], 127.0f), 255.0f);
+    float scale = __fdiv_rn(__fadd_rn((float)o, 127.0f), 255.0f);
     u32 r = hash_u32(seed + (u32)GATE_SEED, idx);
     float u = __fdiv_rn(__fadd_rn(__uint2float_rn(r), 1.0f), 4294967296.0f);
     return __fdiv_rn(scale, __fsqrt_rn(u));
 #endif
+}
+__device__ __forceinline__ float adaptive_factor(const i8* ov, u32 seed, u32 idx) {
+    return adaptive_factor_of(overlay_byte(ov, idx), seed, idx);
 }
 
 // (int)(value * factor): int to float32, one rounded product, truncating saturating cast.
@@ -108,32 +114,38 @@ __device__ __forceinline__ int scaled(int value, float f) {
 #define INT_FACTOR (ADAPTIVE_MODE != 2)
 #if INT_FACTOR
 typedef int dot_t;
-__device__ __forceinline__ dot_t dot_entry(const i8* ov, u32 seed, u32 j) {
-#if ADAPTIVE_MODE == 0
-    const int k = 64;
-#else
-    const int o = ov[j];  // adaptive_factor's o / 64, clamped to 0..1
-    const int k = o < 0 ? 0 : (o < 64 ? o : 64);
-#endif
+__device__ __forceinline__ dot_t dot_entry_of(int o, u32 seed, u32 j) {
+    // adaptive_factor's o / 64, clamped to 0..1 (mode 0: 1)
+    const int k = ADAPTIVE_MODE == 0 ? 64 : (o < 0 ? 0 : (o < 64 ? o : 64));
     return noise(seed, j) * k;
 }
 __device__ __forceinline__ int dot_term(int v, dot_t e) { return v * e / 64; }
 __device__ __forceinline__ int down_step(int partial, int h, dot_t e) { return (h * e + partial * 64) / 64; }
 #else
 typedef int2 dot_t;  // the noise and the bits of its float factor
-__device__ __forceinline__ dot_t dot_entry(const i8* ov, u32 seed, u32 j) {
-    return make_int2(noise(seed, j), __float_as_int(adaptive_factor(ov, seed, j)));
+__device__ __forceinline__ dot_t dot_entry_of(int o, u32 seed, u32 j) {
+    return make_int2(noise(seed, j), __float_as_int(adaptive_factor_of(o, seed, j)));
 }
 __device__ __forceinline__ int dot_term(int v, dot_t e) { return scaled(v * e.x, __int_as_float(e.y)); }
 __device__ __forceinline__ int down_step(int partial, int h, dot_t e) {
     return __float2int_rz(__fmaf_rn(__int2float_rn(h * e.x), __int_as_float(e.y), __int2float_rn(partial)));
 }
 #endif
+__device__ __forceinline__ dot_t dot_entry(const i8* ov, u32 seed, u32 j) {
+    return dot_entry_of(overlay_byte(ov, j), seed, j);
+}
+
+// A matrix's output noise of column j, (int)(a_j * factor_j): the term of v = 1 (in
+// modes 0 and 1 no float division either, whose slow path is a call that holds back the
+// loads of a table's loop).
+__device__ __forceinline__ int output_noise_of(const i8* ov, u32 seed, u32 j) {
+    return dot_term(1, dot_entry(ov, seed, j));
+}
 
 // Rank-1 noise of a vector parameter entry.
 __device__ __forceinline__ int vector_noise(const i8* ov, u32 seed, u32 off_a, u32 off_b, int i, int sign) {
-    int prod = noise(seed + off_a, i) * noise(seed + off_b, i);
-    return (scaled(prod, adaptive_factor(ov, seed + off_a, i)) * sign) >> SIGMA_SHIFT_VECTOR;
+    // (int)(a_i b_i factor_i): the term of v = b_i with a_i's entry
+    return (dot_term(noise(seed + off_b, i), dot_entry(ov, seed + off_a, i)) * sign) >> SIGMA_SHIFT_VECTOR;
 }
 
 // Output side of a projection's rank-1 term, with int32 wraparound (sign -1, 0 or 1).

@@ -121,7 +121,7 @@ extern "C" __global__ void standard_norm(const i8* x, i8* y, const u32* seeds, c
 template <typename T>
 __device__ __forceinline__ void output_noise(T* av, int n, const i8* ov, u32 seed) {
     for (int j = threadIdx.x; j < n; j += blockDim.x)
-        av[j] = (T)scaled(noise(seed, j), adaptive_factor(ov, seed, j));
+        av[j] = (T)output_noise_of(ov, seed, j);
 }
 
 // Q, K, V: rank-1 terms, RoPE on Q and K, max-abs normalisation of each.

@@ -126,7 +126,7 @@ __device__ __forceinline__ int rank1_term(u32 sbs, int av) { return ((int)(sbs *
 __device__ __forceinline__ void add_position_loss(u32* member_loss, unsigned long long total, int peak,
                                                   int dot, u32 sbs, u32 seed, const i8* ov_out,
                                                   int target) {
-    const int a_v = scaled(noise(seed, target), adaptive_factor(ov_out, seed, target));
+    const int a_v = output_noise_of(ov_out, seed, target);
     const int lt = wrap_add(dot, rank1_term(sbs, a_v)) >> SHIFT_LOGIT;
     long long log_sum = 0;
     if (total > 0) log_sum = ((long long)(63 - __clzll(total)) << 4) - ((long long)SCALE_BIT << 4);
@@ -148,10 +148,25 @@ __device__ __forceinline__ int shared_word(u32 at) {
 __device__ __forceinline__ void tile_noise(av_t* av, int n_members, int m0, const u32* seeds,
                                            u32 off_a, const i8* ov_out, int j0, int limit,
                                            int width = TILE_N) {
-    for (int i = threadIdx.x; i < n_members * width; i += blockDim.x) {
-        const int j = j0 + i % width;
-        const u32 seed = seeds[m0 + i / width] + off_a;
-        av[i] = j < limit ? (av_t)scaled(noise(seed, j), adaptive_factor(ov_out, seed, j)) : 0;
+    // A thread loads the seeds and overlay bytes of four entries, then computes them:
+    // entry by entry, each entry's loads were waited for in turn.
+    constexpr int BATCH = 4;
+    const int n = n_members * width;
+    for (int first = threadIdx.x; first < n; first += BATCH * blockDim.x) {
+        u32 seed[BATCH];
+        int o[BATCH];
+#pragma unroll
+        for (int b = 0; b < BATCH; b++) {
+            const int i = first + b * blockDim.x, j = j0 + i % width;
+            const bool used = i < n && j < limit;
+            seed[b] = used ? seeds[m0 + i / width] + off_a : 0u;
+            o[b] = used ? overlay_byte(ov_out, j) : 0;
+        }
+#pragma unroll
+        for (int b = 0; b < BATCH; b++) {
+            const int i = first + b * blockDim.x, j = j0 + i % width;
+            if (i < n) av[i] = j < limit ? (av_t)dot_term(1, dot_entry_of(o[b], seed[b], j)) : 0;
+        }
     }
 }
 

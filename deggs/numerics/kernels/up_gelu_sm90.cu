@@ -77,7 +77,7 @@ up_gelu_sm90(const i8* y, const i8* up_cores, const int* sb_up, const u32* seeds
         if (member >= n_members) continue;
         const int m = m0 + member, j = up_column(tile, i % TILE_N);
         const u32 seed = seeds[m];
-        s_up[i] = make_int2(scaled(noise(seed + up_a, j), adaptive_factor(ov_up_out, seed + up_a, j)),
+        s_up[i] = make_int2(output_noise_of(ov_up_out, seed + up_a, j),
                             bias_up[j] + vector_noise(ov_bias_up, seed, bias_a, bias_b, j, signs[m]));
         s_down[i] = dot_entry(ov_down_in, seed + down_b, j);
     }
