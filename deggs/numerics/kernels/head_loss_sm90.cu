@@ -24,23 +24,17 @@ head_loss_sm90(const i8* y, const i8* emb_t, const i8* emb_cores, const int* sb,
     const i8* s_rows = s_a + (warp >> 2) * 64 * HIDDEN;  // the warpgroup's 64 rows
 
     rows_to_cores(s_a, y, row0, TILE_M, rows);
-    copy_commit();  // waited for with the first tile's
+    copy_commit();  // waited for before the sweep's first products
     for (int i = threadIdx.x; i < (EXP_LAST + 1) * EXP_COPIES; i += blockDim.x)
         s_exp[i] = exp_tab[i / EXP_COPIES];
     const u32 my_exp = (u32)__cvta_generic_to_shared(s_exp + lane % EXP_COPIES);
 
     const ThreadRows<2> mine(sb, signs, row0, m0, rows);
 
+    // emb_cores: the embedding in the core-matrix layout, zero rows past the vocabulary.
     // The members' output noise over the whole vocabulary, once for both passes: built
     // tile by tile, its global loads stalled every warp between two tiles' products.
     tile_noise(s_av, n_members, m0, seeds, off_a, ov_out, 0, VOCAB, TILES * TILE_N);
-
-    // emb_cores: the embedding in the core-matrix layout, zero rows past the vocabulary
-    auto load_tile = [&](int tile) {
-        cores_to_shared<SM90_THREADS, TILE_N * HIDDEN>(s_b + (tile & 1) * TILE_N * HIDDEN,
-                                                       emb_cores + (long)tile * TILE_N * HIDDEN);
-        copy_commit();
-    };
 
     int peak[2] = {INT_MIN_, INT_MIN_};
     unsigned long long total[2] = {0ull, 0ull};
@@ -81,7 +75,7 @@ head_loss_sm90(const i8* y, const i8* emb_t, const i8* emb_cores, const int* sb,
     // Unrolled, so that `pass` is a constant in each copy (as in head_loss).
 #pragma unroll
     for (int pass = 0; pass < 2; pass++) {
-        sweep_async(TILES, s_rows, s_b, load_tile, [&](const int (&d)[32], int tile) { epilogue(d, tile, pass); });
+        sweep_async(TILES, s_rows, s_b, emb_cores, [&](const int (&d)[32], int tile) { epilogue(d, tile, pass); });
         if (pass == 0) {  // the quad of threads holding a row shares its peak
 #pragma unroll
             for (int s = 0; s < 2; s++) {

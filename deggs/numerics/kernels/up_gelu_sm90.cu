@@ -67,7 +67,7 @@ up_gelu_sm90(const i8* y, const i8* up_cores, const int* sb_up, const u32* seeds
     const i8* s_rows = s_a + (warp >> 2) * 64 * HIDDEN;  // the warpgroup's 64 rows
 
     rows_to_cores(s_a, y, row0, UP_ROWS, rows);
-    copy_commit();  // waited for with the first tile's
+    copy_commit();  // waited for before the sweep's first products
     for (int i = threadIdx.x; i < 2 * MAXV + 1; i += blockDim.x) s_gelu[i] = (i8)gelu[(i - MAXV) & 0xFF];
     const ThreadRows<2> mine(sb_up, signs, row0, m0, rows);
     // Every tile's tables at once, before the sweep: built tile by tile, their global
@@ -82,16 +82,10 @@ up_gelu_sm90(const i8* y, const i8* up_cores, const int* sb_up, const u32* seeds
         s_down[i] = dot_entry(ov_down_in, seed + down_b, j);
     }
 
-    // One tile's gathered matrix rows, asynchronously: up_cores holds the up matrix's
-    // rows in the tiles' order (up_column), in the core-matrix layout.
-    auto load_tile = [&](int tile) {
-        cores_to_shared<UP_THREADS, TILE_N * HIDDEN>(s_b + (tile & 1) * TILE_N * HIDDEN,
-                                                     up_cores + tile * TILE_N * HIDDEN);
-        copy_commit();
-    };
-
+    // up_cores: the up matrix's rows in the tiles' order (up_column), in the core-matrix
+    // layout
     u32 total[2] = {0u, 0u};  // the thread's rows' input dots, over its groups
-    sweep_async(TILES, s_rows, s_b, load_tile, [&](const int (&d)[32], int tile) {
+    sweep_async(TILES, s_rows, s_b, up_cores, [&](const int (&d)[32], int tile) {
         const int at = tile * TABLE;
         int partial[2][4];  // [s][q]: group 4 q + tig's input dot, over its subs in order
 #pragma unroll

@@ -108,30 +108,75 @@ __device__ __forceinline__ void tile_product_wait(int (&d)[32]) {
     for (int i = 0; i < 32; i++) asm volatile("" : "+r"(d[i])::"memory");
 }
 
-// One sweep over n tiles of s_b's two buffers: load(t) starts tile t's copy into buffer
-// t & 1 (and commits it; tile t + 2's while t's epilogue runs); epilogue(d, t) gets the
-// warpgroup's products with tile t. The block's rows (s_rows: the warpgroup's 64) must
-// be in shared memory, their copy committed before. Tables the epilogues read are best
-// built before: between two tiles, a global load's wait stalls every warp.
-template <typename Load, typename Epilogue>
-__device__ __forceinline__ void sweep_async(int n, const i8* s_rows, const i8* s_b, Load load,
+// Bulk copies (the TMA unit's cp.async.bulk) that complete on a shared-memory barrier
+// (mbarrier): one thread starts a whole tile's copy, and the warps wait for the barrier's
+// phase to flip. Copy and wgmma both act through the async proxy, so no proxy fence
+// stands between them, and no warp issues or waits for per-piece copies.
+__device__ __forceinline__ u32 shared_address(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+
+__device__ __forceinline__ void barrier_init(u64* bar) {  // one arrival: the copy's thread
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(shared_address(bar)) : "memory");
+}
+
+__device__ __forceinline__ void barrier_inval(u64* bar) {
+    asm volatile("mbarrier.inval.shared::cta.b64 [%0];\n" ::"r"(shared_address(bar)) : "memory");
+}
+
+// BYTES (a multiple of 16) from global to shared memory; bar's phase completes with them.
+__device__ __forceinline__ void bulk_copy(void* to, const void* from, u32 bytes, u64* bar) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(shared_address(bar)), "r"(bytes)
+                 : "memory");
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
+                     shared_address(to)),
+                 "l"(from), "r"(bytes), "r"(shared_address(bar))
+                 : "memory");
+}
+
+// Until bar has completed the phase of this parity (0 its first, 1 its second, ...).
+__device__ __forceinline__ void barrier_wait(u64* bar, u32 parity) {
+    u32 done = 0;
+    while (!done)
+        asm volatile(
+            "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+            : "=r"(done)
+            : "r"(shared_address(bar)), "r"(parity)
+            : "memory");
+}
+
+// One sweep over n tiles of a weight matrix kept in the order the sweep takes it
+// (tiles: tile t's TILE_N rows at t TILE_N HIDDEN, in the core-matrix layout; gpu.py's
+// CoreCopy), through s_b's two buffers; epilogue(d, t) gets the warpgroup's products
+// with tile t. The block's rows (s_rows: the warpgroup's 64) must be in shared memory,
+// their cp.async copy committed before. Tables the epilogues read are best built
+// before: between two tiles, a global load's wait stalls every warp.
+template <typename Epilogue>
+__device__ __forceinline__ void sweep_async(int n, const i8* s_rows, i8* s_b, const i8* tiles,
                                             Epilogue epilogue) {
+    constexpr u32 BYTES = TILE_N * HIDDEN;
+    __shared__ __align__(8) u64 full[2];  // buffer b holds its tile
     __syncthreads();  // the last sweep's epilogue is done with its buffers and tables
-    load(0);
-    if (n > 1) load(1);
-    if (n > 1) copy_wait<1>(); else copy_wait<0>();
+    if (threadIdx.x == 0) {
+        barrier_init(&full[0]);
+        barrier_init(&full[1]);
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+        bulk_copy(s_b, tiles, BYTES, &full[0]);
+        if (n > 1) bulk_copy(s_b + BYTES, tiles + BYTES, BYTES, &full[1]);
+    }
+    copy_wait<0>();  // the rows
     fence_async_shared();
-    __syncthreads();
-    // Tile t's products (in `now`) are waited for; once every warpgroup is past them,
-    // tile t + 1's start into `next` (past the last tile, a stale buffer's, never read),
-    // tile t + 2 loads into the buffer t used, and t's epilogue runs.
+    __syncthreads();  // the rows in place, the barriers initialised
+    barrier_wait(&full[0], 0);
+    // Tile t's products (in `now`) are waited for, and tile t + 1's copy; once every
+    // warpgroup is past t's products, tile t + 1's start into `next` (past the last
+    // tile, a stale buffer's, never read), tile t + 2 is copied into the buffer t used,
+    // and t's epilogue runs. Tile t is buffer t % 2's (t / 2)-th fill.
     auto step = [&](int (&now)[32], int (&next)[32], int tile) {
         tile_product_wait(now);
-        copy_wait<0>();  // tile t + 1, the last copy committed
-        fence_async_shared();
+        if (tile + 1 < n) barrier_wait(&full[(tile + 1) & 1], ((tile + 1) >> 1) & 1);
         __syncthreads();
-        tile_product_async(next, s_rows, s_b + ((tile + 1) & 1) * TILE_N * HIDDEN);
-        if (tile + 2 < n) load(tile + 2);
+        tile_product_async(next, s_rows, s_b + ((tile + 1) & 1) * BYTES);
+        if (tile + 2 < n && threadIdx.x == 0)
+            bulk_copy(s_b + (tile & 1) * BYTES, tiles + (long)(tile + 2) * BYTES, BYTES, &full[tile & 1]);
         if (tile < n) epilogue(now, tile);
     };
     int d0[32], d1[32];
@@ -141,4 +186,9 @@ __device__ __forceinline__ void sweep_async(int n, const i8* s_rows, const i8* s
         step(d1, d0, tile + 1);
     }
     tile_product_wait(d0);  // the products past the last tile
+    __syncthreads();        // no warp waits on the barriers any more
+    if (threadIdx.x == 0) {
+        barrier_inval(&full[0]);
+        barrier_inval(&full[1]);
+    }
 }
