@@ -49,13 +49,16 @@ qkv_rope_sm90(const i8* y, const i8* w_cores, const int* sb, i8* out, const u32*
     const int n_members = (min(row0 + QKV_ROWS, rows) - 1) / SEQ - m0 + 1;
 
     // q's matrix, then k's and v's each into the same place once the last products are
-    // done (w_cores: the three in the core-matrix layout)
-    auto load_matrix = [&](int p) {
-        cores_to_shared<QKV_THREADS, HIDDEN * HIDDEN>(s_w, w_cores + p * HIDDEN * HIDDEN);
-        copy_commit();
-    };
+    // done (w_cores: the three in the core-matrix layout), each a bulk copy that
+    // completes `full`'s phase (wgmma.cuh): matrix p is its phase of parity p % 2
+    __shared__ __align__(8) u64 full;
+    auto load_matrix = [&](int p) { bulk_copy(s_w, w_cores + p * HIDDEN * HIDDEN, HIDDEN * HIDDEN, &full); };
     rows_to_cores(s_a, y, row0, QKV_ROWS, rows);
-    load_matrix(0);  // one group with the rows
+    copy_commit();
+    if (threadIdx.x == 0) {
+        barrier_init(&full);
+        load_matrix(0);
+    }
     tile_noise(s_av, n_members, m0, seeds, q_a, ov_q, 0, HIDDEN, HIDDEN);
     tile_noise(s_av + QKV_MEMBERS * HIDDEN, n_members, m0, seeds, k_a, ov_k, 0, HIDDEN, HIDDEN);
     tile_noise(s_av + 2 * QKV_MEMBERS * HIDDEN, n_members, m0, seeds, v_a, ov_v, 0, HIDDEN, HIDDEN);
@@ -67,16 +70,24 @@ qkv_rope_sm90(const i8* y, const i8* w_cores, const int* sb, i8* out, const u32*
 
 #pragma unroll 1
     for (int p = 0; p < 3; p++) {
-        copy_wait<0>();
-        fence_async_shared();
-        __syncthreads();  // the matrix (and the first time the rows and tables) in place
+        if (p == 0) {
+            copy_wait<0>();
+            fence_async_shared();
+            __syncthreads();  // the rows and tables in place, the barrier initialised
+        }
+        barrier_wait(&full, p & 1);  // the matrix in place
         int d[QKV_TILES][32];
 #pragma unroll
         for (int c = 0; c < QKV_TILES; c++) tile_product_async(d[c], s_a, s_w + c * TILE_N * HIDDEN);
 #pragma unroll
         for (int c = 0; c < QKV_TILES; c++) tile_product_wait(d[c]);
         __syncthreads();  // every warp's products are done reading the matrix
-        if (p < 2) load_matrix(p + 1);
+        if (threadIdx.x == 0) {
+            if (p < 2)
+                load_matrix(p + 1);
+            else
+                barrier_inval(&full);  // no warp waits on it any more
+        }
 
         // The rank-1 term of every product, then RoPE on q and k, and the rows' peaks.
         // d[c][4 j + 2 s + e]: row 16 warp + 8 s + g, column TILE_N c + 8 j + 2 tig + e.

@@ -30,7 +30,10 @@
 
 // Rows [first, first + n) of a K-contiguous int8 matrix into shared memory in the
 // core-matrix layout above, asynchronously; rows at or past `valid` are zeros (the
-// activation rows: the weights come through cores_to_shared).
+// activation rows. The weights are kept on the device in that layout already, in the
+// order the kernel's tiles take their rows: gpu.py's CoreCopy, copied whole by
+// bulk_copy below. Gathering each piece from a row-major matrix took a third of
+// qkv_rope_sm90's warp samples).
 __device__ __forceinline__ void rows_to_cores(i8* to, const i8* from, int first, int n, int valid) {
     for (int i = threadIdx.x; i < n * TILE_PIECES; i += blockDim.x) {
         const int r = (i >> 3) / TILE_PIECES * 8 + (i & 7), piece = (i >> 3) % TILE_PIECES;
@@ -38,24 +41,6 @@ __device__ __forceinline__ void rows_to_cores(i8* to, const i8* from, int first,
             copy16_async(to + 16 * i, from + (long)(first + r) * HIDDEN + 16 * piece);
         else
             *(int4*)(to + 16 * i) = make_int4(0, 0, 0, 0);
-    }
-}
-
-// BYTES of a matrix kept on the device in the core-matrix layout already (gpu.py's
-// CoreCopy: in the order the kernel's tiles take its rows) into shared memory,
-// asynchronously: plain 16-byte copies, a block of THREADS threads. Gathering each piece
-// from a row-major matrix (rows_to_cores) took a third of qkv_rope_sm90's warp samples.
-template <int THREADS, int BYTES>
-__device__ __forceinline__ void cores_to_shared(i8* to, const i8* from) {
-    constexpr int PIECES = BYTES / 16;
-#pragma unroll
-    for (int i = 0; i < PIECES / THREADS; i++) {
-        const int at = 16 * (THREADS * i + threadIdx.x);
-        copy16_async(to + at, from + at);
-    }
-    if (PIECES % THREADS != 0 && PIECES / THREADS * THREADS + threadIdx.x < PIECES) {
-        const int at = 16 * (PIECES / THREADS * THREADS + threadIdx.x);
-        copy16_async(to + at, from + at);
     }
 }
 
@@ -114,8 +99,11 @@ __device__ __forceinline__ void tile_product_wait(int (&d)[32]) {
 // stands between them, and no warp issues or waits for per-piece copies.
 __device__ __forceinline__ u32 shared_address(const void* p) { return (u32)__cvta_generic_to_shared(p); }
 
-__device__ __forceinline__ void barrier_init(u64* bar) {  // one arrival: the copy's thread
+// One arrival a phase (the copy's thread); the fence makes the barrier visible to the
+// async proxy. The block's other threads wait on it only after a __syncthreads.
+__device__ __forceinline__ void barrier_init(u64* bar) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(shared_address(bar)) : "memory");
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
 }
 
 __device__ __forceinline__ void barrier_inval(u64* bar) {
@@ -158,7 +146,6 @@ __device__ __forceinline__ void sweep_async(int n, const i8* s_rows, i8* s_b, co
     if (threadIdx.x == 0) {
         barrier_init(&full[0]);
         barrier_init(&full[1]);
-        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
         bulk_copy(s_b, tiles, BYTES, &full[0]);
         if (n > 1) bulk_copy(s_b + BYTES, tiles + BYTES, BYTES, &full[1]);
     }
