@@ -68,7 +68,9 @@ __device__ __forceinline__ void norm_row_dots(const int* xv, i8* yr, int* sb, lo
     u32 s = 0;
 #pragma unroll
     for (int i = 0; i < FPL; i++) s += (u32)abs(xv[i]);
-    const int mean = (int)(warp_sum_u32(s) / HIDDEN);  // <= 127: xv are bytes
+    // The mean is at most 127 (xv are bytes), and |xv w| < 2^21: |w| <= 127 + 93^2 (a
+    // weight and its vector noise), as Divisor needs.
+    const int mean = (int)(warp_sum_u32(s) / HIDDEN);
     const Divisor by_mean(mean == 0 ? 1 : mean);
     u32 dots[3] = {0u, 0u, 0u};
 #pragma unroll
@@ -294,12 +296,12 @@ extern "C" __global__ void residual_norm(const int* g, const int* sb_in, i8* x, 
     __syncthreads();
     for (int t = WARP; t < seq; t += NWARPS) {
         const long row = (long)m * seq + t;
-        const int s = sb_in[row];
+        const int s = (int)((u32)sb_in[row] * (u32)sign);  // the sign's product once a row
         int v[FPL];
 #pragma unroll
         for (int i = 0; i < FPL; i++) {
             const int f = LANE + 32 * i;
-            const int out = wrap_add(g[row * HIDDEN + f], output_term(s, s_av[f], sign));
+            const int out = wrap_add(g[row * HIDDEN + f], output_term(s, s_av[f], 1));
             v[i] = (int)x[row * HIDDEN + f] + (out >> shift) + s_bias[f];
         }
         int xv[FPL];
