@@ -236,6 +236,46 @@ def test_gpu_matches_cpu_at_the_size_limits(name):
     assert np.array_equal(gpu.generate(prompt, 5), cpu.generate(prompt, 5))
 
 
+def test_a_hopper_kernel_runs_only_where_its_barriers_fit_too():
+    """head_loss_sm90 at the largest vocabulary whose dynamic shared memory fits the
+    device: beside it the kernel declares its copies' barriers (static shared memory).
+    Where both do not fit, the backend runs the portable head (the launch would fail);
+    either way the losses are the CPU's. On an H100 or H200 (232,448 bytes) that
+    vocabulary, 15,552, leaves no room for the barriers."""
+    import cupy as cp
+
+    from deggs.numerics.gpu import head_loss_sm90_shared, kernel_defines
+    from deggs.numerics.model import make_tables
+
+    optin = cp.cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"]
+
+    def config(vocab):
+        return Config().replace(
+            model=dict(n_layers=1, vocab_size=vocab),
+            training=dict(population_size=4, chunk_size=4),
+        )
+
+    def dynamic(vocab):
+        cfg = config(vocab)
+        return head_loss_sm90_shared(cfg, kernel_defines(cfg, make_tables(cfg)))
+
+    vocab = 8192
+    while dynamic(vocab + 64) <= optin:
+        vocab += 64
+    cfg = config(vocab)
+    gpu = GpuBackend_(cfg)
+    if cp_device_is_hopper():
+        static = gpu.kernels["head_loss_sm90"].function.shared_size_bytes
+        assert static > 0
+        fits = dynamic(vocab) + static <= optin
+        assert (gpu.head_kernel == "head_loss_sm90") == fits, (vocab, dynamic(vocab), static)
+    rng = np.random.default_rng(5)
+    data = rng.integers(0, vocab, 400).astype(cfg.token_dtype)
+    members = np.arange(4)
+    cpu = CpuBackend(cfg)
+    assert np.array_equal(gpu.losses(data, 0, 7, members), cpu.losses(data, 0, 7, members))
+
+
 SMALL_MODEL = dict(hidden_dim=64, head_dim=32, n_layers=1, seq_len=16, vocab_size=512)
 
 

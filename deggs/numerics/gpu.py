@@ -550,20 +550,24 @@ class GpuBackend:
         self.hopper = sm90 and hopper is not False
         if self.hopper:
             self.kernels.update(self._compile_sm90a())
+
+        def fits(name: str, dynamic: int) -> bool:  # beside its static shared memory (barriers)
+            return dynamic + self.kernels[name].function.shared_size_bytes <= optin
+
         head_sm90 = head_loss_sm90_shared(cfg, self.defines)
         self.head_kernel = "head_loss"
-        if self.hopper and self.fused and head_sm90 <= optin:
+        if self.hopper and self.fused and fits("head_loss_sm90", head_sm90):
             self.head_kernel = "head_loss_sm90"
             self.dynamic_shared["head_loss_sm90"] = head_sm90
         # The up-projection fused with mlp_up (up_gelu_sm90.cu) likewise; else cuBLAS
         # writes the int32 products and mlp_up reads them.
         up_sm90 = up_gelu_sm90_shared(cfg, self.defines)
-        self.fused_up = self.hopper and up_sm90 <= optin
+        self.fused_up = self.hopper and fits("up_gelu_sm90", up_sm90)
         if self.fused_up:
             self.dynamic_shared["up_gelu_sm90"] = up_sm90
         # The q, k, v GEMM fused with qkv_rope (qkv_rope_sm90.cu) likewise.
         qkv_sm90 = qkv_rope_sm90_shared(cfg)
-        self.fused_qkv = self.hopper and qkv_sm90 is not None and qkv_sm90 <= optin
+        self.fused_qkv = self.hopper and qkv_sm90 is not None and fits("qkv_rope_sm90", qkv_sm90)
         if self.fused_qkv and qkv_sm90 is not None:
             self.dynamic_shared["qkv_rope_sm90"] = qkv_sm90
         # Attention on the tensor cores (attention.cu) where a head fills whole MMAs.

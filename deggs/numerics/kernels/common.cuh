@@ -154,16 +154,21 @@ __device__ __forceinline__ int output_term(int sb, int av, int sign) {
     return ((int)p) >> MSHIFT;
 }
 
-// C's truncating n / d for one d (1 <= d < 2^10) and many n (|n| < 2^22), by a
-// multiply: with M = ceil(2^32 / d), |n| M / 2^32 = |n| / d + |n| e / (d 2^32) for some
-// 0 <= e < d, and the second part is below 1 / d, so the floor is |n| / d's. Full-rate
-// instructions only (a float quotient's conversions are quarter-rate); M is one
-// division a d. The caller guarantees the bounds (tests/test_kernels.py checks the
-// identity within them).
+// C's truncating n / d for one d (1 <= d < 2^10) and many n, by a multiply: with M =
+// ceil(2^32 / d), |n| M / 2^32 = |n| / d + |n| e / (d 2^32) for some 0 <= e < d, and
+// where |n| < 2^22 the second part is below 1 / d, so the floor is |n| / d's
+// (tests/test_kernels.py checks the identity there). Full-rate instructions only (a
+// float quotient's conversions are quarter-rate); M is one division a d. In modes 0
+// and 1 the caller's n stay below 2^22; mode 2's unbounded factors can pass it, and
+// those n are divided as C does.
 struct Divisor {
+    int d;
     u32 magic;  // ceil(2^32 / d); 0 for d = 1, whose quotient is n
-    __device__ __forceinline__ explicit Divisor(int d) : magic(d == 1 ? 0u : 0xFFFFFFFFu / (u32)d + 1u) {}
+    __device__ __forceinline__ explicit Divisor(int d_) : d(d_), magic(d_ == 1 ? 0u : 0xFFFFFFFFu / (u32)d_ + 1u) {}
     __device__ __forceinline__ int operator()(int n) const {
+#if ADAPTIVE_MODE == 2
+        if ((u32)n + (1u << 22) >= (1u << 23)) return n / d;  // |n| >= 2^22
+#endif
         const u32 a = (u32)abs(n);
         const int q = (int)(magic ? __umulhi(a, magic) : a);
         return n < 0 ? -q : q;

@@ -68,8 +68,8 @@ __device__ __forceinline__ void norm_row_dots(const int* xv, i8* yr, int* sb, lo
     u32 s = 0;
 #pragma unroll
     for (int i = 0; i < FPL; i++) s += (u32)abs(xv[i]);
-    // The mean is at most 127 (xv are bytes), and |xv w| < 2^21: |w| <= 127 + 93^2 (a
-    // weight and its vector noise), as Divisor needs.
+    // The mean is at most 127 (xv are bytes), and in modes 0 and 1 |xv w| < 2^21: |w| <=
+    // 127 + 93^2 (a weight and its vector noise), as Divisor's multiply needs.
     const int mean = (int)(warp_sum_u32(s) / HIDDEN);
     const Divisor by_mean(mean == 0 ? 1 : mean);
     u32 dots[3] = {0u, 0u, 0u};
@@ -293,9 +293,12 @@ extern "C" __global__ void residual_norm(const int* g, const int* sb_in, i8* x, 
         s_bias[f] = bias ? bias[f] + vector_noise(ov_bias, seed, bias_a, bias_b, f, sign) : 0;
     norm_tables(s_norm, seed, sign, w, b, ov_w, ov_b, w_a, w_b, b_a, b_b, ndots, ov0, ov1, ov2,
                 off0, off1, off2);
-    // A row's loads (its products, x and input dot) are made while the warp's previous
-    // row is normalised: the warp's memory traffic does not wait for its arithmetic
-    // (0.341 -> 0.326 ms at 8,192 members on an H100, 86% of the memory bandwidth).
+    // Up to hidden 256, a row's loads (its products, x and input dot) are made while the
+    // warp's previous row is normalised: the warp's memory traffic does not wait for
+    // its arithmetic (0.341 -> 0.326 ms at 8,192 members on an H100, 86% of the memory
+    // bandwidth). Wider rows would hold 2 FPL registers across it, at the cost of blocks
+    // an SM (hidden 2048: 225 registers a thread), so they load each row at its turn.
+    constexpr bool PREFETCH = FPL <= 8;
     int g_next[FPL], x_next[FPL], sb_next = 0;
     auto fetch = [&](int t) {
         if (t >= seq) return;
@@ -307,10 +310,11 @@ extern "C" __global__ void residual_norm(const int* g, const int* sb_in, i8* x, 
             x_next[i] = x[row * HIDDEN + LANE + 32 * i];
         }
     };
-    fetch(WARP);
+    if (PREFETCH) fetch(WARP);
     __syncthreads();
     for (int t = WARP; t < seq; t += NWARPS) {
         const long row = (long)m * seq + t;
+        if (!PREFETCH) fetch(t);
         const int s = (int)((u32)sb_next * (u32)sign);  // the sign's product once a row
         int v[FPL];
 #pragma unroll
@@ -319,7 +323,7 @@ extern "C" __global__ void residual_norm(const int* g, const int* sb_in, i8* x, 
             const int out = wrap_add(g_next[i], output_term(s, s_av[f], 1));
             v[i] = x_next[i] + (out >> shift) + s_bias[f];
         }
-        fetch(t + NWARPS);
+        if (PREFETCH) fetch(t + NWARPS);
         int xv[FPL];
         max_abs_normalize_warp(v, x + row * HIDDEN, xv);
         norm_row(xv, y + row * HIDDEN, sb_out, row, rows, ndots, s_norm);

@@ -29,11 +29,11 @@
 #define SM90_THREADS (2 * TILE_M)  // head_loss_sm90's: four warpgroups of 64 rows
 
 // Rows [first, first + n) of a K-contiguous int8 matrix into shared memory in the
-// core-matrix layout above, asynchronously; rows at or past `valid` are zeros (the
-// activation rows. The weights are kept on the device in that layout already, in the
-// order the kernel's tiles take their rows: gpu.py's CoreCopy, copied whole by
-// bulk_copy below. Gathering each piece from a row-major matrix took a third of
-// qkv_rope_sm90's warp samples).
+// core-matrix layout above, asynchronously; rows at or past `valid` are zeros. For the
+// activation rows only: the weights are kept on the device in that layout already, in
+// the order the kernel's tiles take their rows (gpu.py's CoreCopy), and copied whole by
+// bulk_copy below; gathering each piece from a row-major matrix took a third of
+// qkv_rope_sm90's warp samples.
 __device__ __forceinline__ void rows_to_cores(i8* to, const i8* from, int first, int n, int valid) {
     for (int i = threadIdx.x; i < n * TILE_PIECES; i += blockDim.x) {
         const int r = (i >> 3) / TILE_PIECES * 8 + (i & 7), piece = (i >> 3) % TILE_PIECES;
@@ -174,6 +174,8 @@ __device__ __forceinline__ void sweep_async(int n, const i8* s_rows, i8* s_b, co
     }
     tile_product_wait(d0);  // the products past the last tile
     __syncthreads();        // no warp waits on the barriers any more
+    // (compute-sanitizer's racecheck pairs a second sweep's first copies with this one's
+    // last, across the invalidation: every phase was waited for before this barrier)
     if (threadIdx.x == 0) {
         barrier_inval(&full[0]);
         barrier_inval(&full[1]);
