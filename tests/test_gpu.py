@@ -293,8 +293,19 @@ DEFAULT_MODEL = Config().to_dict()["model"]
         # the default shapes: head_loss_sm90's 32-bit output noise over 8,192 words of
         # vocabulary does not fit an H100's shared memory, so it is not launched
         (dict(model=DEFAULT_MODEL, adaptive_noise=dict(mode=2)), ["head_loss_sm90"]),
+        # the head's sweep over an odd number of vocabulary tiles (three, the last
+        # padded) and over one: its two buffers' copies and barriers' phases
+        (dict(model=dict(SMALL_MODEL, vocab_size=150)), []),
+        (dict(model=dict(SMALL_MODEL, vocab_size=50)), []),
     ],
-    ids=["default", "mode 2", "seq 80, 64-bit attention sums", "mode 2 at the default shapes"],
+    ids=[
+        "default",
+        "mode 2",
+        "seq 80, 64-bit attention sums",
+        "mode 2 at the default shapes",
+        "three vocabulary tiles",
+        "one vocabulary tile",
+    ],
 )
 def test_every_kernel_matches_its_cpu_reference(switches, too_big):
     """scripts/kernels.py: each kernel alone, bit-exact with the CPU specification."""
