@@ -54,7 +54,7 @@ qkv_rope_sm90(const i8* y, const i8* w_cores, const int* sb, i8* out, const u32*
     __shared__ __align__(8) u64 full;
     auto load_matrix = [&](int p) { bulk_copy(s_w, w_cores + p * HIDDEN * HIDDEN, HIDDEN * HIDDEN, &full); };
     rows_to_cores(s_a, y, row0, QKV_ROWS, rows);
-    copy_commit();
+    copy_commit();  // waited for before the first products
     if (threadIdx.x == 0) {
         barrier_init(&full);
         load_matrix(0);

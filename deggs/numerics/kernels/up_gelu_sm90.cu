@@ -55,7 +55,7 @@ up_gelu_sm90(const i8* y, const i8* up_cores, const int* sb_up, const u32* seeds
     // Per tile, member and column: the output noise and the perturbed bias, in pairs
     // read together; the down-projection's input noise and factor (dot_entry).
     int2* s_up = (int2*)(s_b + 2 * TILE_N * HIDDEN);       // [TILES][TABLE]
-    dot_t* s_down = (dot_t*)(s_up + TILES * TABLE);      // [TILES][TABLE]
+    dot_t* s_down = (dot_t*)(s_up + TILES * TABLE);        // [TILES][TABLE]
     // The GELU table by the clipped value plus 127, in bytes: one load of an address
     // plus a constant, and at most two words a bank for the warp's lookups.
     i8* s_gelu = (i8*)(s_down + TILES * TABLE);            // [255]
