@@ -148,11 +148,10 @@ __device__ __forceinline__ int vector_noise(const i8* ov, u32 seed, u32 off_a, u
     return (dot_term(noise(seed + off_b, i), dot_entry(ov, seed + off_a, i)) * sign) >> SIGMA_SHIFT_VECTOR;
 }
 
-// Output side of a projection's rank-1 term, with int32 wraparound (sign -1, 0 or 1).
-__device__ __forceinline__ int output_term(int sb, int av, int sign) {
-    const u32 p = (u32)sb * (u32)av * (u32)sign;
-    return ((int)p) >> MSHIFT;
-}
+// Output side of a projection's rank-1 term, with int32 wraparound: sbs is the row's
+// input dot times its member's sign (-1, 0 or 1), as a u32 (a row's, computed once).
+__device__ __forceinline__ int rank1_term(u32 sbs, int av) { return ((int)(sbs * (u32)av)) >> MSHIFT; }
+__device__ __forceinline__ int output_term(int sb, int av, int sign) { return rank1_term((u32)sb * (u32)sign, av); }
 
 // C's truncating n / d for one d (1 <= d < 2^10) and many n, by a multiply: with M =
 // ceil(2^32 / d), |n| M / 2^32 = |n| / d + |n| e / (d 2^32) for some 0 <= e < d, and

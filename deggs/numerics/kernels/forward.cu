@@ -315,12 +315,12 @@ extern "C" __global__ void residual_norm(const int* g, const int* sb_in, i8* x, 
     for (int t = WARP; t < seq; t += NWARPS) {
         const long row = (long)m * seq + t;
         if (!PREFETCH) fetch(t);
-        const int s = (int)((u32)sb_next * (u32)sign);  // the sign's product once a row
+        const u32 sbs = (u32)sb_next * (u32)sign;
         int v[FPL];
 #pragma unroll
         for (int i = 0; i < FPL; i++) {
             const int f = LANE + 32 * i;
-            const int out = wrap_add(g_next[i], output_term(s, s_av[f], 1));
+            const int out = wrap_add(g_next[i], rank1_term(sbs, s_av[f]));
             v[i] = x_next[i] + (out >> shift) + s_bias[f];
         }
         if (PREFETCH) fetch(t + NWARPS);

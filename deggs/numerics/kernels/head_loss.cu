@@ -47,7 +47,7 @@ head_loss(const i8* y, const i8* emb_t, const int* sb, const int* tokens, const 
     rows_to_shared(s_a, y, row0, TILE_M, rows);
     for (int i = threadIdx.x; i < (EXP_LAST + 1) * EXP_COPIES; i += blockDim.x)
         s_exp[i] = exp_tab[i / EXP_COPIES];
-    const u32 my_exp = (u32)__cvta_generic_to_shared(s_exp + lane % EXP_COPIES);
+    const u32 my_exp = shared_address(s_exp + lane % EXP_COPIES);
     const ThreadRows<4> mine(sb, signs, row0, m0, rows);
 
     // One tile's embedding rows (async) and its members' output noise.

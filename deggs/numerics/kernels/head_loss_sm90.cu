@@ -27,7 +27,7 @@ head_loss_sm90(const i8* y, const i8* emb_t, const i8* emb_cores, const int* sb,
     copy_commit();  // waited for before the sweep's first products
     for (int i = threadIdx.x; i < (EXP_LAST + 1) * EXP_COPIES; i += blockDim.x)
         s_exp[i] = exp_tab[i / EXP_COPIES];
-    const u32 my_exp = (u32)__cvta_generic_to_shared(s_exp + lane % EXP_COPIES);
+    const u32 my_exp = shared_address(s_exp + lane % EXP_COPIES);
 
     const ThreadRows<2> mine(sb, signs, row0, m0, rows);
 

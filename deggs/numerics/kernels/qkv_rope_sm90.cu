@@ -67,14 +67,12 @@ qkv_rope_sm90(const i8* y, const i8* w_cores, const int* sb, i8* out, const u32*
 #pragma unroll
     for (int s = 0; s < 2; s++) position[s] = (row0 + 16 * warp + 8 * s + g) % SEQ;
     const int2* rope = (const int2*)rope_tab;  // [position][HEAD_DIM / 2]: cos, sin
+    copy_wait<0>();
+    fence_async_shared();
+    __syncthreads();  // the rows and tables in place, the barrier initialised
 
 #pragma unroll 1
     for (int p = 0; p < 3; p++) {
-        if (p == 0) {
-            copy_wait<0>();
-            fence_async_shared();
-            __syncthreads();  // the rows and tables in place, the barrier initialised
-        }
         barrier_wait(&full, p & 1);  // the matrix in place
         int d[QKV_TILES][32];
 #pragma unroll

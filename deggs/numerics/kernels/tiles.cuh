@@ -15,9 +15,11 @@
 #define TILE_MEMBERS MEMBERS_OF(TILE_M)
 // __launch_bounds__(TILE_M, 16 / TILE_WARPS): 16 warps an SM, at most 128 registers each
 
+// The shared-space address of a pointer into shared memory, as PTX's shared operands take it.
+__device__ __forceinline__ u32 shared_address(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+
 __device__ __forceinline__ void copy16_async(void* shared, const void* global) {
-    const u32 to = (u32)__cvta_generic_to_shared(shared);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(to), "l"(global));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(shared_address(shared)), "l"(global));
 }
 
 __device__ __forceinline__ void copy_commit() { asm volatile("cp.async.commit_group;\n" ::); }
@@ -44,7 +46,7 @@ __device__ __forceinline__ void rows_to_shared(i8* to, const i8* from, int first
 // memory in one instruction; lanes 8 i .. 8 i + 7 give the row addresses of matrix i,
 // and lane l receives bytes 4 (l % 4) .. + 3 of row l / 4 of each matrix.
 __device__ __forceinline__ void load_matrices(u32 (&r)[4], const i8* rows) {
-    const u32 at = (u32)__cvta_generic_to_shared(rows);
+    const u32 at = shared_address(rows);
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                  : "r"(at));
@@ -112,8 +114,6 @@ struct ThreadRows {
         return table[(SEQ % (8 * N) == 0 ? member[0] : member[s]) * stride + col];
     }
 };
-
-__device__ __forceinline__ int rank1_term(u32 sbs, int av) { return ((int)(sbs * (u32)av)) >> MSHIFT; }
 
 #define VOCAB_PAD (VOCAB % TILE_N != 0)  // the last tile has columns past the vocabulary
 // A thread's per-tile partial sum of one row (2 TILE_N / 8 entries) fits 32 bits.

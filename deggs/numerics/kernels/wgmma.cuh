@@ -47,7 +47,7 @@ __device__ __forceinline__ void rows_to_cores(i8* to, const i8* from, int first,
 // The shared-memory matrix descriptor of wgmma: start address, the two strides (all in
 // 16-byte units), no swizzle (bits 62-63 zero).
 __device__ __forceinline__ u64 core_descriptor(const i8* at) {
-    const u32 a = (u32)__cvta_generic_to_shared(at);
+    const u32 a = shared_address(at);
     return (u64)((a & 0x3FFFF) >> 4) | ((u64)(CORE_LBO >> 4) << 16) | ((u64)(CORE_SBO >> 4) << 32);
 }
 
@@ -97,7 +97,6 @@ __device__ __forceinline__ void tile_product_wait(int (&d)[32]) {
 // (mbarrier): one thread starts a whole tile's copy, and the warps wait for the barrier's
 // phase to flip. Copy and wgmma both act through the async proxy, so no proxy fence
 // stands between them, and no warp issues or waits for per-piece copies.
-__device__ __forceinline__ u32 shared_address(const void* p) { return (u32)__cvta_generic_to_shared(p); }
 
 // One arrival a phase (the copy's thread); the fence makes the barrier visible to the
 // async proxy. The block's other threads wait on it only after a __syncthreads.
