@@ -228,25 +228,39 @@ def check_attention_mma(b):
     return check_attention_mix(b, tensor_cores=True)
 
 
-def check_residual_norm(b):
-    """The residual after the o-projection, then layer 0's MLP norm of the new x."""
+def residual_terms_reference(b, g, sb, name="w_o", layer=0, shift=None):
+    """A projection's terms of the residual, (g + rank-1 term) >> shift (the
+    o-projection's by default)."""
+    shift = b.cfg.quantization.shift_out if shift is None else shift
+    return projection_terms(b, name, layer, g.astype(np.int64), sb, b.d) >> shift
+
+
+def check_residual_norm(b, terms=False):
+    """The residual after the o-projection, then layer 0's MLP norm of the new x: from the
+    int32 products, or from terms_sm90.cu's 16-bit terms."""
     g = b.ints(-(2**20), 2**20, (b.m, b.t, b.d))
     sb = b.ints(-(2**18), 2**18, (b.m, b.t))
     x = b.ints(-127, 128, (b.m, b.t, b.d), np.int8)
-    layer, mlp = b.weights.at(0), LAYER_MLP
+    # 16-bit terms where residual_norm reads them (in adaptive mode 2 the products' can be
+    # wider: there terms_sm90.cu's kernels never run)
+    term = b.ints(-(2**15), 2**15, x.shape) if terms else residual_terms_reference(b, g, sb)
+    mlp = LAYER_MLP
 
     def setup():
-        b.put("g", g)
-        b.put("sbd", sb)
+        if terms:
+            b.gpu._terms(b.buf, b.rows)[...] = b.cp.asarray(term.astype(np.int16).ravel())
+        else:
+            b.put("g", g)
+            b.put("sbd", sb)
         b.put("x", x)
 
     def launch():
         then = Norm(mlp.ln, mlp.ln_bias, 0, (mlp.up,))
-        b.gpu._residual(b.ctx, "w_o", 0, b.cfg.quantization.shift_out, then)
+        b.gpu._residual(b.ctx, "w_o", 0, b.cfg.quantization.shift_out, then, terms=terms)
 
     def reference():
-        out = projection_terms(b, "w_o", 0, g.astype(np.int64), sb, b.d)
-        new_x = model.max_abs_normalize(x + (out >> b.cfg.quantization.shift_out))
+        new_x = model.max_abs_normalize(x + term)
+        layer = b.weights.at(0)
         y = model.norm(b.cfg, layer, new_x, mlp.ln, mlp.ln_bias)
         dot = b.pert.input_dot(y, offsets(b.cfg, mlp.up, 0)[1], layer.arrays(mlp.up)[1][0])
         return new_x, y, dot
@@ -255,7 +269,47 @@ def check_residual_norm(b):
         new_x = b.get("x", (b.m, b.t, b.d), np.int64)
         return new_x, b.get("y", (b.m, b.t, b.d), np.int64), b.get("sb", (b.m, b.t), np.int64)
 
-    return setup, launch, reference, result, g.nbytes + 3 * x.nbytes + 2 * sb.nbytes
+    inputs = (2 * term.size + x.nbytes) if terms else (g.nbytes + x.nbytes + sb.nbytes)
+    return setup, launch, reference, result, inputs + 2 * x.nbytes + sb.nbytes
+
+
+def check_residual_norm_terms(b):
+    return check_residual_norm(b, terms=True)
+
+
+def check_o_terms_sm90(b, down=False):
+    """The o-projection's GEMM writing residual_norm's terms in 16 bits (terms_sm90.cu):
+    no products in memory. Built on H100s and H200s only."""
+    q = b.cfg.quantization
+    kernel, name, layer, k, shift = (
+        ("down_terms_sm90", EMB_MLP.down, None, 4 * b.d, q.shift_mlp_down)
+        if down
+        else ("o_terms_sm90", "w_o", 0, b.d, q.shift_out)
+    )
+    inputs = b.ints(-127, 128, (b.m, b.t, k), np.int8)
+    sb = b.ints(-(2**18), 2**18, (b.m, b.t))
+
+    def setup():
+        b.put("y", inputs)
+        b.put("sbd", sb)
+
+    def launch():
+        b.gpu._projection_terms(b.ctx, kernel, name, layer, shift, b.buf["y"])
+
+    def reference():
+        weights = b.weights if layer is None else b.weights.at(layer)
+        g = model.int_matmul(inputs, weights.arrays(name)[0])
+        return residual_terms_reference(b, g, sb, name, layer, shift)
+
+    def result():
+        return b.gpu._terms(b.buf, b.rows).get().reshape(b.m, b.t, b.d).astype(np.int64)
+
+    return setup, launch, reference, result, inputs.nbytes + sb.nbytes + 2 * b.rows * b.d + k * b.d
+
+
+def check_down_terms_sm90(b):
+    """The down-projection's likewise, its 4 hidden_dim inputs in slices (terms_sm90.cu)."""
+    return check_o_terms_sm90(b, down=True)
 
 
 def mlp_up_reference(b, names, g, sb):
@@ -513,7 +567,7 @@ def run(
             continue
         if name.endswith("_sm90") and name not in b.gpu.dynamic_shared:
             # launched, it would read and write past the shared memory it was given
-            out(f"{name:16s} its tiles do not fit this device's shared memory at this config")
+            out(f"{name:16s} not used at this config: its tiles or its values do not fit")
             continue
         setup, launch, reference, result, moved = CHECKS[name](b)
         setup()

@@ -282,21 +282,29 @@ SMALL_MODEL = dict(hidden_dim=64, head_dim=32, n_layers=1, seq_len=16, vocab_siz
 DEFAULT_MODEL = Config().to_dict()["model"]
 
 
+TERMS = ["down_terms_sm90", "o_terms_sm90"]  # need hidden_dim 128 or 256, 16-bit terms
+
+
 @pytest.mark.parametrize(
-    "switches, too_big",
+    "switches, not_used",
     [
-        ({}, []),
-        (dict(adaptive_noise=dict(mode=2), noise=dict(perturb_distribution="three_sample")), []),
+        ({}, TERMS),
+        (dict(adaptive_noise=dict(mode=2), noise=dict(perturb_distribution="three_sample")), TERMS),
         # attention_mma over 5 query tiles (one warp takes two) and three 32-key chunks,
-        # the last padded; 80 x 2^18 x 127 >= 2^31, so its sums are 64-bit
+        # the last padded; 80 x 2^18 x 127 >= 2^31, so its sums are 64-bit; terms_sm90's
+        # tiles of 128 rows across members, the last tile partial
         (dict(model=dict(SMALL_MODEL, hidden_dim=128, head_dim=64, seq_len=80)), []),
         # the default shapes: head_loss_sm90's 32-bit output noise over 8,192 words of
-        # vocabulary does not fit an H100's shared memory, so it is not launched
-        (dict(model=DEFAULT_MODEL, adaptive_noise=dict(mode=2)), ["head_loss_sm90"]),
+        # vocabulary does not fit an H100's shared memory, so it is not launched, nor
+        # the terms kernels, whose terms are unbounded in mode 2
+        (
+            dict(model=DEFAULT_MODEL, adaptive_noise=dict(mode=2)),
+            sorted(TERMS + ["head_loss_sm90"]),
+        ),
         # the head's sweep over an odd number of vocabulary tiles (three, the last
         # padded) and over one: its two buffers' copies and barriers' phases
-        (dict(model=dict(SMALL_MODEL, vocab_size=150)), []),
-        (dict(model=dict(SMALL_MODEL, vocab_size=50)), []),
+        (dict(model=dict(SMALL_MODEL, vocab_size=150)), TERMS),
+        (dict(model=dict(SMALL_MODEL, vocab_size=50)), TERMS),
     ],
     ids=[
         "default",
@@ -307,7 +315,7 @@ DEFAULT_MODEL = Config().to_dict()["model"]
         "one vocabulary tile",
     ],
 )
-def test_every_kernel_matches_its_cpu_reference(switches, too_big):
+def test_every_kernel_matches_its_cpu_reference(switches, not_used):
     """scripts/kernels.py: each kernel alone, bit-exact with the CPU specification."""
     import kernels as harness
 
@@ -316,11 +324,11 @@ def test_every_kernel_matches_its_cpu_reference(switches, too_big):
     )
     lines = []
     ok = harness.run(cfg, sorted(harness.CHECKS), members=6, repeats=1, out=lines.append)
-    assert ok and len(lines) == len(harness.CHECKS) == 16, "\n".join(lines)
+    assert ok and len(lines) == len(harness.CHECKS) == 19, "\n".join(lines)
     built = not any("not built" in line for line in lines)
     assert built == cp_device_is_hopper(), "\n".join(lines)  # the *_sm90 on Hopper
-    skipped = [line.split()[0] for line in lines if "do not fit" in line]
-    assert skipped == (too_big if built else []), "\n".join(lines)
+    skipped = [line.split()[0] for line in lines if "not used" in line]
+    assert skipped == (not_used if built else []), "\n".join(lines)
 
 
 def test_a_variant_launches_as_compiled_and_timing_skips_the_check():

@@ -23,9 +23,12 @@ from deggs.numerics.gpu import (
     kernel_cache_folder,
     kernel_defines,
     kernel_source,
+    projection_terms_fit,
     qkv_rope_sm90_shared,
     shared_memory,
+    sliced_core_pieces,
     supports,
+    terms_sm90_shared,
     up_gelu_sm90_shared,
     up_order,
 )
@@ -114,6 +117,46 @@ def test_up_gelu_sm90_fits_two_blocks_an_sm_at_the_default(mode):
     cfg = Config().replace(adaptive_noise=dict(mode=mode))
     shared = up_gelu_sm90_shared(cfg, kernel_defines(cfg, make_tables(cfg)))
     assert 2 * (shared + 1024) <= 233472  # an H100's SM, each block reserving 1 KiB
+
+
+def test_the_terms_kernels_fit_an_h100_and_their_terms_16_bits_at_the_default():
+    cfg = Config()
+    defines = kernel_defines(cfg, make_tables(cfg))
+    assert terms_sm90_shared(cfg, defines) + 1024 <= 233472
+    q = cfg.quantization
+    assert projection_terms_fit(cfg, cfg.model.hidden_dim, q.shift_out)
+    assert projection_terms_fit(cfg, 4 * cfg.model.hidden_dim, q.shift_mlp_down)
+    for hidden in (64, 192, 512):  # not whole slices, or a row's products past 128 registers
+        assert terms_sm90_shared(config(hidden_dim=hidden, head_dim=32), defines) is None
+
+
+def test_sliced_core_pieces_are_the_slices_of_the_core_layout():
+    """terms_sm90.cu's matrix copy: slice s of 128 bytes, 8-row group r, piece p and row
+    i of the group come from row 8 r + i, bytes 128 s + 16 p."""
+    n, k = 16, 256
+    pieces = sliced_core_pieces(n, k, 128).reshape(k // 128, n // 8, 8, 8)  # s, r, p, i
+    for s, r, p, i in [(0, 0, 0, 0), (1, 1, 7, 7), (1, 0, 3, 5), (0, 1, 2, 0)]:
+        assert pieces[s, r, p, i] == (8 * r + i) * (k // 16) + 8 * s + p
+    assert sorted(pieces.ravel()) == list(range(n * k // 16))
+
+
+@pytest.mark.parametrize("k", [64, 256, 1024, 2048])
+@pytest.mark.parametrize("shift", range(4, 14))
+@pytest.mark.parametrize("mask, distribution", [(15, "uniform"), (31, "three_sample")])
+def test_projection_terms_fit_only_where_the_extremes_fit_16_bits(k, shift, mask, distribution):
+    """Where projection_terms_fit says yes, the product of k bytes of -128 by weights of
+    -128 with the largest rank-1 term the noise allows, shifted, plus x, is a short."""
+    cfg = Config().replace(noise=dict(perturb_mask=mask, perturb_distribution=distribution))
+    n = mask * (3 if distribution == "three_sample" else 1)
+    q = cfg.quantization
+    g = 128 * 128 * k
+    # the input dot's k terms v b k' / 64 at their largest, times the output noise; a
+    # product past 32 bits wraps to some int32
+    rank1 = min(k * 128 * n * n, 2**31 - 1) >> (q.fixed_point + q.sigma_shift)
+    extremes = [(g + rank1) >> shift, (-g - rank1) >> shift]
+    if projection_terms_fit(cfg, k, shift):
+        assert all(-(2**15) <= e < 2**15 for e in extremes)
+    assert not projection_terms_fit(cfg.replace(adaptive_noise=dict(mode=2)), k, shift)
 
 
 @pytest.mark.parametrize("mode", [0, 1, 2])
@@ -271,24 +314,29 @@ def test_the_divisor_by_a_multiply_is_c_division():
         assert np.array_equal(np.where(n < 0, -q, q), cdiv(n, d)), d
 
 
+WIDE = {"qkv_rope_sm90", "o_terms_sm90", "down_terms_sm90"}
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc on this machine")
 @pytest.mark.parametrize(
     "model",
     [
         {},
         dict(hidden_dim=64, head_dim=32, seq_len=8, vocab_size=1000),
+        dict(hidden_dim=128, head_dim=64, seq_len=80),
         dict(hidden_dim=2048, head_dim=128, seq_len=256, vocab_size=65536),
     ],
     ids=[
         "default",
         "tiny, vocabulary not a multiple of a tile",
+        "hidden 128: the o-projection's K one slice",
         "the largest, attention sums in 64 bits",
     ],
 )
 def test_the_sources_compile_for_hopper_without_spills(model, tmp_path):
     """nvcc compiles what NVRTC will (no GPU needed); the tensor-core kernels keep to
     the registers their __launch_bounds__ allow (128, or 255 where a row's products stay
-    in registers: qkv_rope_sm90), with nothing spilled."""
+    in registers: WIDE), with nothing spilled."""
     cfg = config(**model)
     defines = kernel_defines(cfg, make_tables(cfg))
 
@@ -307,7 +355,7 @@ def test_the_sources_compile_for_hopper_without_spills(model, tmp_path):
             usage = run.stderr.split(f"Function properties for {kernel}")[1].splitlines()[1:3]
             assert "0 bytes spill stores" in usage[0], (kernel, usage)
             registers = int(re.search(r"Used (\d+) registers", usage[1]).group(1))
-            assert registers <= (255 if kernel == "qkv_rope_sm90" else 128), (kernel, usage)
+            assert registers <= (255 if kernel in WIDE else 128), (kernel, usage)
         return run.stderr
 
     compile_checked("sm_90", KERNEL_FILES, ["head_loss", "attention_mma"])
@@ -318,6 +366,8 @@ def test_the_sources_compile_for_hopper_without_spills(model, tmp_path):
         "head_loss_sm90": head_loss_sm90_shared(cfg, defines),
         "up_gelu_sm90": up_gelu_sm90_shared(cfg, defines),
         "qkv_rope_sm90": qkv_rope_sm90_shared(cfg),  # None: not at this width
+        "o_terms_sm90": terms_sm90_shared(cfg, defines),
+        "down_terms_sm90": terms_sm90_shared(cfg, defines),
     }
     fits = [kernel for kernel, size in sizes.items() if size is not None and size <= H100_OPTIN]
     if fits:

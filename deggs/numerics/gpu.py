@@ -25,7 +25,9 @@ Structure (kernels/*.cu, KERNEL_FILES; kernels named after model.py's functions)
   up_gelu_sm90 (the up-projection with mlp_up) with the next tile's products during
   this tile's epilogue, qkv_rope_sm90 (the three projections with qkv_rope, a row's
   products whole in registers), so no int32 product of theirs is written, where their
-  tiles fit; `hopper=False` keeps the portable kernels;
+  tiles fit; the o- and down-projections too (terms_sm90.cu, a GEMM pipelined along
+  K), which write residual_norm's terms in 16 bits where the config bounds them there;
+  `hopper=False` keeps the portable kernels;
 - the update builds, per matrix, the pairs' noise as int8 matrices [index, pair] (the
   output side times the ternary fitness) and gets every vote with one int8 GEMM, then
   runs the quantised AdamW step and the overlay update in elementwise kernels. The whole
@@ -97,6 +99,7 @@ SM90_FILES = (
     "head_loss_sm90.cu",
     "up_gelu_sm90.cu",
     "qkv_rope_sm90.cu",
+    "terms_sm90.cu",
 )
 NT = 256  # threads of the row kernels
 ATT_SPLIT = 2  # attention_mix: threads per query, each accumulating 1/ATT_SPLIT of a head
@@ -106,6 +109,7 @@ LOSS_REGISTER_LPT = 16  # sequence_loss keeps up to this many logits a thread in
 TILE_WARPS, TILE_N = 8, 64  # head_loss: 32 rows a warp, vocabulary tiles of 64 embedding rows
 UP_ROWS = 128  # up_gelu_sm90: rows a block, two warpgroups of 64
 QKV_ROWS = 64  # qkv_rope_sm90: rows a block, one warpgroup
+SLICE, SLICE_STAGES = 128, 4  # terms_sm90: bytes of K a pipeline stage holds, stages
 # Shared memory of an H100's or H200's SM (228 KiB): head_loss's copies of the exp table
 # fill what two blocks an SM leave of it, each block reserving 1 KiB
 SM_SHARED, BLOCK_RESERVED = 233472, 1024
@@ -205,6 +209,8 @@ def kernel_defines(cfg: Config, tables) -> dict[str, int]:
         TILE_N=TILE_N,
         UP_ROWS=UP_ROWS,
         QKV_ROWS=QKV_ROWS,
+        SLICE=SLICE,
+        SLICE_STAGES=SLICE_STAGES,
         EXP_MAX=lut0,
         EXP_LAST=last,
         EXP_COPIES=exp_copies(cfg, last),
@@ -287,6 +293,50 @@ def qkv_rope_sm90_shared(cfg: Config) -> int | None:
         return None
     rows = QKV_ROWS
     return rows * d + d * d + rows * (d + 16) + 3 * av_bytes(cfg) * tile_members(cfg, rows) * d
+
+
+def projection_terms_fit(cfg: Config, k: int, shift: int) -> bool:
+    """Whether terms_sm90.cu's 16-bit terms (g + rank-1 term) >> shift hold every
+    value the config allows, for a projection of k inputs: |g| <= 128^2 k, the rank-1
+    term's input dot at most 128 n k and its output noise n (n the largest noise; a
+    product past 32 bits wraps, as the CPU's). Adaptive mode 2's factors are unbounded:
+    never there."""
+    if cfg.adaptive_noise.mode == 2:
+        return False
+    q = cfg.quantization
+    n = cfg.noise.perturb_mask * (3 if cfg.noise.perturb_distribution == "three_sample" else 1)
+    g = 128 * 128 * k
+    rank1 = min(128 * n * n * k, 2**31) >> (q.fixed_point + q.sigma_shift)
+    if g + rank1 >= 2**31:  # the sum before the shift could wrap
+        return False
+    return ((g + rank1) >> shift) + 1 < 2**15  # + 1: the floor of a negative value
+
+
+def terms_sm90_shared(cfg: Config, defines: dict[str, int]) -> int | None:
+    """Bytes of dynamic shared memory of o_terms_sm90 and down_terms_sm90 (terms_sm90.cu's
+    layout) as compiled with `defines`: the stages (a slice of a tile's 128 rows and of
+    the matrix each), each warp's 16 staged rows of terms, per member and column the
+    output noise (av_t), the tiles' inputs (seeds, signs, input dots) in SLICE_STAGES -
+    1 buffers, the output noise's overlay; None where they cannot run the config (a
+    row's products in registers, in whole slices)."""
+    d, slice_, rows = cfg.model.hidden_dim, defines["SLICE"], 128  # SLICE_ROWS
+    if d % slice_ or d > 256:
+        return None
+    stages, members = defines["SLICE_STAGES"] * (rows + d) * slice_, tile_members(cfg, rows)
+    stage = (2 * rows // 32) * 16 * (TILE_N // 2 + 4) * 4
+    inputs = (defines["SLICE_STAGES"] - 1) * 4 * (2 * members + rows)  # seeds, signs, dots
+    return stages + stage + av_bytes(cfg) * members * d + inputs + d
+
+
+def sliced_core_pieces(n: int, k: int, slice_: int) -> np.ndarray:
+    """core_pieces for terms_sm90.cu: the n rows of a K-contiguous matrix of k bytes a
+    row, cut into slices of slice_ bytes, each slice (all n rows) in the core-matrix
+    layout, slice after slice."""
+    pieces, per = k // 16, slice_ // 16
+    s, group, piece, r = np.meshgrid(
+        np.arange(k // slice_), np.arange(n // 8), np.arange(per), np.arange(8), indexing="ij"
+    )
+    return ((group * 8 + r) * pieces + s * per + piece).astype(np.int32).ravel()
 
 
 def core_pieces(order: np.ndarray, k: int) -> np.ndarray:
@@ -570,6 +620,21 @@ class GpuBackend:
         self.fused_qkv = self.hopper and qkv_sm90 is not None and fits("qkv_rope_sm90", qkv_sm90)
         if self.fused_qkv and qkv_sm90 is not None:
             self.dynamic_shared["qkv_rope_sm90"] = qkv_sm90
+        # The o- and the down-projection's GEMMs writing residual_norm's terms in 16 bits
+        # (terms_sm90.cu) where their tiles fit and the terms fit 16 bits, so that
+        # residual_norm reads half the bytes of a product.
+        q, terms_sm90 = cfg.quantization, terms_sm90_shared(cfg, self.defines)
+
+        def terms_used(name: str, k: int, shift: int) -> bool:
+            used = self.hopper and terms_sm90 is not None and projection_terms_fit(cfg, k, shift)
+            if used and terms_sm90 is not None and fits(name, terms_sm90):
+                self.dynamic_shared[name] = terms_sm90
+                return True
+            return False
+
+        self.o_terms = terms_used("o_terms_sm90", m.hidden_dim, q.shift_out)
+        self.down_terms = terms_used("down_terms_sm90", 4 * m.hidden_dim, q.shift_mlp_down)
+        self.sms = cp.cuda.Device().attributes["MultiProcessorCount"]
         # Attention on the tensor cores (attention.cu) where a head fills whole MMAs.
         self.tensor_attention = m.head_dim % 32 == 0 and attention_shared(cfg) <= optin
         if self.tensor_attention:
@@ -689,6 +754,15 @@ class GpuBackend:
         if self.fused_up:
             index = cp.asarray(core_pieces(up_order(d), d))
             for name, at in [(EMB_MLP.up, None), *((LAYER_MLP.up, layer) for layer in layers)]:
+                keep((name, at), self._param(name, at)[0], index)
+        slice_ = self.defines["SLICE"]
+        if self.o_terms:
+            index = cp.asarray(sliced_core_pieces(d, d, slice_))
+            for layer in layers:
+                keep(("w_o", layer), self._param("w_o", layer)[0], index)
+        if self.down_terms:
+            index = cp.asarray(sliced_core_pieces(d, 4 * d, slice_))
+            for name, at in [(EMB_MLP.down, None), *((LAYER_MLP.down, layer) for layer in layers)]:
                 keep((name, at), self._param(name, at)[0], index)
         if "head_loss_sm90" in self.dynamic_shared:
             rows = np.arange(-(-m.vocab_size // TILE_N) * TILE_N)  # whole tiles
@@ -918,14 +992,13 @@ class GpuBackend:
         norms.append(Norm("ln_f", "ln_f_bias", None, ("embedding",)))
         # the sm90 kernels take rows as whole members of seq_len positions: training's
         whole = cache is None and ctx[4] == self.cfg.model.seq_len
-        fused_up = self.fused_up and whole
         self._embed(ctx, tok)
         self._norm(ctx, norms[0])
-        self._mlp(ctx, EMB_MLP, None, norms[1], fused_up)
+        self._mlp(ctx, EMB_MLP, None, norms[1], whole)
         for layer in layers:
             layer_cache = None if cache is None else cache[layer]
             self._attention(ctx, layer, norms[2 * layer + 2], layer_cache, start, whole)
-            self._mlp(ctx, LAYER_MLP, layer, norms[2 * layer + 3], fused_up)
+            self._mlp(ctx, LAYER_MLP, layer, norms[2 * layer + 3], whole)
 
     def _embed(self, ctx, tok):
         buf, seeds, signs, nb, seq, r = ctx
@@ -985,20 +1058,26 @@ class GpuBackend:
             **self._norm_arguments(norm),
         )
 
-    def _mlp(self, ctx, names: Mlp, layer, then: Norm, fused_up: bool = False):
-        """MLP block of ctx's rows (its norm already in buf["y"]), then the norm `then`;
-        with fused_up, the up-projection and mlp_up in one kernel (`_up_gelu`)."""
+    def _mlp(self, ctx, names: Mlp, layer, then: Norm, whole: bool = False):
+        """MLP block of ctx's rows (its norm already in buf["y"]), then the norm `then`.
+        `whole`: the rows are whole members (training), so the up-projection may run
+        fused with mlp_up (`_up_gelu`) and the down-projection as residual_norm's terms
+        (`_projection_terms`)."""
         buf, r, d = ctx[0], ctx[5], self.cfg.model.hidden_dim
-        if fused_up:
+        if self.fused_up and whole:
             self._up_gelu(ctx, names, layer)
             hidden = buf["hidden"]
         else:
             self._project(self._param(names.up, layer)[0], buf["y"], buf["g"], 4 * d, r, d)
             self._mlp_up(ctx, names, layer)
             hidden = buf["y"]
-        self._project(self._param(names.down, layer)[0], hidden, buf["g"], d, r, 4 * d)
         shift = self.cfg.quantization.shift_mlp_down
-        self._residual(ctx, names.down, layer, shift, then, names.bias_down)
+        if self.down_terms and whole:
+            self._projection_terms(ctx, "down_terms_sm90", names.down, layer, shift, hidden)
+            self._residual(ctx, names.down, layer, shift, then, names.bias_down, terms=True)
+        else:
+            self._project(self._param(names.down, layer)[0], hidden, buf["g"], d, r, 4 * d)
+            self._residual(ctx, names.down, layer, shift, then, names.bias_down)
 
     def _mlp_up_arguments(self, ctx, names: Mlp, layer) -> dict:
         """mlp_up's per-member parameters (the up matrix's output noise, the bias, the
@@ -1048,10 +1127,13 @@ class GpuBackend:
             **self._mlp_up_arguments(ctx, names, layer),
         )
 
-    def _residual(self, ctx, matrix: str, layer, shift: int, then: Norm, bias: str | None = None):
+    def _residual(
+        self, ctx, matrix: str, layer, shift: int, then: Norm, bias: str | None = None, terms=False
+    ):
         """buf["x"] += (buf["g"] + the rank-1 term of `matrix`) >> shift [+ bias and its
         noise], max-abs normalised in place (the term's input dot is buf["sbd"]); then
-        the norm `then` of x into buf["y"] and its input dots into buf["sb"]."""
+        the norm `then` of x into buf["y"] and its input dots into buf["sb"]. With terms,
+        the terms come from `_projection_terms` instead."""
         buf, seeds, signs, nb, seq, r = ctx
         _, (_, ov_out), (off_a, _) = self._param(matrix, layer)
         b, ov_b, b_a, b_b = None, None, 0, 0
@@ -1061,12 +1143,13 @@ class GpuBackend:
             "residual_norm",
             (nb,),
             (self.nt,),
-            g=buf["g"],
-            sb_in=buf["sbd"],
+            g=None if terms else buf["g"],
+            terms=self._terms(buf, r) if terms else None,
+            sb_in=None if terms else buf["sbd"],
             x=buf["x"],
             seeds=seeds,
             signs=signs,
-            ov_out=ov_out,
+            ov_out=None if terms else ov_out,
             off_a=off_a,
             shift=shift,
             bias=b,
@@ -1079,6 +1162,33 @@ class GpuBackend:
             rows=r,
             **self._norm_arguments(then),
         )
+
+    def _projection_terms(self, ctx, kernel: str, matrix: str, layer, shift: int, inputs=None):
+        """The projection of `inputs` (buf["y"] by default) by `matrix` (its input dot in
+        buf["sbd"]) as residual_norm's terms, (product + rank-1 term) >> shift in 16 bits,
+        into buf["g"]'s memory (`_terms`): no product is written. kernel: o_terms_sm90 or
+        down_terms_sm90 (terms_sm90.cu). The rows are whole members."""
+        buf, seeds, signs, nb, seq, r = ctx
+        _, (_, ov_out), (off_a, _) = self._param(matrix, layer)
+        self._launch(
+            kernel,
+            (self.sms,),  # one block an SM, taking tiles of 128 rows in turn
+            (256,),  # two warpgroups of 64 rows
+            inputs=buf["y"] if inputs is None else inputs,
+            w_cores=self.cores[matrix, layer].out,
+            sb=buf["sbd"],
+            seeds=seeds,
+            signs=signs,
+            ov_out=ov_out,
+            off_a=off_a,
+            shift=shift,
+            terms=self._terms(buf, r),
+            rows=r,
+        )
+
+    def _terms(self, buf, r):
+        """terms_sm90.cu's output: 16 bits a feature in buf["g"]'s memory."""
+        return buf["g"].view(cp.int16)[: r * self.cfg.model.hidden_dim]
 
     def _attention(self, ctx, layer, then: Norm, cache=None, start=0, whole=False):
         """Attention block of ctx's rows (its norm already in buf["y"]), then the norm
@@ -1095,8 +1205,13 @@ class GpuBackend:
             self._attention_mix(ctx, layer, self.tensor_attention)
         else:
             self._cached_attention(ctx, cache, start)
-        self._project(self._param("w_o", layer)[0], buf["y"], buf["g"], d, r, d)
-        self._residual(ctx, "w_o", layer, self.cfg.quantization.shift_out, then)
+        shift = self.cfg.quantization.shift_out
+        if self.o_terms and whole:
+            self._projection_terms(ctx, "o_terms_sm90", "w_o", layer, shift)
+            self._residual(ctx, "w_o", layer, shift, then, terms=True)
+        else:
+            self._project(self._param("w_o", layer)[0], buf["y"], buf["g"], d, r, d)
+            self._residual(ctx, "w_o", layer, shift, then)
 
     def _qkv_parts(self, ctx):
         buf, r, d = ctx[0], ctx[5], self.cfg.model.hidden_dim

@@ -18,6 +18,7 @@ import numpy as np
 # C types of the kernels' parameters -> NumPy dtypes (pointees and scalars).
 C_TYPES = {
     "i8": np.int8,
+    "short": np.int16,
     "int": np.int32,
     "u32": np.uint32,
     "u64": np.uint64,

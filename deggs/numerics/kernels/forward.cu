@@ -273,9 +273,11 @@ extern "C" __global__ void attention_mix(const i8* q, const i8* k, const i8* v, 
 // of the new x (one kernel: x's row is normalised from registers, not read back):
 // x = max_abs_normalize(x + (out >> shift) [+ bias + its noise]) in place, out = g +
 // rank-1 term (its input dot sb_in); then y = standard_norm(x) and its input dots in
-// sb_out, as standard_norm's arguments say.
-extern "C" __global__ void residual_norm(const int* g, const int* sb_in, i8* x, const u32* seeds,
-                                         const int* signs, const i8* ov_out, u32 off_a, int shift,
+// sb_out, as standard_norm's arguments say. Where `terms` is given (terms_sm90.cu's
+// (g + rank-1 term) >> shift in 16 bits a feature), x + terms [+ bias] instead: g,
+// sb_in and the output noise go unread.
+extern "C" __global__ void residual_norm(const int* g, const short* terms, const int* sb_in, i8* x,
+                                         const u32* seeds, const int* signs, const i8* ov_out, u32 off_a, int shift,
                                          const i8* bias, const i8* ov_bias, u32 bias_a, u32 bias_b,
                                          i8* y, const i8* w, const i8* b, const i8* ov_w,
                                          const i8* ov_b, u32 w_a, u32 w_b, u32 b_a, u32 b_b,
@@ -288,7 +290,7 @@ extern "C" __global__ void residual_norm(const int* g, const int* sb_in, i8* x, 
     const int m = blockIdx.x;
     const u32 seed = seeds[m];
     const int sign = signs[m];
-    output_noise(s_av, HIDDEN, ov_out, seed + off_a);
+    if (!terms) output_noise(s_av, HIDDEN, ov_out, seed + off_a);
     for (int f = threadIdx.x; f < HIDDEN; f += blockDim.x)
         s_bias[f] = bias ? bias[f] + vector_noise(ov_bias, seed, bias_a, bias_b, f, sign) : 0;
     norm_tables(s_norm, seed, sign, w, b, ov_w, ov_b, w_a, w_b, b_a, b_b, ndots, ov0, ov1, ov2,
@@ -299,15 +301,16 @@ extern "C" __global__ void residual_norm(const int* g, const int* sb_in, i8* x, 
     // bandwidth). Wider rows would hold 2 FPL registers across it, at the cost of blocks
     // an SM (hidden 2048: 225 registers a thread), so they load each row at its turn.
     constexpr bool PREFETCH = FPL <= 8;
-    int g_next[FPL], x_next[FPL], sb_next = 0;
+    int g_next[FPL], x_next[FPL], sb_next = 0;  // g_next: the terms where given
     auto fetch = [&](int t) {
         if (t >= seq) return;
         const long row = (long)m * seq + t;
-        sb_next = sb_in[row];
+        if (!terms) sb_next = sb_in[row];
 #pragma unroll
         for (int i = 0; i < FPL; i++) {
-            g_next[i] = g[row * HIDDEN + LANE + 32 * i];
-            x_next[i] = x[row * HIDDEN + LANE + 32 * i];
+            const long at = row * HIDDEN + LANE + 32 * i;
+            g_next[i] = terms ? terms[at] : g[at];
+            x_next[i] = x[at];
         }
     };
     if (PREFETCH) fetch(WARP);
@@ -320,8 +323,8 @@ extern "C" __global__ void residual_norm(const int* g, const int* sb_in, i8* x, 
 #pragma unroll
         for (int i = 0; i < FPL; i++) {
             const int f = LANE + 32 * i;
-            const int out = wrap_add(g_next[i], rank1_term(sbs, s_av[f]));
-            v[i] = x_next[i] + (out >> shift) + s_bias[f];
+            const int term = terms ? g_next[i] : wrap_add(g_next[i], rank1_term(sbs, s_av[f])) >> shift;
+            v[i] = x_next[i] + term + s_bias[f];
         }
         if (PREFETCH) fetch(t + NWARPS);
         int xv[FPL];

@@ -24,6 +24,11 @@ __device__ __forceinline__ void copy16_async(void* shared, const void* global) {
 
 __device__ __forceinline__ void copy_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 
+// 4 bytes (cp.async's L1-cached form, the only one for fewer than 16)
+__device__ __forceinline__ void copy4_async(void* shared, const void* global) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(shared_address(shared)), "l"(global));
+}
+
 template <int N>
 __device__ __forceinline__ void copy_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N));

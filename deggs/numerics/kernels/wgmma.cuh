@@ -44,11 +44,12 @@ __device__ __forceinline__ void rows_to_cores(i8* to, const i8* from, int first,
     }
 }
 
-// The shared-memory matrix descriptor of wgmma: start address, the two strides (all in
-// 16-byte units), no swizzle (bits 62-63 zero).
-__device__ __forceinline__ u64 core_descriptor(const i8* at) {
+// The shared-memory matrix descriptor of wgmma: start address, the two strides (bytes
+// to the next core matrix along K, and to the next 8 rows; all in 16-byte units), no
+// swizzle (bits 62-63 zero). Rows of K = HIDDEN bytes by default.
+__device__ __forceinline__ u64 core_descriptor(const i8* at, u32 sbo = CORE_SBO) {
     const u32 a = shared_address(at);
-    return (u64)((a & 0x3FFFF) >> 4) | ((u64)(CORE_LBO >> 4) << 16) | ((u64)(CORE_SBO >> 4) << 32);
+    return (u64)((a & 0x3FFFF) >> 4) | ((u64)(CORE_LBO >> 4) << 16) | ((u64)(sbo >> 4) << 32);
 }
 
 // Writes of the generic proxy (cp.async, plain stores) become visible to wgmma's reads.
