@@ -293,8 +293,12 @@ def check_o_terms_sm90(b, down=False):
         b.put("y", inputs)
         b.put("sbd", sb)
 
+    # few members (the tests) in few blocks, so that each block takes several tiles in
+    # turn, as it does at training sizes
+    blocks = max(1, min(b.gpu.sms, -(-b.rows // b.gpu.defines["TERMS_ROWS"]) // 5))
+
     def launch():
-        b.gpu._projection_terms(b.ctx, kernel, name, layer, shift, b.buf["y"])
+        b.gpu._projection_terms(b.ctx, kernel, name, layer, shift, b.buf["y"], blocks)
 
     def reference():
         weights = b.weights if layer is None else b.weights.at(layer)

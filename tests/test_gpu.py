@@ -331,6 +331,33 @@ def test_every_kernel_matches_its_cpu_reference(switches, not_used):
     assert skipped == (not_used if built else []), "\n".join(lines)
 
 
+@pytest.mark.parametrize(
+    "model, members",
+    [
+        # the default shapes in mode 1: 12 tiles of 128 rows in 2 blocks, the down
+        # projection's K in 8 slices a tile, the o-projection's in 2
+        (DEFAULT_MODEL, 24),
+        # hidden 128: the o-projection's K one slice, so its stages' barriers change phase
+        # only across tiles; seq 24, so a warp's rows can be two members' (8 tiles, one
+        # block, the last tile partial)
+        (dict(SMALL_MODEL, hidden_dim=128, seq_len=24), 40),
+    ],
+    ids=["default shapes", "hidden 128, seq 24"],
+)
+def test_the_terms_kernels_take_many_tiles_a_block(model, members):
+    """terms_sm90.cu's blocks each take several tiles in turn, as at training sizes: the
+    next tile's slices and inputs copied during this one's, every stage refilled."""
+    import kernels as harness
+
+    cfg = Config().replace(model=model, training=dict(population_size=8, chunk_size=8))
+    lines = []
+    names = ["down_terms_sm90", "o_terms_sm90", "residual_norm_terms"]
+    ok = harness.run(cfg, names, members=members, repeats=1, out=lines.append)
+    hopper = cp_device_is_hopper()  # elsewhere the sm90 kernels are not built
+    expected = [" ok " if hopper or not n.endswith("_sm90") else "not built" for n in names]
+    assert ok and all(e in line for e, line in zip(expected, lines, strict=True)), lines
+
+
 def test_a_variant_launches_as_compiled_and_timing_skips_the_check():
     """scripts/kernels.py -D NT=128: the row kernels launch with the thread count they
     were compiled with and still match the CPU; --no-check times without the CPU."""

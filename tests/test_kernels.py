@@ -140,23 +140,39 @@ def test_sliced_core_pieces_are_the_slices_of_the_core_layout():
     assert sorted(pieces.ravel()) == list(range(n * k // 16))
 
 
-@pytest.mark.parametrize("k", [64, 256, 1024, 2048])
-@pytest.mark.parametrize("shift", range(4, 14))
-@pytest.mark.parametrize("mask, distribution", [(15, "uniform"), (31, "three_sample")])
-def test_projection_terms_fit_only_where_the_extremes_fit_16_bits(k, shift, mask, distribution):
-    """Where projection_terms_fit says yes, the product of k bytes of -128 by weights of
-    -128 with the largest rank-1 term the noise allows, shifted, plus x, is a short."""
-    cfg = Config().replace(noise=dict(perturb_mask=mask, perturb_distribution=distribution))
+def exact_terms_fit(k: int, n: int, fixed_point: int, sigma_shift: int, shift: int) -> bool:
+    """Whether every term (g + rank-1 term) >> shift of k inputs lies within 16 bits, from
+    the ranges themselves: g in [-128 * 127 k, 128^2 k]; the input dot within 128 n k
+    (each term v b k' / 64 with |v| <= 128, |b| <= n, k' <= 64), times the output noise
+    (|a| <= n) and the sign, is any int32 once it can pass 32 bits (the product wraps),
+    then floored by >> MSHIFT; the sum must not wrap; then floored by >> shift."""
+    mshift = fixed_point + sigma_shift
+    product = 128 * n * k * n
+    if product < 2**31:
+        rank1 = (-product >> mshift, product >> mshift)
+    else:
+        rank1 = (-(2**31) >> mshift, (2**31 - 1) >> mshift)
+    low, high = -128 * 127 * k + rank1[0], 128 * 128 * k + rank1[1]
+    if low < -(2**31) or high >= 2**31:
+        return False
+    return -(2**15) <= low >> shift and high >> shift < 2**15
+
+
+@pytest.mark.parametrize("k", [128, 256, 512, 1024, 2048])
+@pytest.mark.parametrize(
+    "mask, distribution", [(0, "uniform"), (15, "uniform"), (31, "three_sample")]
+)
+def test_projection_terms_fit_where_every_term_fits_16_bits(k, mask, distribution):
     n = mask * (3 if distribution == "three_sample" else 1)
-    q = cfg.quantization
-    g = 128 * 128 * k
-    # the input dot's k terms v b k' / 64 at their largest, times the output noise; a
-    # product past 32 bits wraps to some int32
-    rank1 = min(k * 128 * n * n, 2**31 - 1) >> (q.fixed_point + q.sigma_shift)
-    extremes = [(g + rank1) >> shift, (-g - rank1) >> shift]
-    if projection_terms_fit(cfg, k, shift):
-        assert all(-(2**15) <= e < 2**15 for e in extremes)
-    assert not projection_terms_fit(cfg.replace(adaptive_noise=dict(mode=2)), k, shift)
+    for fixed_point, sigma_shift in [(4, 3), (0, 0), (2, 1), (8, 8)]:
+        for shift in range(0, 20):
+            cfg = Config().replace(
+                noise=dict(perturb_mask=mask, perturb_distribution=distribution),
+                quantization=dict(fixed_point=fixed_point, sigma_shift=sigma_shift),
+            )
+            exact = exact_terms_fit(k, n, fixed_point, sigma_shift, shift)
+            assert projection_terms_fit(cfg, k, shift) == exact, (fixed_point, sigma_shift, shift)
+            assert not projection_terms_fit(cfg.replace(adaptive_noise=dict(mode=2)), k, shift)
 
 
 @pytest.mark.parametrize("mode", [0, 1, 2])

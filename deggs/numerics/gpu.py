@@ -109,6 +109,7 @@ LOSS_REGISTER_LPT = 16  # sequence_loss keeps up to this many logits a thread in
 TILE_WARPS, TILE_N = 8, 64  # head_loss: 32 rows a warp, vocabulary tiles of 64 embedding rows
 UP_ROWS = 128  # up_gelu_sm90: rows a block, two warpgroups of 64
 QKV_ROWS = 64  # qkv_rope_sm90: rows a block, one warpgroup
+TERMS_ROWS = 128  # terms_sm90: rows a tile, two warpgroups of 64
 SLICE, SLICE_STAGES = 128, 4  # terms_sm90: bytes of K a pipeline stage holds, stages
 # Shared memory of an H100's or H200's SM (228 KiB): head_loss's copies of the exp table
 # fill what two blocks an SM leave of it, each block reserving 1 KiB
@@ -209,6 +210,7 @@ def kernel_defines(cfg: Config, tables) -> dict[str, int]:
         TILE_N=TILE_N,
         UP_ROWS=UP_ROWS,
         QKV_ROWS=QKV_ROWS,
+        TERMS_ROWS=TERMS_ROWS,
         SLICE=SLICE,
         SLICE_STAGES=SLICE_STAGES,
         EXP_MAX=lut0,
@@ -319,11 +321,11 @@ def terms_sm90_shared(cfg: Config, defines: dict[str, int]) -> int | None:
     output noise (av_t), the tiles' inputs (seeds, signs, input dots) in SLICE_STAGES -
     1 buffers, the output noise's overlay; None where they cannot run the config (a
     row's products in registers, in whole slices)."""
-    d, slice_, rows = cfg.model.hidden_dim, defines["SLICE"], 128  # SLICE_ROWS
+    d, slice_, rows = cfg.model.hidden_dim, defines["SLICE"], defines["TERMS_ROWS"]
     if d % slice_ or d > 256:
         return None
     stages, members = defines["SLICE_STAGES"] * (rows + d) * slice_, tile_members(cfg, rows)
-    stage = (2 * rows // 32) * 16 * (TILE_N // 2 + 4) * 4
+    stage = (2 * rows // 32) * 16 * (TILE_N // 2 + 4) * 4  # TERMS_LD words a row
     inputs = (defines["SLICE_STAGES"] - 1) * 4 * (2 * members + rows)  # seeds, signs, dots
     return stages + stage + av_bytes(cfg) * members * d + inputs + d
 
@@ -626,8 +628,9 @@ class GpuBackend:
         q, terms_sm90 = cfg.quantization, terms_sm90_shared(cfg, self.defines)
 
         def terms_used(name: str, k: int, shift: int) -> bool:
-            used = self.hopper and terms_sm90 is not None and projection_terms_fit(cfg, k, shift)
-            if used and terms_sm90 is not None and fits(name, terms_sm90):
+            if terms_sm90 is None or not (self.hopper and projection_terms_fit(cfg, k, shift)):
+                return False
+            if fits(name, terms_sm90):
                 self.dynamic_shared[name] = terms_sm90
                 return True
             return False
@@ -1163,17 +1166,22 @@ class GpuBackend:
             **self._norm_arguments(then),
         )
 
-    def _projection_terms(self, ctx, kernel: str, matrix: str, layer, shift: int, inputs=None):
+    def _projection_terms(
+        self, ctx, kernel: str, matrix: str, layer, shift: int, inputs=None, blocks=None
+    ):
         """The projection of `inputs` (buf["y"] by default) by `matrix` (its input dot in
         buf["sbd"]) as residual_norm's terms, (product + rank-1 term) >> shift in 16 bits,
         into buf["g"]'s memory (`_terms`): no product is written. kernel: o_terms_sm90 or
-        down_terms_sm90 (terms_sm90.cu). The rows are whole members."""
+        down_terms_sm90 (terms_sm90.cu), `blocks` of them (at most one an SM, by
+        default), each taking tiles of TERMS_ROWS rows in turn. The rows are whole
+        members."""
         buf, seeds, signs, nb, seq, r = ctx
         _, (_, ov_out), (off_a, _) = self._param(matrix, layer)
+        rows = self.defines["TERMS_ROWS"]
         self._launch(
             kernel,
-            (self.sms,),  # one block an SM, taking tiles of 128 rows in turn
-            (256,),  # two warpgroups of 64 rows
+            (blocks or min(self.sms, -(-r // rows)),),
+            (2 * rows,),  # two warpgroups of 64 rows
             inputs=buf["y"] if inputs is None else inputs,
             w_cores=self.cores[matrix, layer].out,
             sb=buf["sbd"],

@@ -26,11 +26,10 @@
 // residual_norm's, bit for bit (scripts/kernels.py checks them against the CPU).
 // gpu.terms_sm90_shared() sizes the dynamic shared memory.
 
-// SLICE, SLICE_STAGES (gpu.py)
-#define SLICE_ROWS 128                  // rows a tile: two warpgroups of 64
+// SLICE, SLICE_STAGES, TERMS_ROWS (gpu.py: 128, rows a tile, two warpgroups of 64)
 #define SLICE_AHEAD (SLICE_STAGES - 2)  // slices copied ahead of the one multiplied
 #define SLICE_SBO (SLICE / 16 * 128)    // bytes between a slice's 8-row groups
-#define SLICE_MEMBERS MEMBERS_OF(SLICE_ROWS)
+#define TERMS_MEMBERS MEMBERS_OF(TERMS_ROWS)
 #define TERMS_LD (TILE_N / 2 + 4)       // words a staged row: with the padding, the quad's
                                         // word stores of eight rows hit distinct banks
 
@@ -42,35 +41,35 @@ __device__ __forceinline__ void projection_terms(const i8* a, const i8* w_cores,
                                                  short* terms, int rows) {
     constexpr int KS = K / SLICE;             // slices of a tile
     constexpr int PIECES = SLICE / 16;        // 16-byte pieces of a row's slice
-    constexpr int A_BYTES = SLICE_ROWS * SLICE;
+    constexpr int A_BYTES = TERMS_ROWS * SLICE;
     constexpr int B_BYTES = HIDDEN * SLICE;
     constexpr int CHUNKS = HIDDEN / TILE_N;   // accumulators of 64 columns
     extern __shared__ __align__(128) unsigned char terms_sm90_shared[];
     i8* s_a = (i8*)terms_sm90_shared;                     // [SLICE_STAGES][A_BYTES]
     i8* s_b = s_a + SLICE_STAGES * A_BYTES;               // [SLICE_STAGES][B_BYTES]
     u32* s_stage = (u32*)(s_b + SLICE_STAGES * B_BYTES);  // [warp][16][TERMS_LD]
-    av_t* s_av = (av_t*)(s_stage + (2 * SLICE_ROWS / 32) * 16 * TERMS_LD);  // [SLICE_MEMBERS][HIDDEN]
+    av_t* s_av = (av_t*)(s_stage + (2 * TERMS_ROWS / 32) * 16 * TERMS_LD);  // [TERMS_MEMBERS][HIDDEN]
     // What a tile's tables are made of, copied with its first slice (so no global load
     // waits in the tile loop; TILE_INPUTS buffers, as a tile's are copied up to
     // SLICE_AHEAD tiles ahead): its members' seeds and signs, its rows' input dots
     constexpr int TILE_INPUTS = SLICE_AHEAD + 1;
-    u32* s_seed = (u32*)(s_av + SLICE_MEMBERS * HIDDEN);        // [TILE_INPUTS][SLICE_MEMBERS]
-    int* s_sign = (int*)(s_seed + TILE_INPUTS * SLICE_MEMBERS);  // [TILE_INPUTS][SLICE_MEMBERS]
-    int* s_sb = s_sign + TILE_INPUTS * SLICE_MEMBERS;            // [TILE_INPUTS][SLICE_ROWS]
-    i8* s_ov = (i8*)(s_sb + TILE_INPUTS * SLICE_ROWS);           // [HIDDEN] the output noise's overlay
+    u32* s_seed = (u32*)(s_av + TERMS_MEMBERS * HIDDEN);        // [TILE_INPUTS][TERMS_MEMBERS]
+    int* s_sign = (int*)(s_seed + TILE_INPUTS * TERMS_MEMBERS);  // [TILE_INPUTS][TERMS_MEMBERS]
+    int* s_sb = s_sign + TILE_INPUTS * TERMS_MEMBERS;            // [TILE_INPUTS][TERMS_ROWS]
+    i8* s_ov = (i8*)(s_sb + TILE_INPUTS * TERMS_ROWS);           // [HIDDEN] the output noise's overlay
     __shared__ __align__(8) u64 full[SLICE_STAGES];  // stage s holds its matrix slice
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, tig = lane & 3;
-    const int tiles = (rows + SLICE_ROWS - 1) / SLICE_ROWS;
+    const int tiles = (rows + TERMS_ROWS - 1) / TERMS_ROWS;
     const int total = tiles > (int)blockIdx.x ? ((tiles - 1 - (int)blockIdx.x) / (int)gridDim.x + 1) * KS : 0;
-    auto first_row = [&](int i) { return ((int)blockIdx.x + i / KS * (int)gridDim.x) * SLICE_ROWS; };
+    auto first_row = [&](int i) { return ((int)blockIdx.x + i / KS * (int)gridDim.x) * TERMS_ROWS; };
 
     // Slice i into stage i % SLICE_STAGES; every thread commits one cp.async group a
     // slice, with or without pieces, so that the groups count slices. The slice's
     // 16-byte piece q in shared memory is row q % 8 of 8-row group q / (8 PIECES), its
     // piece (q / 8) % PIECES: a thread's pieces q = threadIdx.x + u THREADS are one
     // piece of rows ROW_STEP apart.
-    constexpr int THREADS = 2 * SLICE_ROWS, ROW_STEP = THREADS / PIECES;
+    constexpr int THREADS = 2 * TERMS_ROWS, ROW_STEP = THREADS / PIECES;
     const int my_row = threadIdx.x / (8 * PIECES) * 8 + (threadIdx.x & 7);
     const i8* my_piece = a + (long)my_row * K + 16 * ((threadIdx.x >> 3) % PIECES);
     auto load = [&](int i) {
@@ -78,12 +77,12 @@ __device__ __forceinline__ void projection_terms(const i8* a, const i8* w_cores,
         if (threadIdx.x == 0) bulk_copy(s_b + stage * B_BYTES, w_cores + k * B_BYTES, B_BYTES, &full[stage]);
         if (k == 0) {  // the tile's inputs
             const int at = i / KS % TILE_INPUTS, m0 = row0 / SEQ;
-            const int n_members = (min(row0 + SLICE_ROWS, rows) - 1) / SEQ - m0 + 1;
-            for (int r = threadIdx.x; r < min(SLICE_ROWS, rows - row0); r += blockDim.x)
-                copy4_async(s_sb + at * SLICE_ROWS + r, sb + row0 + r);
+            const int n_members = (min(row0 + TERMS_ROWS, rows) - 1) / SEQ - m0 + 1;
+            for (int r = threadIdx.x; r < min(TERMS_ROWS, rows - row0); r += blockDim.x)
+                copy4_async(s_sb + at * TERMS_ROWS + r, sb + row0 + r);
             for (int m = threadIdx.x; m < n_members; m += blockDim.x) {
-                copy4_async(s_seed + at * SLICE_MEMBERS + m, seeds + m0 + m);
-                copy4_async(s_sign + at * SLICE_MEMBERS + m, signs + m0 + m);
+                copy4_async(s_seed + at * TERMS_MEMBERS + m, seeds + m0 + m);
+                copy4_async(s_sign + at * TERMS_MEMBERS + m, signs + m0 + m);
             }
         }
         i8* to = s_a + stage * A_BYTES + 16 * threadIdx.x;
@@ -110,7 +109,7 @@ __device__ __forceinline__ void projection_terms(const i8* a, const i8* w_cores,
     int i = 0;  // slices taken so far; the tile loop's inner loop is unrolled, so ptxas
                 // sees which products are in flight at every wait (no C7517 wait)
     for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-        const int row0 = tile * SLICE_ROWS;
+        const int row0 = tile * TERMS_ROWS;
         u32 sbs[2];           // the thread's rows' input dots times their members' signs
         const av_t* av[2];    // and their members' output noise
 #pragma unroll
@@ -135,15 +134,15 @@ __device__ __forceinline__ void projection_terms(const i8* a, const i8* w_cores,
             asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
             if (k == 0) {  // the tile's rows' input dots and its members' output noise
                 const int at = i / KS % TILE_INPUTS, m0 = row0 / SEQ;
-                const int n_members = (min(row0 + SLICE_ROWS, rows) - 1) / SEQ - m0 + 1;
-                const u32* seed = s_seed + at * SLICE_MEMBERS;
+                const int n_members = (min(row0 + TERMS_ROWS, rows) - 1) / SEQ - m0 + 1;
+                const u32* seed = s_seed + at * TERMS_MEMBERS;
 #pragma unroll
                 for (int s = 0; s < 2; s++) {
                     const int r = 16 * warp + 8 * s + g;
                     // (a warp's 16 rows are one member's where SEQ is a multiple of 16)
                     const int member = row0 + r < rows ? (row0 + (SEQ % 16 == 0 ? r - 8 * s : r)) / SEQ - m0 : 0;
                     av[s] = s_av + member * HIDDEN;
-                    sbs[s] = row0 + r < rows ? (u32)s_sb[at * SLICE_ROWS + r] * (u32)s_sign[at * SLICE_MEMBERS + member] : 0u;
+                    sbs[s] = row0 + r < rows ? (u32)s_sb[at * TERMS_ROWS + r] * (u32)s_sign[at * TERMS_MEMBERS + member] : 0u;
                 }
                 for (int e = threadIdx.x; e < n_members * HIDDEN; e += blockDim.x)
                     s_av[e] = (av_t)output_noise_at(s_ov[e % HIDDEN], seed[e / HIDDEN] + off_a, e % HIDDEN);
@@ -195,7 +194,7 @@ __device__ __forceinline__ void projection_terms(const i8* a, const i8* w_cores,
 #define TERMS_FIT (HIDDEN % SLICE == 0 && HIDDEN <= 256)  // else gpu.py never launches them
 
 // The o-projection's (K = HIDDEN): the inputs are attention's mixed rows
-extern "C" __global__ void __launch_bounds__(2 * SLICE_ROWS, 1)
+extern "C" __global__ void __launch_bounds__(2 * TERMS_ROWS, 1)
 o_terms_sm90(const i8* inputs, const i8* w_cores, const int* sb, const u32* seeds, const int* signs,
              const i8* ov_out, u32 off_a, int shift, short* terms, int rows) {
 #if TERMS_FIT
@@ -206,7 +205,7 @@ o_terms_sm90(const i8* inputs, const i8* w_cores, const int* sb, const u32* seed
 }
 
 // The down-projection's (K = 4 HIDDEN): the inputs are the GELU'd hidden rows
-extern "C" __global__ void __launch_bounds__(2 * SLICE_ROWS, 1)
+extern "C" __global__ void __launch_bounds__(2 * TERMS_ROWS, 1)
 down_terms_sm90(const i8* inputs, const i8* w_cores, const int* sb, const u32* seeds, const int* signs,
                 const i8* ov_out, u32 off_a, int shift, short* terms, int rows) {
 #if TERMS_FIT

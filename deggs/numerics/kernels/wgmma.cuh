@@ -1,14 +1,16 @@
 // Warpgroup MMAs on Hopper (sm_90a only: gpu.py compiles SM90_FILES as a program of
 // their own), for the kernels that fuse a GEMM with its epilogue: head_loss_sm90.cu,
-// up_gelu_sm90.cu, qkv_rope_sm90.cu.
+// up_gelu_sm90.cu, qkv_rope_sm90.cu, terms_sm90.cu.
 //
 // A block's warpgroups own 64 rows each (head_loss_sm90: four, TILE_M = 256 rows;
 // up_gelu_sm90: two, UP_ROWS = 128, so that two blocks share an SM; qkv_rope_sm90: one,
-// which takes a whole matrix's products at once and does not sweep); a block sweeps a
-// weight matrix Wt[out, HIDDEN] in tiles of TILE_N rows. `wgmma.mma_async` reads both
-// operands straight from shared memory and runs asynchronously: each warpgroup starts
-// tile t + 1's products into a second set of accumulators, then runs tile t's epilogue,
-// so the tensor cores and the warps work at once (`sweep_async`).
+// which takes a whole matrix's products at once and does not sweep; terms_sm90.cu's:
+// two, taking all columns at once and K in slices, its own pipeline); head_loss_sm90
+// and up_gelu_sm90 sweep a weight matrix Wt[out, HIDDEN] in tiles of TILE_N rows.
+// `wgmma.mma_async` reads both operands straight from shared memory and runs
+// asynchronously: each warpgroup starts tile t + 1's products into a second set of
+// accumulators, then runs tile t's epilogue, so the tensor cores and the warps work at
+// once (`sweep_async`).
 // That holds only if ptxas sees every product it waits for issued on every path: where
 // one is issued under a condition (the last tile's "next"), ptxas cannot tell at the loop
 // edge which accumulators are in flight and injects a wait after each product (its
@@ -17,7 +19,8 @@
 //
 // The rows and the tiles sit in shared memory in wgmma's K-major layout without
 // swizzle: "core matrices" of 8 rows x 16 bytes, 128 contiguous bytes each, the core
-// matrix of row group r / 8 and bytes k / 16 at ((r / 8) * HIDDEN / 16 + k / 16) * 128.
+// matrix of row group r / 8 and bytes k / 16 at ((r / 8) * HIDDEN / 16 + k / 16) * 128
+// (terms_sm90.cu's slices: SLICE bytes of K in place of HIDDEN).
 // Copying 16-byte pieces in that order makes the shared address 16 x the piece's index.
 //
 // The accumulator of `wgmma m64n64k32` is mma.sync's m16n8 layout once per warp and
