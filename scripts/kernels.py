@@ -241,8 +241,8 @@ def check_residual_norm(b, terms=False):
     g = b.ints(-(2**20), 2**20, (b.m, b.t, b.d))
     sb = b.ints(-(2**18), 2**18, (b.m, b.t))
     x = b.ints(-127, 128, (b.m, b.t, b.d), np.int8)
-    # 16-bit terms where residual_norm reads them (in adaptive mode 2 the products' can be
-    # wider: there terms_sm90.cu's kernels never run)
+    # residual_norm's own 16-bit inputs drawn directly (terms made of the products can be
+    # wider where terms_sm90.cu's kernels never run, as in adaptive mode 2)
     term = b.ints(-(2**15), 2**15, x.shape) if terms else residual_terms_reference(b, g, sb)
     mlp = LAYER_MLP
 
@@ -274,6 +274,7 @@ def check_residual_norm(b, terms=False):
 
 
 def check_residual_norm_terms(b):
+    """residual_norm on terms_sm90.cu's 16-bit terms in place of the products."""
     return check_residual_norm(b, terms=True)
 
 
