@@ -137,12 +137,9 @@ __device__ __forceinline__ dot_t dot_entry(const i8* ov, u32 seed, u32 j) {
 
 // A matrix's output noise of column j, (int)(a_j * factor_j): the term of v = 1 (in
 // modes 0 and 1 no float division either, whose slow path is a call that holds back the
-// loads of a table's loop). _at: of overlay byte o, loaded apart.
-__device__ __forceinline__ int output_noise_at(int o, u32 seed, u32 j) {
-    return dot_term(1, dot_entry_of(o, seed, j));
-}
+// loads of a table's loop).
 __device__ __forceinline__ int output_noise_of(const i8* ov, u32 seed, u32 j) {
-    return output_noise_at(overlay_byte(ov, j), seed, j);
+    return dot_term(1, dot_entry(ov, seed, j));
 }
 
 // Rank-1 noise of a vector parameter entry.

@@ -135,7 +135,6 @@ __device__ __forceinline__ void projection_terms(const i8* a, const i8* w_cores,
             if (k == 0) {  // the tile's rows' input dots and its members' output noise
                 const int at = i / KS % TILE_INPUTS, m0 = row0 / SEQ;
                 const int n_members = (min(row0 + TERMS_ROWS, rows) - 1) / SEQ - m0 + 1;
-                const u32* seed = s_seed + at * TERMS_MEMBERS;
 #pragma unroll
                 for (int s = 0; s < 2; s++) {
                     const int r = 16 * warp + 8 * s + g;
@@ -144,8 +143,8 @@ __device__ __forceinline__ void projection_terms(const i8* a, const i8* w_cores,
                     av[s] = s_av + member * HIDDEN;
                     sbs[s] = row0 + r < rows ? (u32)s_sb[at * TERMS_ROWS + r] * (u32)s_sign[at * TERMS_MEMBERS + member] : 0u;
                 }
-                for (int e = threadIdx.x; e < n_members * HIDDEN; e += blockDim.x)
-                    s_av[e] = (av_t)output_noise_at(s_ov[e % HIDDEN], seed[e / HIDDEN] + off_a, e % HIDDEN);
+                // (from the seeds and the overlay in shared memory)
+                tile_noise(s_av, n_members, 0, s_seed + at * TERMS_MEMBERS, off_a, s_ov, 0, HIDDEN, HIDDEN);
             } else {
                 wgmma_wait_one();  // slice i - 1's products
             }
