@@ -603,40 +603,34 @@ class GpuBackend:
         if self.hopper:
             self.kernels.update(self._compile_sm90a())
 
-        def fits(name: str, dynamic: int) -> bool:  # beside its static shared memory (barriers)
-            return dynamic + self.kernels[name].function.shared_size_bytes <= optin
+        def runs_sm90(name: str, dynamic: int | None) -> bool:
+            """Whether the Hopper kernel `name` runs: built for this device, its layout
+            possible at the config (not None) and fitting beside its static shared
+            memory (barriers); if so, its dynamic shared memory is noted."""
+            if not self.hopper or dynamic is None:
+                return False
+            if dynamic + self.kernels[name].function.shared_size_bytes > optin:
+                return False
+            self.dynamic_shared[name] = dynamic
+            return True
 
-        head_sm90 = head_loss_sm90_shared(cfg, self.defines)
-        self.head_kernel = "head_loss"
-        if self.hopper and self.fused and fits("head_loss_sm90", head_sm90):
-            self.head_kernel = "head_loss_sm90"
-            self.dynamic_shared["head_loss_sm90"] = head_sm90
+        head = head_loss_sm90_shared(cfg, self.defines)
+        self.head_kernel = (
+            "head_loss_sm90" if self.fused and runs_sm90("head_loss_sm90", head) else "head_loss"
+        )
         # The up-projection fused with mlp_up (up_gelu_sm90.cu) likewise; else cuBLAS
         # writes the int32 products and mlp_up reads them.
-        up_sm90 = up_gelu_sm90_shared(cfg, self.defines)
-        self.fused_up = self.hopper and fits("up_gelu_sm90", up_sm90)
-        if self.fused_up:
-            self.dynamic_shared["up_gelu_sm90"] = up_sm90
+        self.fused_up = runs_sm90("up_gelu_sm90", up_gelu_sm90_shared(cfg, self.defines))
         # The q, k, v GEMM fused with qkv_rope (qkv_rope_sm90.cu) likewise.
-        qkv_sm90 = qkv_rope_sm90_shared(cfg)
-        self.fused_qkv = self.hopper and qkv_sm90 is not None and fits("qkv_rope_sm90", qkv_sm90)
-        if self.fused_qkv and qkv_sm90 is not None:
-            self.dynamic_shared["qkv_rope_sm90"] = qkv_sm90
+        self.fused_qkv = runs_sm90("qkv_rope_sm90", qkv_rope_sm90_shared(cfg))
         # The o- and the down-projection's GEMMs writing residual_norm's terms in 16 bits
         # (terms_sm90.cu) where their tiles fit and the terms fit 16 bits, so that
         # residual_norm reads half the bytes of a product.
-        q, terms_sm90 = cfg.quantization, terms_sm90_shared(cfg, self.defines)
-
-        def terms_used(name: str, k: int, shift: int) -> bool:
-            if terms_sm90 is None or not (self.hopper and projection_terms_fit(cfg, k, shift)):
-                return False
-            if fits(name, terms_sm90):
-                self.dynamic_shared[name] = terms_sm90
-                return True
-            return False
-
-        self.o_terms = terms_used("o_terms_sm90", m.hidden_dim, q.shift_out)
-        self.down_terms = terms_used("down_terms_sm90", 4 * m.hidden_dim, q.shift_mlp_down)
+        q, terms = cfg.quantization, terms_sm90_shared(cfg, self.defines)
+        o_fit = projection_terms_fit(cfg, m.hidden_dim, q.shift_out)
+        down_fit = projection_terms_fit(cfg, 4 * m.hidden_dim, q.shift_mlp_down)
+        self.o_terms = o_fit and runs_sm90("o_terms_sm90", terms)
+        self.down_terms = down_fit and runs_sm90("down_terms_sm90", terms)
         self.sms = cp.cuda.Device().attributes["MultiProcessorCount"]
         # Attention on the tensor cores (attention.cu) where a head fills whole MMAs.
         self.tensor_attention = m.head_dim % 32 == 0 and attention_shared(cfg) <= optin
