@@ -29,7 +29,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[1])]
 
 from deggs.config import Config, load_config  # noqa: E402
 from deggs.numerics import model  # noqa: E402
-from deggs.numerics.gpu import Norm  # noqa: E402
+from deggs.numerics.gpu import Norm, hidden_order  # noqa: E402
 from deggs.numerics.model import Perturbation, Weights, wrap32  # noqa: E402
 from deggs.numerics.optimizer import optimizer_step, update_overlay  # noqa: E402
 from deggs.numerics.params import EMB_MLP, LAYER_MLP, PARAM, offsets  # noqa: E402
@@ -289,9 +289,11 @@ def check_o_terms_sm90(b, down=False):
     )
     inputs = b.ints(-127, 128, (b.m, b.t, k), np.int8)
     sb = b.ints(-(2**18), 2**18, (b.m, b.t))
+    # where up_gelu_sm90 runs, the down-projection reads its input in hidden_order
+    order = hidden_order(b.d) if down and b.gpu.fused_up else np.arange(k)
 
     def setup():
-        b.put("y", inputs)
+        b.put("y", np.ascontiguousarray(inputs[..., order]))
         b.put("sbd", sb)
 
     # few members (the tests) in few blocks, so that each block takes several tiles in
@@ -369,7 +371,8 @@ def check_up_gelu_sm90(b):
         return mlp_up_reference(b, names, g, sb)
 
     def result():
-        hidden = b.get("hidden", (b.m, b.t, 4 * b.d), np.int64)
+        hidden = np.empty((b.m, b.t, 4 * b.d), np.int64)  # written in hidden_order
+        hidden[..., hidden_order(b.d)] = b.get("hidden", (b.m, b.t, 4 * b.d), np.int64)
         return hidden, b.get("sbd", (b.m, b.t), np.int64)
 
     moved = y.nbytes + sb.nbytes + 4 * b.d * b.d + b.rows * (4 * b.d + 4)

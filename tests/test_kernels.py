@@ -20,6 +20,8 @@ from deggs.numerics.gpu import (
     head_loss_layout,
     head_loss_shared,
     head_loss_sm90_shared,
+    hidden_order,
+    in_hidden_order,
     kernel_cache_folder,
     kernel_defines,
     kernel_source,
@@ -70,7 +72,7 @@ def test_every_kernel_signature_is_read_from_the_shipped_sources():
     assert set(kernels) == set(
         re.findall(r'extern "C" __global__ void (?:__launch_bounds__\(.*?\)\s*)?(\w+)\(', source)
     )
-    assert len(kernels) == 16 and set(shared_memory(Config())) <= set(kernels)
+    assert len(kernels) == 17 and set(shared_memory(Config())) <= set(kernels)
     embed = {p.name: p for p in kernels["embed"]}
     assert embed["tokens"].pointer and embed["tokens"].dtype is np.int32
     assert not embed["off_emb"].pointer and embed["off_emb"].dtype is np.uint32
@@ -215,17 +217,43 @@ def test_the_core_copies_hold_what_the_kernels_gathered(k):
         assert np.array_equal(copy(order), rows_to_cores(matrix, order))
 
 
-@pytest.mark.parametrize("hidden", [64, 256, 1024])
-def test_up_order_is_up_gelu_sm90s_up_column(hidden):
+@pytest.mark.parametrize("hidden", [32, 64, 256, 1024])
+def test_up_order_gives_each_up_gelu_sm90_thread_whole_groups(hidden):
+    """up_gelu_sm90.cu: in tiles 2 u and 2 u + 1 of 64 rows, thread (w, g) holds tile
+    rows 16 w + g and 16 w + g + 8 of each, which must be features G, G + hidden,
+    G + 2 hidden, G + 3 hidden of its group G = 32 u + 8 w + g, in that order."""
     order = up_order(hidden)
     assert np.array_equal(np.sort(order), np.arange(4 * hidden))  # each row once
-    groups = 16  # UP_GROUPS: TILE_N / 4
+    tiles = order.reshape(-1, 64)
+    for u in range(hidden // 32):
+        for w in range(4):
+            for g in range(8):
+                held = [tiles[2 * u + h, 16 * w + 8 * s + g] for h in range(2) for s in range(2)]
+                group = 32 * u + 8 * w + g
+                assert held == [group + sub * hidden for sub in range(4)]
 
-    def up_column(tile, col):  # up_gelu_sm90.cu's
-        nt, tig, jj = col >> 3, (col >> 1) & 3, col & 1
-        return tile * groups + (nt >> 1) * 4 + tig + ((nt & 1) * 2 + jj) * hidden
 
-    assert [up_column(t, c) for t in range(hidden // groups) for c in range(64)] == list(order)
+@pytest.mark.parametrize("hidden", [32, 256])
+def test_the_down_copies_take_their_inputs_in_hidden_order(hidden):
+    """up_gelu_sm90 writes byte 4 G + sub of a hidden row for feature G + sub hidden;
+    the down matrix's copies (gpu.in_hidden_order) hold its inputs in that order, so the
+    products are the same."""
+    k, n = 4 * hidden, hidden
+    order = hidden_order(hidden)
+    assert np.array_equal(np.sort(order), np.arange(k))
+    assert [order[4 * g + sub] for g in (0, 5) for sub in range(4)] == [
+        g + sub * hidden for g in (0, 5) for sub in range(4)
+    ]
+    rng = np.random.default_rng(hidden)
+    matrix = rng.integers(-127, 128, (n, k)).astype(np.int8)
+    permuted = np.ascontiguousarray(matrix[:, order])
+    rows = rng.integers(-127, 128, (8, k)).astype(np.int64)
+    assert np.array_equal(
+        rows[:, order] @ permuted.T.astype(np.int64), rows @ matrix.T.astype(np.int64)
+    )
+    for pieces in (sliced_core_pieces(n, k, 128), np.arange(n * k // 16)):
+        by_bytes = matrix.ravel()[in_hidden_order(pieces, k)]
+        assert np.array_equal(by_bytes, permuted.reshape(-1, 16)[pieces].ravel())
 
 
 @pytest.mark.parametrize(

@@ -107,7 +107,7 @@ ATT_WARPS = 4  # attention_mma: at most this many warps a block, 16 queries a wa
 LOSS_REGISTER_LPT = 16  # sequence_loss keeps up to this many logits a thread in registers
 # (more read the logits twice: 20% faster at vocab 8192, where 32 in registers cut occupancy)
 TILE_WARPS, TILE_N = 8, 64  # head_loss: 32 rows a warp, vocabulary tiles of 64 embedding rows
-UP_ROWS = 128  # up_gelu_sm90: rows a block, two warpgroups of 64
+UP_ROWS = 64  # up_gelu_sm90: rows a block, two warpgroups of 32
 QKV_ROWS = 64  # qkv_rope_sm90: rows a block, one warpgroup
 TERMS_ROWS = 128  # terms_sm90: rows a tile, two warpgroups of 64
 SLICE, SLICE_STAGES = 128, 4  # terms_sm90: bytes of K a pipeline stage holds, stages
@@ -275,7 +275,7 @@ def head_loss_sm90_shared(cfg: Config, defines: dict[str, int]) -> int:
 
 def up_gelu_sm90_shared(cfg: Config, defines: dict[str, int]) -> int:
     """Bytes of dynamic shared memory of up_gelu_sm90 (up_gelu_sm90.cu's layout): the
-    block's rows, two tiles of the up matrix, per member and column of the matrix an
+    block's rows, two tiles of the up matrix, per member and feature of the matrix an
     8-byte entry and a dot_t (common.cuh: 4 bytes, 8 in adaptive mode 2), the GELU
     table in bytes."""
     rows, up = defines["UP_ROWS"], 4 * cfg.model.hidden_dim
@@ -356,24 +356,41 @@ def core_pieces(order: np.ndarray, k: int) -> np.ndarray:
 
 
 def up_order(hidden: int) -> np.ndarray:
-    """The up matrix's rows in up_gelu_sm90's tiles (up_gelu_sm90.cu's up_column): tile
-    t's column 8 nt + 2 tig + jj is row t UP_GROUPS + 4 (nt / 2) + tig + (2 (nt % 2) +
-    jj) hidden, UP_GROUPS = TILE_N / 4."""
-    col = np.arange(TILE_N)
-    nt, tig, jj = col >> 3, (col >> 1) & 3, col & 1
-    groups = TILE_N // 4
-    tile = (nt >> 1) * 4 + tig + ((nt & 1) * 2 + jj) * hidden
-    return np.concatenate([t * groups + tile for t in range(hidden // groups)])
+    """The up matrix's rows in up_gelu_sm90's tiles of 64 (up_gelu_sm90.cu): in tiles 2 u
+    + h, row 16 w + 8 s + g is row 32 u + 8 w + g + (2 h + s) hidden."""
+    i = np.arange(2 * TILE_N)  # tiles 2 u and 2 u + 1
+    h, w, s, g = i >> 6, (i >> 4) & 3, (i >> 3) & 1, i & 7
+    pair = 8 * w + g + (2 * h + s) * hidden
+    return np.concatenate([32 * u + pair for u in range(hidden // 32)])
+
+
+def hidden_order(hidden: int) -> np.ndarray:
+    """The features of a hidden row as up_gelu_sm90 writes it: byte 4 G + sub is feature
+    G + sub hidden (a thread's group at once). The down-projection after it reads its
+    matrix's inputs in this order (GpuBackend._core_copies)."""
+    p = np.arange(4 * hidden)
+    return p // 4 + p % 4 * hidden
+
+
+def in_hidden_order(index: np.ndarray, k: int) -> np.ndarray:
+    """A copy's piece index (core_pieces, sliced_core_pieces) over a matrix of k inputs a
+    row taken in hidden_order, as the index of each of its bytes in the matrix itself:
+    the down-projection's copies where up_gelu_sm90 writes its input."""
+    byte = (index[:, None] * 16 + np.arange(16)).ravel()
+    return (byte - byte % k + hidden_order(k // 4)[byte % k]).astype(np.int32)
 
 
 @dataclass(frozen=True)
 class CoreCopy:
     """A weight matrix kept on the device in the order an sm90 kernel copies it into
-    shared memory (core_pieces), made again from `source` after every update."""
+    shared memory (core_pieces), made again from `source` after every update: out's
+    piece i is source's piece index[i], of `piece` bytes (16; 1 where the inputs are
+    reordered too, in_hidden_order)."""
 
     source: object  # the matrix, K-contiguous int8 on the device
-    index: object  # core_pieces, on the device
+    index: object  # on the device
     out: object
+    piece: int = 16
 
 
 def attention_shared(cfg: Config) -> int:
@@ -741,8 +758,8 @@ class GpuBackend:
         d, layers = m.hidden_dim, range(m.n_layers)
         copies = {}
 
-        def keep(key, source, index):
-            copies[key] = CoreCopy(source, index, cp.empty(16 * index.size, cp.int8))
+        def keep(key, source, index, piece=16):
+            copies[key] = CoreCopy(source, index, cp.empty(piece * index.size, cp.int8), piece)
 
         if self.fused_qkv:
             index = cp.asarray(core_pieces(np.arange(3 * d), d))
@@ -757,10 +774,17 @@ class GpuBackend:
             index = cp.asarray(sliced_core_pieces(d, d, slice_))
             for layer in layers:
                 keep(("w_o", layer), self._param("w_o", layer)[0], index)
-        if self.down_terms:
-            index = cp.asarray(sliced_core_pieces(d, 4 * d, slice_))
+        # The down-projection's: its slices for down_terms_sm90, and where up_gelu_sm90
+        # writes its input in hidden_order, its inputs in that order (for cuBLAS, as a
+        # plain matrix otherwise)
+        if self.down_terms or self.fused_up:
+            pieces = (
+                sliced_core_pieces(d, 4 * d, slice_) if self.down_terms else np.arange(d * d // 4)
+            )
+            piece = 1 if self.fused_up else 16
+            index = cp.asarray(in_hidden_order(pieces, 4 * d) if self.fused_up else pieces)
             for name, at in [(EMB_MLP.down, None), *((LAYER_MLP.down, layer) for layer in layers)]:
-                keep((name, at), self._param(name, at)[0], index)
+                keep((name, at), self._param(name, at)[0], index, piece)
         if "head_loss_sm90" in self.dynamic_shared:
             rows = np.arange(-(-m.vocab_size // TILE_N) * TILE_N)  # whole tiles
             order = np.where(rows < m.vocab_size, rows, -1)
@@ -773,7 +797,7 @@ class GpuBackend:
         for copy in self.cores.values():
             n = copy.index.size
             self._launch(
-                "gather_pieces",
+                "gather_pieces" if copy.piece == 16 else "gather_bytes",
                 (-(-n // 256),),
                 (256,),
                 source=copy.source,
@@ -1073,7 +1097,10 @@ class GpuBackend:
             self._projection_terms(ctx, "down_terms_sm90", names.down, layer, shift, hidden)
             self._residual(ctx, names.down, layer, shift, then, names.bias_down, terms=True)
         else:
-            self._project(self._param(names.down, layer)[0], hidden, buf["g"], d, r, 4 * d)
+            down = self._param(names.down, layer)[0]
+            if self.fused_up and whole:  # its inputs in hidden_order, as up_gelu_sm90 wrote
+                down = self.cores[names.down, layer].out.reshape(d, 4 * d)
+            self._project(down, hidden, buf["g"], d, r, 4 * d)
             self._residual(ctx, names.down, layer, shift, then, names.bias_down)
 
     def _mlp_up_arguments(self, ctx, names: Mlp, layer) -> dict:
@@ -1114,7 +1141,7 @@ class GpuBackend:
         self._launch(
             "up_gelu_sm90",
             (-(-r // self.defines["UP_ROWS"]),),
-            (2 * self.defines["UP_ROWS"],),  # a warpgroup of 128 threads for 64 rows
+            (4 * self.defines["UP_ROWS"],),  # a warpgroup of 128 threads for 32 rows
             y=buf["y"],
             up_cores=self.cores[names.up, layer].out,
             sb_up=buf["sb"],

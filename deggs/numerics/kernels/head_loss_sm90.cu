@@ -75,7 +75,9 @@ head_loss_sm90(const i8* y, const i8* emb_t, const i8* emb_cores, const int* sb,
     // Unrolled, so that `pass` is a constant in each copy (as in head_loss).
 #pragma unroll
     for (int pass = 0; pass < 2; pass++) {
-        sweep_async(TILES, s_rows, s_b, emb_cores, [&](const int (&d)[32], int tile) { epilogue(d, tile, pass); });
+        sweep_async<TILE_N * HIDDEN>(
+            TILES, s_b, emb_cores, [&](int (&d)[32], const i8* tile) { tile_product_async(d, s_rows, tile); },
+            [&](const int (&d)[32], int tile) { epilogue(d, tile, pass); });
         if (pass == 0) {  // the quad of threads holding a row shares its peak
 #pragma unroll
             for (int s = 0; s < 2; s++) {

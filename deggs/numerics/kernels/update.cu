@@ -77,6 +77,13 @@ extern "C" __global__ void gather_pieces(const i8* source, const int* index, i8*
     if (i < n) ((int4*)out)[i] = index[i] < 0 ? make_int4(0, 0, 0, 0) : ((const int4*)source)[index[i]];
 }
 
+// Byte i of out = byte index[i] of source: the copies whose matrix inputs are reordered
+// as well (gpu.py's in_hidden_order). n bytes.
+extern "C" __global__ void gather_bytes(const i8* source, const int* index, i8* out, int n) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = source[index[i]];
+}
+
 // Grow an overlay entry by inc where its weights changed, shrink by dec elsewhere; clears the counts.
 extern "C" __global__ void update_overlay(i8* ov, int* counts, int n, int inc, int dec) {
     const int i = blockIdx.x * blockDim.x + threadIdx.x;

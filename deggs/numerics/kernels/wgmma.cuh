@@ -3,10 +3,11 @@
 // up_gelu_sm90.cu, qkv_rope_sm90.cu, terms_sm90.cu.
 //
 // A block's warpgroups own 64 rows each (head_loss_sm90: four, TILE_M = 256 rows;
-// up_gelu_sm90: two, UP_ROWS = 128, so that two blocks share an SM; qkv_rope_sm90: one,
-// which takes a whole matrix's products at once and does not sweep; terms_sm90.cu's:
-// two, taking all columns at once and K in slices, its own pipeline); head_loss_sm90
-// and up_gelu_sm90 sweep a weight matrix Wt[out, HIDDEN] in tiles of TILE_N rows.
+// qkv_rope_sm90: one, which takes a whole matrix's products at once and does not sweep;
+// terms_sm90.cu's: two, taking all columns at once and K in slices, its own pipeline),
+// or 32 (up_gelu_sm90: two, UP_ROWS = 64, so that two blocks share an SM, its products
+// transposed: the matrix's rows as the MMA's rows); head_loss_sm90 and up_gelu_sm90
+// sweep a weight matrix Wt[out, HIDDEN] in tiles of TILE_N rows.
 // `wgmma.mma_async` reads both operands straight from shared memory and runs
 // asynchronously: each warpgroup starts tile t + 1's products into a second set of
 // accumulators, then runs tile t's epilogue, so the tensor cores and the warps work at
@@ -78,6 +79,27 @@ __device__ __forceinline__ void wgmma_64x64x32(int (&d)[32], u64 a, u64 b, int a
         : "l"(a), "l"(b), "r"(accumulate));
 }
 
+// d = A[64 rows, 32 bytes] B[32 rows, 32 bytes]^T, or d += it (accumulate), at K step
+// K (32 bytes a step) of descriptors a and b given by their low words at step 0
+// (core_descriptor's) and their common high word: made in the asm, so that the
+// compiler keeps three registers and not every step's two 64-bit descriptors
+// (up_gelu_sm90 spilled them).
+template <int K>
+__device__ __forceinline__ void wgmma_64x32x32(int (&d)[16], u32 a, u32 b, u32 high, int accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\n.reg .b32 la, lb;\n.reg .b64 da, db;\n"
+        "setp.ne.b32 p, %19, 0;\n"
+        "add.u32 la, %16, %20;\nadd.u32 lb, %17, %20;\n"
+        "mov.b64 da, {la, %18};\nmov.b64 db, {lb, %18};\n"
+        "wgmma.mma_async.sync.aligned.m64n32k32.s32.s8.s8 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
+        "da, db, p;\n}\n"
+        : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3]), "+r"(d[4]), "+r"(d[5]), "+r"(d[6]),
+          "+r"(d[7]), "+r"(d[8]), "+r"(d[9]), "+r"(d[10]), "+r"(d[11]), "+r"(d[12]),
+          "+r"(d[13]), "+r"(d[14]), "+r"(d[15])
+        : "r"(a), "r"(b), "r"(high), "r"(accumulate), "n"(2 * CORE_LBO / 16 * K));
+}
+
 // The warpgroup's 64 rows (s_a) times a tile's TILE_N rows (s_b), K = HIDDEN, into d:
 // issued and committed as one group, not waited for.
 __device__ __forceinline__ void tile_product_async(int (&d)[32], const i8* s_a, const i8* s_b) {
@@ -91,10 +113,11 @@ __device__ __forceinline__ void tile_product_async(int (&d)[32], const i8* s_a, 
 
 // Waits for the warpgroup's products; d's registers are then the results (the empty
 // asm keeps the compiler from reading them before the wait).
-__device__ __forceinline__ void tile_product_wait(int (&d)[32]) {
+template <int N>
+__device__ __forceinline__ void tile_product_wait(int (&d)[N]) {
     asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
 #pragma unroll
-    for (int i = 0; i < 32; i++) asm volatile("" : "+r"(d[i])::"memory");
+    for (int i = 0; i < N; i++) asm volatile("" : "+r"(d[i])::"memory");
 }
 
 // Bulk copies (the TMA unit's cp.async.bulk) that complete on a shared-memory barrier
@@ -135,15 +158,16 @@ __device__ __forceinline__ void barrier_wait(u64* bar, u32 parity) {
 }
 
 // One sweep over n tiles of a weight matrix kept in the order the sweep takes it
-// (tiles: tile t's TILE_N rows at t TILE_N HIDDEN, in the core-matrix layout; gpu.py's
-// CoreCopy), through s_b's two buffers; epilogue(d, t) gets the warpgroup's products
-// with tile t. The block's rows (s_rows: the warpgroup's 64) must be in shared memory,
-// their cp.async copy committed before. Tables the epilogues read are best built
-// before: between two tiles, a global load's wait stalls every warp.
-template <typename Epilogue>
-__device__ __forceinline__ void sweep_async(int n, const i8* s_rows, i8* s_b, const i8* tiles,
+// (tiles: tile t's BYTES at t BYTES, in the core-matrix layout; gpu.py's CoreCopy),
+// through s_b's two buffers. product(d, tile) starts the warpgroup's products with the
+// tile in shared memory into its ACC accumulators d (tile_product_async, as one
+// committed group); epilogue(d, t) gets them for tile t. The block's rows (the operand product reads
+// besides the tile) must be in shared memory, their cp.async copy committed before.
+// Tables the epilogues read are best built before: between two tiles, a global load's
+// wait stalls every warp.
+template <u32 BYTES, int ACC = 32, typename Product, typename Epilogue>
+__device__ __forceinline__ void sweep_async(int n, i8* s_b, const i8* tiles, Product product,
                                             Epilogue epilogue) {
-    constexpr u32 BYTES = TILE_N * HIDDEN;
     __shared__ __align__(8) u64 full[2];  // buffer b holds its tile
     __syncthreads();  // the last sweep's epilogue is done with its buffers and tables
     if (threadIdx.x == 0) {
@@ -160,17 +184,17 @@ __device__ __forceinline__ void sweep_async(int n, const i8* s_rows, i8* s_b, co
     // warpgroup is past t's products, tile t + 1's start into `next` (past the last
     // tile, a stale buffer's, never read), tile t + 2 is copied into the buffer t used,
     // and t's epilogue runs. Tile t is buffer t % 2's (t / 2)-th fill.
-    auto step = [&](int (&now)[32], int (&next)[32], int tile) {
+    auto step = [&](int (&now)[ACC], int (&next)[ACC], int tile) {
         tile_product_wait(now);
         if (tile + 1 < n) barrier_wait(&full[(tile + 1) & 1], ((tile + 1) >> 1) & 1);
         __syncthreads();
-        tile_product_async(next, s_rows, s_b + ((tile + 1) & 1) * BYTES);
+        product(next, s_b + ((tile + 1) & 1) * BYTES);
         if (tile + 2 < n && threadIdx.x == 0)
             bulk_copy(s_b + (tile & 1) * BYTES, tiles + (long)(tile + 2) * BYTES, BYTES, &full[tile & 1]);
         if (tile < n) epilogue(now, tile);
     };
-    int d0[32], d1[32];
-    tile_product_async(d0, s_rows, s_b);
+    int d0[ACC], d1[ACC];
+    product(d0, s_b);
     for (int tile = 0; tile < n; tile += 2) {
         step(d0, d1, tile);
         step(d1, d0, tile + 1);
