@@ -115,10 +115,10 @@ def test_head_loss_fits_two_blocks_an_sm_at_the_default_and_gives_way_when_too_b
 
 
 @pytest.mark.parametrize("mode", [0, 1, 2])
-def test_up_gelu_sm90_fits_two_blocks_an_sm_at_the_default(mode):
+def test_up_gelu_sm90_fits_three_blocks_an_sm_at_the_default(mode):
     cfg = Config().replace(adaptive_noise=dict(mode=mode))
     shared = up_gelu_sm90_shared(cfg, kernel_defines(cfg, make_tables(cfg)))
-    assert 2 * (shared + 1024) <= 233472  # an H100's SM, each block reserving 1 KiB
+    assert 3 * (shared + 1024) <= 233472  # an H100's SM, each block reserving 1 KiB
 
 
 def test_the_terms_kernels_fit_an_h100_and_their_terms_16_bits_at_the_default():
