@@ -368,12 +368,14 @@ WIDE = {"qkv_rope_sm90", "o_terms_sm90", "down_terms_sm90"}
         {},
         dict(hidden_dim=64, head_dim=32, seq_len=8, vocab_size=1000),
         dict(hidden_dim=128, head_dim=64, seq_len=80),
+        dict(hidden_dim=512, head_dim=64, seq_len=256),
         dict(hidden_dim=2048, head_dim=128, seq_len=256, vocab_size=65536),
     ],
     ids=[
         "default",
         "tiny, vocabulary not a multiple of a tile",
         "hidden 128: the o-projection's K one slice",
+        "hidden 512: up_gelu_sm90 two blocks an SM",
         "the largest, attention sums in 64 bits",
     ],
 )

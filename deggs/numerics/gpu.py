@@ -182,7 +182,7 @@ def kernel_defines(cfg: Config, tables) -> dict[str, int]:
     q, m = cfg.quantization, cfg.model
     lut0 = int(tables.exp.max())
     last = exp_last(tables.exp)
-    return dict(
+    defines = dict(
         HIDDEN=m.hidden_dim,
         HEAD_DIM=m.head_dim,
         SEQ=m.seq_len,
@@ -219,6 +219,12 @@ def kernel_defines(cfg: Config, tables) -> dict[str, int]:
         CT_THREADS=choose_token_threads(m.hidden_dim),
         LOSS_REGISTER_LPT=LOSS_REGISTER_LPT,
     )
+    # up_gelu_sm90: three blocks an SM (80 registers a thread) where a warpgroup's rows
+    # are one member's and three fit the SM's shared memory; else two (96 registers:
+    # 80 spill there, and a cap that no third block uses only slows the kernel)
+    three = 3 * (up_gelu_sm90_shared(cfg, defines) + BLOCK_RESERVED) <= SM_SHARED
+    defines["UP_BLOCKS"] = 3 if m.seq_len % 32 == 0 and three else 2
+    return defines
 
 
 def exp_last(exp: np.ndarray) -> int:

@@ -33,13 +33,9 @@
 
 #define UP_THREADS (4 * UP_ROWS)  // a warpgroup of 128 threads for 32 rows
 #define UP_MEMBERS MEMBERS_OF(UP_ROWS)
-// Three blocks an SM (80 registers a thread): 6% faster than two (96 registers) at the
-// default, and blocks of 128 rows, one an SM, 16% slower (0.65, 0.69 and 0.81 ms at
-// 8,192 members on an H100). Where a warpgroup's rows span members, each row loads its
-// own entries, and 80 registers spill: two.
-#ifndef UP_BLOCKS
-#define UP_BLOCKS (SEQ % 32 == 0 ? 3 : 2)
-#endif
+// UP_BLOCKS (gpu.py: 3 where they fit, else 2) blocks an SM: three (80 registers a
+// thread) 6% faster than two (96 registers) at the default, and blocks of 128 rows,
+// one an SM, 16% slower (0.65, 0.69 and 0.81 ms at 8,192 members on an H100).
 
 // The tile's 64 matrix rows (s_tile) times the warpgroup's 32 rows (s_rows), K =
 // HIDDEN, into d[4 j + 2 s + e] = tile row 16 w + 8 s + g times row 8 j + 2 tig + e:

@@ -5,8 +5,8 @@
 // A block's warpgroups own 64 rows each (head_loss_sm90: four, TILE_M = 256 rows;
 // qkv_rope_sm90: one, which takes a whole matrix's products at once and does not sweep;
 // terms_sm90.cu's: two, taking all columns at once and K in slices, its own pipeline),
-// or 32 (up_gelu_sm90: two, UP_ROWS = 64, so that two blocks share an SM, its products
-// transposed: the matrix's rows as the MMA's rows); head_loss_sm90 and up_gelu_sm90
+// or 32 (up_gelu_sm90: two, UP_ROWS = 64, so that two or three blocks share an SM, its
+// products transposed: the matrix's rows as the MMA's rows); head_loss_sm90 and up_gelu_sm90
 // sweep a weight matrix Wt[out, HIDDEN] in tiles of TILE_N rows.
 // `wgmma.mma_async` reads both operands straight from shared memory and runs
 // asynchronously: each warpgroup starts tile t + 1's products into a second set of
