@@ -117,8 +117,14 @@ def test_head_loss_fits_two_blocks_an_sm_at_the_default_and_gives_way_when_too_b
 @pytest.mark.parametrize("mode", [0, 1, 2])
 def test_up_gelu_sm90_fits_three_blocks_an_sm_at_the_default(mode):
     cfg = Config().replace(adaptive_noise=dict(mode=mode))
-    shared = up_gelu_sm90_shared(cfg, kernel_defines(cfg, make_tables(cfg)))
-    assert 3 * (shared + 1024) <= 233472  # an H100's SM, each block reserving 1 KiB
+    defines = kernel_defines(cfg, make_tables(cfg))
+    assert 3 * (up_gelu_sm90_shared(cfg, defines) + 1024) <= 233472  # each block reserves 1 KiB
+    assert defines["UP_BLOCKS"] == 3
+    # two (and the registers of two) where a warpgroup's rows span members or three
+    # blocks do not fit
+    for model in (dict(seq_len=80), dict(hidden_dim=512, seq_len=256)):
+        wider = cfg.replace(model=model)
+        assert kernel_defines(wider, make_tables(wider))["UP_BLOCKS"] == 2
 
 
 def test_the_terms_kernels_fit_an_h100_and_their_terms_16_bits_at_the_default():
