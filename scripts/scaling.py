@@ -8,10 +8,11 @@ run whose steps had another number of workers than its N is an error (a worker t
 crashed or found no GPU would otherwise show as a poor speed-up). A step's time is
 the wall time from its record in metrics.jsonl to the next one's (its chunks, the
 update every worker repeats, the round trips: all of it), the median past the first
-5 steps (compiles, CUDA graph capture). Prints a line per run: workers, time a step,
-tokens/s, speed-up over the baseline, the idlest worker's idle time a step, and whether
-every step's summed loss equals the baseline's (it must: where a chunk is computed does
-not change the math).
+5 steps (compiles, CUDA graph capture) from the first step every worker served in (a
+worker that started late, still compiling or loading, is in no step before it). Prints
+a line per run: workers, time a step, tokens/s, speed-up over the baseline, the idlest
+worker's idle time a step, and whether every step's summed loss equals the baseline's
+(it must: where a chunk is computed does not change the math).
 """
 
 from __future__ import annotations
@@ -31,12 +32,18 @@ SKIP = 5  # steps not timed
 
 
 def summary(name: str, records: list[dict]) -> dict:
-    """One run's figures from its metrics records (at least SKIP + 2 steps)."""
-    if len(records) < SKIP + 2:
-        raise ValueError(f"{name}: {len(records)} steps recorded, at least {SKIP + 2} needed")
-    walls = [b["time"] - a["time"] for a, b in pairwise(records)][SKIP - 1 :]
+    """One run's figures from its metrics records: timed from SKIP steps past the first
+    with all its workers, at least two steps."""
+    everyone = max((len(r["workers"]) for r in records), default=0)
+    start = SKIP + next((i for i, r in enumerate(records) if len(r["workers"]) == everyone), 0)
+    if len(records) < start + 2:
+        raise ValueError(
+            f"{name}: {len(records)} steps recorded, at least {start + 2} needed "
+            f"(all {everyone} workers served from step {start - SKIP})"
+        )
+    walls = [b["time"] - a["time"] for a, b in pairwise(records[start - 1 :])]
     step = statistics.median(walls)
-    timed = records[SKIP:]
+    timed = records[start:]
     return dict(
         workers=statistics.median(len(r["workers"]) for r in timed),
         step_s=step,

@@ -230,7 +230,7 @@ def test_scaling_runs_one_and_two_workers_with_equal_losses(tmp_path):
     np.random.default_rng(3).integers(0, 256, 5000).astype(np.uint8).tofile(data / "input.bin")
     env = dict(
         os.environ,
-        STEPS="10",
+        STEPS="30",  # a step takes ~30 ms: room for a worker that starts late
         CONFIG=str(config),
         RUNS=str(tmp_path / "runs"),
         WORKER_OPTIONS="--backend cpu --threads 1",
@@ -308,6 +308,17 @@ def test_scaling_report_compares_step_times_and_losses():
         scaling.report(runs, [2, 4, 2])
     with pytest.raises(ValueError, match="a: 6 steps recorded"):
         scaling.summary("a", one[:6])
+    # a worker that joins at step 3 (still compiling before): timed from step 3 + 5, past
+    # the slow steps after it joined (counted from step 0, the median would be 3 s)
+    late = run(0.5, range(13))
+    for r, t in zip(late, np.cumsum([10.0] * 5 + [3.0] * 5 + [0.5] * 3), strict=True):
+        r["time"] = float(t)
+    for r in late[:3]:
+        r["workers"] = {"w0": r["workers"]["w0"]}
+    assert scaling.summary("late", late)["workers"] == 2
+    assert scaling.summary("late", late)["step_s"] == 0.5
+    with pytest.raises(ValueError, match=r"at least 10 needed \(all 2 workers served from"):
+        scaling.summary("late", late[:9])
 
 
 @pytest.mark.parametrize("choice", [["--qkv", "qkv_rope"], ["--head", "head_loss"]])
