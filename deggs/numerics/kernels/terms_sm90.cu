@@ -33,6 +33,14 @@
 #define TERMS_LD (TILE_N / 2 + 4)       // words a staged row: with the padding, the quad's
                                         // word stores of eight rows hit distinct banks
 
+// The descriptor of 128-byte-swizzled K-major rows (128 bytes of K a row, 8-row atoms of
+// 1024 bytes, 1024-byte aligned): layout type 1 in bits 62-63, the atoms 1024 bytes
+// apart; a K step of 32 bytes adds 2 to the start address (in 16-byte units), and the
+// hardware swizzles the address it makes.
+__device__ __forceinline__ u64 rows_descriptor(const i8* at) {
+    return (u64)((shared_address(at) & 0x3FFFF) >> 4) | (1ull << 16) | ((u64)(1024 >> 4) << 32) | (1ull << 62);
+}
+
 __device__ __forceinline__ void wgmma_wait_one() { asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory"); }
 
 template <int K>
@@ -44,8 +52,11 @@ __device__ __forceinline__ void projection_terms(const i8* a, const i8* w_cores,
     constexpr int A_BYTES = TERMS_ROWS * SLICE;
     constexpr int B_BYTES = HIDDEN * SLICE;
     constexpr int CHUNKS = HIDDEN / TILE_N;   // accumulators of 64 columns
-    extern __shared__ __align__(128) unsigned char terms_sm90_shared[];
+    // 1024-byte aligned for the rows' swizzled layout (the static shared memory is
+    // padded to it; aligned by hand, the pointer cost ptxas 60 registers and spills)
+    extern __shared__ __align__(1024) unsigned char terms_sm90_shared[];
     i8* s_a = (i8*)terms_sm90_shared;                     // [SLICE_STAGES][A_BYTES]
+    if (shared_address(s_a) & 1023) __trap();  // never: the swizzle would mix rows
     i8* s_b = s_a + SLICE_STAGES * A_BYTES;               // [SLICE_STAGES][B_BYTES]
     u32* s_stage = (u32*)(s_b + SLICE_STAGES * B_BYTES);  // [warp][16][TERMS_LD]
     av_t* s_av = (av_t*)(s_stage + (2 * TERMS_ROWS / 32) * 16 * TERMS_LD);  // [TERMS_MEMBERS][HIDDEN]
@@ -65,13 +76,19 @@ __device__ __forceinline__ void projection_terms(const i8* a, const i8* w_cores,
     auto first_row = [&](int i) { return ((int)blockIdx.x + i / KS * (int)gridDim.x) * TERMS_ROWS; };
 
     // Slice i into stage i % SLICE_STAGES; every thread commits one cp.async group a
-    // slice, with or without pieces, so that the groups count slices. The slice's
-    // 16-byte piece q in shared memory is row q % 8 of 8-row group q / (8 PIECES), its
-    // piece (q / 8) % PIECES: a thread's pieces q = threadIdx.x + u THREADS are one
-    // piece of rows ROW_STEP apart.
+    // slice, with or without pieces, so that the groups count slices. A row's slice (128
+    // bytes) is contiguous in shared memory, its 16-byte piece c at (c ^ (row % 8)) 16
+    // (wgmma's 128-byte swizzle, ROWS_DESCRIPTOR), so that eight lanes copy a row's 128
+    // contiguous bytes and write eight banks' worth apart: in the core-matrix layout a
+    // warp's pieces of eight rows cost each quarter-warp its own sectors (ncu: twice
+    // the ideal L2 sectors). A thread's pieces are piece threadIdx.x % 8 of rows
+    // ROW_STEP apart.
+    static_assert(SLICE == 128, "the rows' slices are 128-byte swizzled");
     constexpr int THREADS = 2 * TERMS_ROWS, ROW_STEP = THREADS / PIECES;
-    const int my_row = threadIdx.x / (8 * PIECES) * 8 + (threadIdx.x & 7);
-    const i8* my_piece = a + (long)my_row * K + 16 * ((threadIdx.x >> 3) % PIECES);
+    const int my_row = threadIdx.x / PIECES, my_chunk = threadIdx.x % PIECES;
+    const i8* my_piece = a + (long)my_row * K + 16 * my_chunk;
+    // (ROW_STEP is a multiple of 8: a row's place within its 8 is the same for every u)
+    const int my_place = my_row * SLICE + 16 * (my_chunk ^ (my_row & 7));
     auto load = [&](int i) {
         const int stage = i % SLICE_STAGES, k = i % KS, row0 = first_row(i);
         if (threadIdx.x == 0) bulk_copy(s_b + stage * B_BYTES, w_cores + k * B_BYTES, B_BYTES, &full[stage]);
@@ -85,14 +102,14 @@ __device__ __forceinline__ void projection_terms(const i8* a, const i8* w_cores,
                 copy4_async(s_sign + at * TERMS_MEMBERS + m, signs + m0 + m);
             }
         }
-        i8* to = s_a + stage * A_BYTES + 16 * threadIdx.x;
+        i8* to = s_a + stage * A_BYTES + my_place;
         const i8* from = my_piece + (long)row0 * K + k * SLICE;
 #pragma unroll
         for (int u = 0; u < A_BYTES / 16 / THREADS; u++) {
             if (row0 + my_row + u * ROW_STEP < rows)
-                copy16_async(to + 16 * THREADS * u, from + (long)u * ROW_STEP * K);
+                copy16_async(to + u * ROW_STEP * SLICE, from + (long)u * ROW_STEP * K);
             else
-                *(int4*)(to + 16 * THREADS * u) = make_int4(0, 0, 0, 0);
+                *(int4*)(to + u * ROW_STEP * SLICE) = make_int4(0, 0, 0, 0);
         }
     };
     if (threadIdx.x == 0)
@@ -121,14 +138,14 @@ __device__ __forceinline__ void projection_terms(const i8* a, const i8* w_cores,
             if (i + SLICE_AHEAD < total) load(i + SLICE_AHEAD);  // into slice i - 2's stage
             copy_commit();
             barrier_wait(&full[stage], (i / SLICE_STAGES) & 1);
-            const i8* rows_slice = s_a + stage * A_BYTES + (warp >> 2) * 8 * SLICE_SBO;  // the warpgroup's 64 rows
+            const i8* rows_slice = s_a + stage * A_BYTES + (warp >> 2) * 64 * SLICE;  // the warpgroup's 64 rows
             const i8* w_slice = s_b + stage * B_BYTES;
             asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 #pragma unroll
             for (int kk = 0; kk < SLICE / 32; kk++)
 #pragma unroll
                 for (int c = 0; c < CHUNKS; c++)
-                    wgmma_64x64x32(d[c], core_descriptor(rows_slice + 2 * CORE_LBO * kk, SLICE_SBO),
+                    wgmma_64x64x32(d[c], rows_descriptor(rows_slice) + 2 * kk,
                                    core_descriptor(w_slice + c * 8 * SLICE_SBO + 2 * CORE_LBO * kk, SLICE_SBO),
                                    k > 0 || kk > 0);
             asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
