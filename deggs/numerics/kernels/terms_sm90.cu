@@ -13,9 +13,10 @@
 // it takes tiles blockIdx.x, + gridDim.x, ...) of two warpgroups, each on 64 rows of a
 // 128-row tile and all HIDDEN columns at once (HIDDEN / 64 accumulators, 128 registers
 // a thread at 256). A tile's K is taken in slices of SLICE bytes through SLICE_STAGES
-// buffers: the rows' slice (16-byte pieces copied by every thread with cp.async into
-// the core-matrix layout) and the matrix's (one bulk copy from gpu.py's
-// sliced_core_pieces copy, completing on the stage's mbarrier). Slices are copied
+// buffers: the rows' slice (16-byte pieces copied by every thread with cp.async, in
+// wgmma's 128-byte swizzle) and the matrix's (one bulk copy from gpu.py's
+// sliced_core_pieces copy, in the core-matrix layout, completing on the stage's
+// mbarrier). Slices are copied
 // SLICE_AHEAD ahead of the products, across tiles; a stage is refilled once both
 // warpgroups have waited for the products that read it (the block barrier of the next
 // slice). After a tile's last slice its terms go out through each warp's staging rows
@@ -28,7 +29,7 @@
 
 // SLICE, SLICE_STAGES, TERMS_ROWS (gpu.py: 128, rows a tile, two warpgroups of 64)
 #define SLICE_AHEAD (SLICE_STAGES - 2)  // slices copied ahead of the one multiplied
-#define SLICE_SBO (SLICE / 16 * 128)    // bytes between a slice's 8-row groups
+#define SLICE_SBO (SLICE / 16 * 128)    // bytes between the matrix slice's 8-row groups
 #define TERMS_MEMBERS MEMBERS_OF(TERMS_ROWS)
 #define TERMS_LD (TILE_N / 2 + 4)       // words a staged row: with the padding, the quad's
                                         // word stores of eight rows hit distinct banks

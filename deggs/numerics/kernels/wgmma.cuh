@@ -21,7 +21,8 @@
 // The rows and the tiles sit in shared memory in wgmma's K-major layout without
 // swizzle: "core matrices" of 8 rows x 16 bytes, 128 contiguous bytes each, the core
 // matrix of row group r / 8 and bytes k / 16 at ((r / 8) * HIDDEN / 16 + k / 16) * 128
-// (terms_sm90.cu's slices: SLICE bytes of K in place of HIDDEN).
+// (terms_sm90.cu's matrix slices: SLICE bytes of K in place of HIDDEN; its rows' slices
+// are in the 128-byte swizzle instead, terms_sm90.cu's rows_descriptor).
 // Copying 16-byte pieces in that order makes the shared address 16 x the piece's index.
 //
 // The accumulator of `wgmma m64n64k32` is mma.sync's m16n8 layout once per warp and
