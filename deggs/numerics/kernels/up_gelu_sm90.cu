@@ -3,10 +3,10 @@
 //
 // Unfused, cuBLAS writes rows x 4 HIDDEN int32 products and mlp_up reads them back: at
 // the default config that traffic bounds both. Here a block owns UP_ROWS rows (32 a
-// warpgroup) and sweeps the up matrix Wt[4 HIDDEN, HIDDEN] in tiles of 64 of its rows;
-// each tile is finished in registers (rank-1 term, shift, bias, GELU table, the int8
-// store and the down-projection's input dot) while the next tile's products run, and
-// no product is written.
+// warpgroup) and sweeps the up matrix Wt[4 HIDDEN, HIDDEN] in tiles of TILE_N (64: the
+// MMA's rows) of its rows; each tile is finished in registers (rank-1 term, shift, bias,
+// GELU table, the int8 store and the down-projection's input dot) while the next tile's
+// products run, and no product is written.
 //
 // The products are taken transposed: the tile's matrix rows are the MMA's rows (A) and
 // the warpgroup's activation rows its columns (B), so that a thread holds two features
@@ -37,7 +37,7 @@
 // thread) 6% faster than two (96 registers) at the default, and blocks of 128 rows,
 // one an SM, 16% slower (0.65, 0.69 and 0.81 ms at 8,192 members on an H100).
 
-// The tile's 64 matrix rows (s_tile) times the warpgroup's 32 rows (s_rows), K =
+// The tile's TILE_N = 64 matrix rows (s_tile) times the warpgroup's 32 rows (s_rows), K =
 // HIDDEN, into d[4 j + 2 s + e] = tile row 16 w + 8 s + g times row 8 j + 2 tig + e:
 // issued and committed as one group, not waited for.
 template <int K = 0>
@@ -60,13 +60,13 @@ up_gelu_sm90(const i8* y, const i8* up_cores, const int* sb_up, const u32* seeds
              u32 up_a, u32 bias_a, u32 bias_b, u32 down_b, const int* gelu, i8* hidden,
              int* sb_down, int rows) {
     extern __shared__ __align__(128) unsigned char up_gelu_sm90_shared[];
-    constexpr int TILES = 4 * HIDDEN / 64;
+    constexpr int TILES = 4 * HIDDEN / TILE_N;
     constexpr int TABLE = 4 * HIDDEN;    // a member's entries, 4 G + sub for feature G + sub HIDDEN
     i8* s_a = (i8*)up_gelu_sm90_shared;  // UP_ROWS rows, core matrices
-    i8* s_b = s_a + UP_ROWS * HIDDEN;    // [2] tiles of 64 matrix rows, core matrices
+    i8* s_b = s_a + UP_ROWS * HIDDEN;    // [2] tiles of TILE_N matrix rows, core matrices
     // Per member and feature: the output noise and the perturbed bias, in pairs read
     // together; the down-projection's input noise and factor (dot_entry).
-    int2* s_up = (int2*)(s_b + 2 * 64 * HIDDEN);          // [UP_MEMBERS][TABLE]
+    int2* s_up = (int2*)(s_b + 2 * TILE_N * HIDDEN);      // [UP_MEMBERS][TABLE]
     dot_t* s_down = (dot_t*)(s_up + UP_MEMBERS * TABLE);  // [UP_MEMBERS][TABLE]
     // The GELU table by the clipped value plus 127, in bytes: one load of an address
     // plus a constant, and at most two words a bank for the warp's lookups.
@@ -111,7 +111,7 @@ up_gelu_sm90(const i8* y, const i8* up_cores, const int* sb_up, const u32* seeds
     u32 bytes[8], total[8] = {};
     int partial[8];
     const i8* s_rows = s_a + wg_row * HIDDEN;
-    sweep_async<64 * HIDDEN, 16>(
+    sweep_async<TILE_N * HIDDEN, 16>(
         TILES, s_b, up_cores, [&](int (&d)[16], const i8* tile) { features_product_async(d, tile, s_rows); },
         [&](const int (&d)[16], int tile) {
             const int h = tile & 1, group = tile / 2 * 32 + 8 * w + g;
