@@ -88,6 +88,11 @@ class NoiseConfig:
     perturb_distribution: str = "uniform"
     perturb_mask: int = 15
 
+    @property
+    def perturb_bound(self) -> int:
+        """The largest magnitude of one perturbation noise entry (three_sample sums three)."""
+        return self.perturb_mask * (3 if self.perturb_distribution == "three_sample" else 1)
+
 
 @dataclass(frozen=True)
 class AdaptiveNoiseConfig:

@@ -311,8 +311,7 @@ def projection_terms_fit(cfg: Config, k: int, shift: int) -> bool:
     never there."""
     if cfg.adaptive_noise.mode == 2:
         return False
-    q = cfg.quantization
-    n = cfg.noise.perturb_mask * (3 if cfg.noise.perturb_distribution == "three_sample" else 1)
+    q, n = cfg.quantization, cfg.noise.perturb_bound
     g = 128 * 128 * k
     rank1 = min(128 * n * n * k, 2**31) >> (q.fixed_point + q.sigma_shift)
     if g + rank1 >= 2**31:  # the sum before the shift could wrap
@@ -1394,8 +1393,7 @@ class GpuBackend:
         cfg = self.cfg
         n_pairs = cfg.training.n_pairs
         pairs = (n_pairs + 15) // 16 * 16
-        three = cfg.noise.perturb_distribution == "three_sample"
-        peak = (cfg.noise.perturb_mask * (3 if three else 1)) ** 2
+        peak = cfg.noise.perturb_bound**2
         if n_pairs * peak >= 2**31:
             raise NotImplementedError("votes could overflow int32 at this population")
         plan = param_slices(cfg)
