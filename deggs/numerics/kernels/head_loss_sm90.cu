@@ -6,6 +6,10 @@
 // run a tile's epilogue; here the products of the next tile run during the epilogue.
 // A block of 256 rows reads the embedding table from L2 once per pass, as head_loss.
 
+// The warpgroup's rows as registers (wgmma's A fragments, HIDDEN / 8 a thread) where
+// they fit beside two tiles' accumulators; else read from shared memory by each product.
+#define HEAD_REGS_A (HIDDEN <= 256)
+
 extern "C" __global__ void __launch_bounds__(SM90_THREADS, 1)
 head_loss_sm90(const i8* y, const i8* emb_t, const i8* emb_cores, const int* sb, const int* tokens,
                const u32* seeds, const int* signs, const i8* ov_out, u32 off_a, const int* exp_tab,
@@ -30,6 +34,12 @@ head_loss_sm90(const i8* y, const i8* emb_t, const i8* emb_cores, const int* sb,
     const u32 my_exp = shared_address(s_exp + lane % EXP_COPIES);
 
     const ThreadRows<2> mine(sb, signs, row0, m0, rows);
+#if HEAD_REGS_A
+    copy_wait<0>();
+    __syncthreads();
+    u32 a[HIDDEN / 32][4];
+    rows_to_fragments(a, s_rows);
+#endif
 
     // emb_cores: the embedding in the core-matrix layout, zero rows past the vocabulary.
     // The members' output noise over the whole vocabulary, once for both passes: built
@@ -76,7 +86,13 @@ head_loss_sm90(const i8* y, const i8* emb_t, const i8* emb_cores, const int* sb,
 #pragma unroll
     for (int pass = 0; pass < 2; pass++) {
         sweep_async<TILE_N * HIDDEN>(
-            TILES, s_b, emb_cores, [&](int (&d)[32], const i8* tile) { tile_product_async(d, s_rows, tile); },
+            TILES, s_b, emb_cores, [&](int (&d)[32], const i8* tile) {
+#if HEAD_REGS_A
+                tile_product_regs(d, a, tile);
+#else
+                tile_product_async(d, s_rows, tile);
+#endif
+            },
             [&](const int (&d)[32], int tile) { epilogue(d, tile, pass); });
         if (pass == 0) {  // the quad of threads holding a row shares its peak
 #pragma unroll

@@ -8,7 +8,8 @@
 // or 32 (up_gelu_sm90: two, UP_ROWS = 64, so that two or three blocks share an SM, its
 // products transposed: the matrix's rows as the MMA's rows); head_loss_sm90 and up_gelu_sm90
 // sweep a weight matrix Wt[out, HIDDEN] in tiles of TILE_N rows.
-// `wgmma.mma_async` reads both operands straight from shared memory and runs
+// `wgmma.mma_async` reads both operands straight from shared memory (head_loss_sm90's
+// rows from registers: tile_product_regs) and runs
 // asynchronously: each warpgroup starts tile t + 1's products into a second set of
 // accumulators, then runs tile t's epilogue, so the tensor cores and the warps work at
 // once (`sweep_async`).
@@ -110,6 +111,48 @@ __device__ __forceinline__ void tile_product_async(int (&d)[32], const i8* s_a, 
         wgmma_64x64x32(d, core_descriptor(s_a + 2 * CORE_LBO * k),
                        core_descriptor(s_b + 2 * CORE_LBO * k), k > 0);
     asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+
+// As tile_product_async with the warpgroup's rows from registers (a, rows_to_fragments's)
+// rather than shared memory: its products then read only the tile there, half the
+// bytes a product, where shared memory's bandwidth and not the tensor cores had set
+// their pace.
+template <int STEPS>
+__device__ __forceinline__ void tile_product_regs(int (&d)[32], const u32 (&a)[STEPS][4], const i8* s_b) {
+    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+    for (int k = 0; k < STEPS; k++)
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n64k32.s32.s8.s8 "
+            "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+            "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+            "{%32, %33, %34, %35}, %36, p;\n}\n"
+            : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3]), "+r"(d[4]), "+r"(d[5]), "+r"(d[6]),
+              "+r"(d[7]), "+r"(d[8]), "+r"(d[9]), "+r"(d[10]), "+r"(d[11]), "+r"(d[12]),
+              "+r"(d[13]), "+r"(d[14]), "+r"(d[15]), "+r"(d[16]), "+r"(d[17]), "+r"(d[18]),
+              "+r"(d[19]), "+r"(d[20]), "+r"(d[21]), "+r"(d[22]), "+r"(d[23]), "+r"(d[24]),
+              "+r"(d[25]), "+r"(d[26]), "+r"(d[27]), "+r"(d[28]), "+r"(d[29]), "+r"(d[30]),
+              "+r"(d[31])
+            : "r"(a[k][0]), "r"(a[k][1]), "r"(a[k][2]), "r"(a[k][3]),
+              "l"(core_descriptor(s_b + 2 * CORE_LBO * k)), "r"(k > 0 ? 1 : 0));
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+
+// The warpgroup's 64 rows of K = 32 STEPS bytes (s_rows, the core-matrix layout) as
+// wgmma's A fragments, step k's in a[k]: thread (warp w of the group, g = lane / 4,
+// tig = lane % 4) holds rows 16 w + g and + 8, bytes 4 tig to 4 tig + 3 and those 16
+// further, in the order (g, 0), (g + 8, 0), (g, 16), (g + 8, 16) (CUTLASS's
+// ALayout_64x32).
+template <int STEPS>
+__device__ __forceinline__ void rows_to_fragments(u32 (&a)[STEPS][4], const i8* s_rows) {
+    const int lane = threadIdx.x & 31, w = (threadIdx.x >> 5) & 3;
+    const i8* at = s_rows + 2 * w * CORE_SBO + (lane >> 2) * 16 + 4 * (lane & 3);
+#pragma unroll
+    for (int k = 0; k < STEPS; k++)
+#pragma unroll
+        for (int i = 0; i < 4; i++)
+            a[k][i] = *(const u32*)(at + (i & 1) * CORE_SBO + (2 * k + (i >> 1)) * CORE_LBO);
 }
 
 // Waits for the warpgroup's products; d's registers are then the results (the empty
