@@ -53,6 +53,21 @@ head_loss_sm90(const i8* y, const i8* emb_t, const i8* emb_cores, const int* sb,
     auto epilogue = [&](const int (&d)[32], int tile, int pass) {
         const av_t* av = s_av + tile * TILE_N;
         const int v0 = tile * TILE_N;
+#if HEAD_REGS_A
+        // Pass 1's lookups in a clamp, a shift and a multiply-add a logit (the integer
+        // pipe bounds this epilogue): entry min(peak - (raw >> SHIFT_LOGIT), EXP_LAST) is
+        // at last - (max(raw, lowest) >> SHIFT_LOGIT) entries, last the address of entry
+        // peak (wrapping) and lowest the least raw value whose shifted logit is peak -
+        // EXP_LAST or more (an arithmetic shift is monotone), or INT_MIN. (Where the rows
+        // are read from shared memory, the two spilled registers: the plain lookup.)
+        u32 last[2];
+        int lowest[2];
+#pragma unroll
+        for (int s = 0; s < 2; s++) {
+            last[s] = my_exp + (u32)peak[s] * (4 * EXP_COPIES);
+            lowest[s] = (int)max(((long long)peak[s] - EXP_LAST) * (1 << SHIFT_LOGIT), (long long)INT_MIN_);
+        }
+#endif
 #if TOTAL32
         u32 part[2] = {0u, 0u};
 #else
@@ -67,12 +82,14 @@ head_loss_sm90(const i8* y, const i8* emb_t, const i8* emb_cores, const int* sb,
 #pragma unroll
                 for (int s = 0; s < 2; s++) {
                     const int raw = wrap_add(d[4 * j + 2 * s + e], rank1_term(mine.sbs[s], mine.of(av, s, col, TILES * TILE_N)));
-                    if (pass == 0) {
+                    if (pass == 0)
                         peak[s] = max(peak[s], raw);
-                    } else {
-                        const u32 dist = (u32)peak[s] - (u32)(raw >> SHIFT_LOGIT);  // >= 0
-                        part[s] += shared_word(my_exp + min(dist, (u32)EXP_LAST) * (4 * EXP_COPIES));
-                    }
+                    else
+#if HEAD_REGS_A
+                        part[s] += shared_word(last[s] - (u32)(max(raw, lowest[s]) >> SHIFT_LOGIT) * (4 * EXP_COPIES));
+#else
+                        part[s] += shared_word(my_exp + min((u32)peak[s] - (u32)(raw >> SHIFT_LOGIT), (u32)EXP_LAST) * (4 * EXP_COPIES));
+#endif
                 }
             }
 #if TOTAL32
