@@ -9,6 +9,14 @@
 // The warpgroup's rows as registers (wgmma's A fragments, HIDDEN / 8 a thread) where
 // they fit beside two tiles' accumulators; else read from shared memory by each product.
 #define HEAD_REGS_A (HIDDEN <= 256)
+// The second pass's lookups shift d 2^MSHIFT + sbs a_v, one multiply-add, by
+// SHIFT_LOGIT + MSHIFT rather than the logit before its shift, d + (sbs a_v >> MSHIFT),
+// by SHIFT_LOGIT (the same floor), where no such sum passes 32 bits: |d| <= 2^14 HIDDEN,
+// |sbs a_v| <= 128 n^2 HIDDEN for the largest noise n (not in adaptive mode 2).
+#define NOISE_N (NOISE_MASK * (THREE_SAMPLE ? 3 : 1))
+#define HEAD_FOLD (HEAD_REGS_A && ADAPTIVE_MODE != 2 && \
+                   (16384ll << MSHIFT) * HIDDEN + 128ll * NOISE_N * NOISE_N * HIDDEN < 2147483648ll)
+#define LOOKUP_SHIFT (HEAD_FOLD ? SHIFT_LOGIT + MSHIFT : SHIFT_LOGIT)
 
 extern "C" __global__ void __launch_bounds__(SM90_THREADS, 1)
 head_loss_sm90(const i8* y, const i8* emb_t, const i8* emb_cores, const int* sb, const int* tokens,
@@ -55,17 +63,17 @@ head_loss_sm90(const i8* y, const i8* emb_t, const i8* emb_cores, const int* sb,
         const int v0 = tile * TILE_N;
 #if HEAD_REGS_A
         // Pass 1's lookups in a clamp, a shift and a multiply-add a logit (the integer
-        // pipe bounds this epilogue): entry min(peak - (raw >> SHIFT_LOGIT), EXP_LAST) is
-        // at last - (max(raw, lowest) >> SHIFT_LOGIT) entries, last the address of entry
-        // peak (wrapping) and lowest the least raw value whose shifted logit is peak -
-        // EXP_LAST or more (an arithmetic shift is monotone), or INT_MIN. (Where the rows
-        // are read from shared memory, the two spilled registers: the plain lookup.)
+        // pipe bounds this epilogue): entry min(peak - (key >> LOOKUP_SHIFT), EXP_LAST) is
+        // at last - (max(key, lowest) >> LOOKUP_SHIFT) entries, last the address of entry
+        // peak (wrapping) and lowest the least key whose logit is peak - EXP_LAST or more
+        // (an arithmetic shift is monotone), or INT_MIN. (Where the rows are read from
+        // shared memory, the two spilled registers: the plain lookup.)
         u32 last[2];
         int lowest[2];
 #pragma unroll
         for (int s = 0; s < 2; s++) {
             last[s] = my_exp + (u32)peak[s] * (4 * EXP_COPIES);
-            lowest[s] = (int)max(((long long)peak[s] - EXP_LAST) * (1 << SHIFT_LOGIT), (long long)INT_MIN_);
+            lowest[s] = (int)max(((long long)peak[s] - EXP_LAST) * (1ll << LOOKUP_SHIFT), (long long)INT_MIN_);
         }
 #endif
 #if TOTAL32
@@ -81,14 +89,18 @@ head_loss_sm90(const i8* y, const i8* emb_t, const i8* emb_cores, const int* sb,
                 if (VOCAB_PAD && v0 + col >= VOCAB) continue;
 #pragma unroll
                 for (int s = 0; s < 2; s++) {
-                    const int raw = wrap_add(d[4 * j + 2 * s + e], rank1_term(mine.sbs[s], mine.of(av, s, col, TILES * TILE_N)));
-                    if (pass == 0)
+                    const int a_v = mine.of(av, s, col, TILES * TILE_N);
+                    const int raw = wrap_add(d[4 * j + 2 * s + e], rank1_term(mine.sbs[s], a_v));
+                    if (pass == 0) {
                         peak[s] = max(peak[s], raw);
-                    else
+                        continue;
+                    }
 #if HEAD_REGS_A
-                        part[s] += shared_word(last[s] - (u32)(max(raw, lowest[s]) >> SHIFT_LOGIT) * (4 * EXP_COPIES));
+                    const u32 fold = (u32)d[4 * j + 2 * s + e] * (1u << MSHIFT) + mine.sbs[s] * (u32)a_v;
+                    const int key = HEAD_FOLD ? (int)fold : raw;
+                    part[s] += shared_word(last[s] - (u32)(max(key, lowest[s]) >> LOOKUP_SHIFT) * (4 * EXP_COPIES));
 #else
-                        part[s] += shared_word(my_exp + min((u32)peak[s] - (u32)(raw >> SHIFT_LOGIT), (u32)EXP_LAST) * (4 * EXP_COPIES));
+                    part[s] += shared_word(my_exp + min((u32)peak[s] - (u32)(raw >> SHIFT_LOGIT), (u32)EXP_LAST) * (4 * EXP_COPIES));
 #endif
                 }
             }
