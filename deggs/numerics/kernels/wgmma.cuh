@@ -63,22 +63,35 @@ __device__ __forceinline__ void fence_async_shared() {
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 
+// The asm operands of a warpgroup's 16 or 32 accumulators (%0 on) and their text.
+#define ACC16(d)                                                                                    \
+    "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3]), "+r"(d[4]), "+r"(d[5]), "+r"(d[6]), "+r"(d[7]), \
+        "+r"(d[8]), "+r"(d[9]), "+r"(d[10]), "+r"(d[11]), "+r"(d[12]), "+r"(d[13]), "+r"(d[14]),     \
+        "+r"(d[15])
+#define ACC32(d)                                                                                      \
+    ACC16(d), "+r"(d[16]), "+r"(d[17]), "+r"(d[18]), "+r"(d[19]), "+r"(d[20]), "+r"(d[21]),           \
+        "+r"(d[22]), "+r"(d[23]), "+r"(d[24]), "+r"(d[25]), "+r"(d[26]), "+r"(d[27]), "+r"(d[28]),    \
+        "+r"(d[29]), "+r"(d[30]), "+r"(d[31])
+#define ACC16_TEXT "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}"
+#define ACC32_TEXT                                                                      \
+    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, " \
+    "%18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
+
 // d (+)= A[64 rows, 32 bytes] B[64 rows, 32 bytes]^T for the warpgroup; asynchronous
 // until wgmma_wait. accumulate 0 overwrites d.
 __device__ __forceinline__ void wgmma_64x64x32(int (&d)[32], u64 a, u64 b, int accumulate) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k32.s32.s8.s8 "
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-        "%32, %33, p;\n}\n"
-        : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3]), "+r"(d[4]), "+r"(d[5]), "+r"(d[6]),
-          "+r"(d[7]), "+r"(d[8]), "+r"(d[9]), "+r"(d[10]), "+r"(d[11]), "+r"(d[12]),
-          "+r"(d[13]), "+r"(d[14]), "+r"(d[15]), "+r"(d[16]), "+r"(d[17]), "+r"(d[18]),
-          "+r"(d[19]), "+r"(d[20]), "+r"(d[21]), "+r"(d[22]), "+r"(d[23]), "+r"(d[24]),
-          "+r"(d[25]), "+r"(d[26]), "+r"(d[27]), "+r"(d[28]), "+r"(d[29]), "+r"(d[30]),
-          "+r"(d[31])
-        : "l"(a), "l"(b), "r"(accumulate));
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n64k32.s32.s8.s8 " ACC32_TEXT ", %32, %33, p;\n}\n"
+                 : ACC32(d)
+                 : "l"(a), "l"(b), "r"(accumulate));
+}
+
+// The same with A from registers: a, wgmma's A fragment of the step (rows_to_fragments).
+__device__ __forceinline__ void wgmma_64x64x32(int (&d)[32], const u32 (&a)[4], u64 b, int accumulate) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n64k32.s32.s8.s8 " ACC32_TEXT ", {%32, %33, %34, %35}, %36, p;\n}\n"
+                 : ACC32(d)
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
 }
 
 // d = A[64 rows, 32 bytes] B[32 rows, 32 bytes]^T, or d += it (accumulate), at K step
@@ -93,12 +106,8 @@ __device__ __forceinline__ void wgmma_64x32x32(int (&d)[16], u32 a, u32 b, u32 h
         "setp.ne.b32 p, %19, 0;\n"
         "add.u32 la, %16, %20;\nadd.u32 lb, %17, %20;\n"
         "mov.b64 da, {la, %18};\nmov.b64 db, {lb, %18};\n"
-        "wgmma.mma_async.sync.aligned.m64n32k32.s32.s8.s8 "
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
-        "da, db, p;\n}\n"
-        : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3]), "+r"(d[4]), "+r"(d[5]), "+r"(d[6]),
-          "+r"(d[7]), "+r"(d[8]), "+r"(d[9]), "+r"(d[10]), "+r"(d[11]), "+r"(d[12]),
-          "+r"(d[13]), "+r"(d[14]), "+r"(d[15])
+        "wgmma.mma_async.sync.aligned.m64n32k32.s32.s8.s8 " ACC16_TEXT ", da, db, p;\n}\n"
+        : ACC16(d)
         : "r"(a), "r"(b), "r"(high), "r"(accumulate), "n"(2 * CORE_LBO / 16 * K));
 }
 
@@ -121,21 +130,7 @@ template <int STEPS>
 __device__ __forceinline__ void tile_product_regs(int (&d)[32], const u32 (&a)[STEPS][4], const i8* s_b) {
     asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 #pragma unroll
-    for (int k = 0; k < STEPS; k++)
-        asm volatile(
-            "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-            "wgmma.mma_async.sync.aligned.m64n64k32.s32.s8.s8 "
-            "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-            "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-            "{%32, %33, %34, %35}, %36, p;\n}\n"
-            : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3]), "+r"(d[4]), "+r"(d[5]), "+r"(d[6]),
-              "+r"(d[7]), "+r"(d[8]), "+r"(d[9]), "+r"(d[10]), "+r"(d[11]), "+r"(d[12]),
-              "+r"(d[13]), "+r"(d[14]), "+r"(d[15]), "+r"(d[16]), "+r"(d[17]), "+r"(d[18]),
-              "+r"(d[19]), "+r"(d[20]), "+r"(d[21]), "+r"(d[22]), "+r"(d[23]), "+r"(d[24]),
-              "+r"(d[25]), "+r"(d[26]), "+r"(d[27]), "+r"(d[28]), "+r"(d[29]), "+r"(d[30]),
-              "+r"(d[31])
-            : "r"(a[k][0]), "r"(a[k][1]), "r"(a[k][2]), "r"(a[k][3]),
-              "l"(core_descriptor(s_b + 2 * CORE_LBO * k)), "r"(k > 0 ? 1 : 0));
+    for (int k = 0; k < STEPS; k++) wgmma_64x64x32(d, a[k], core_descriptor(s_b + 2 * CORE_LBO * k), k > 0);
     asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
 }
 
