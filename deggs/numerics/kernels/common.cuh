@@ -34,6 +34,7 @@ typedef long long attn_acc;
 typedef int attn_acc;
 #endif
 #define MSHIFT (FIXED_POINT + SIGMA_SHIFT)
+#define NOISE_N (NOISE_MASK * (THREE_SAMPLE ? 3 : 1))  // the largest noise entry
 // The output noise of a matrix row held in shared memory, (int)(a_j * factor_j): |a_j| <=
 // 3 * 31 and factor <= 1 fit a short, halving that memory; mode 2's factor is unbounded.
 #if ADAPTIVE_MODE == 2

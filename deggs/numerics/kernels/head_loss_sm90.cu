@@ -12,8 +12,7 @@
 // The second pass's lookups shift d 2^MSHIFT + sbs a_v, one multiply-add, by
 // SHIFT_LOGIT + MSHIFT rather than the logit before its shift, d + (sbs a_v >> MSHIFT),
 // by SHIFT_LOGIT (the same floor), where no such sum passes 32 bits: |d| <= 2^14 HIDDEN,
-// |sbs a_v| <= 128 n^2 HIDDEN for the largest noise n (not in adaptive mode 2).
-#define NOISE_N (NOISE_MASK * (THREE_SAMPLE ? 3 : 1))
+// |sbs a_v| <= 128 n^2 HIDDEN for the largest noise n, NOISE_N (not in adaptive mode 2).
 #define HEAD_FOLD (HEAD_REGS_A && ADAPTIVE_MODE != 2 && \
                    (16384ll << MSHIFT) * HIDDEN + 128ll * NOISE_N * NOISE_N * HIDDEN < 2147483648ll)
 #define LOOKUP_SHIFT (HEAD_FOLD ? SHIFT_LOGIT + MSHIFT : SHIFT_LOGIT)

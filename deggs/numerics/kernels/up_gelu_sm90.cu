@@ -32,6 +32,17 @@
 // gpu.up_gelu_sm90_shared() sizes the dynamic shared memory from the layout below.
 
 #define UP_THREADS (4 * UP_ROWS)  // a warpgroup of 128 threads for 32 rows
+// The GELU table's index clip8((out >> SHIFT_MLP_UP) + bias) + MAXV, out = d + (sbs a >> MSHIFT),
+// is clamp(key, 0, 255 2^Q - 1) >> Q for key = d 2^MSHIFT + sbs a + (bias + MAXV) 2^Q,
+// Q = SHIFT_MLP_UP + MSHIFT (the same floors; a shift is monotone): two multiply-adds
+// on the FMA pipe where the integer pipe bounds the epilogue, where no such key passes
+// 32 bits (|d| <= 2^14 HIDDEN, |sbs a| <= 128 NOISE_N^2 HIDDEN, |bias + MAXV| <= 255 +
+// NOISE_N^2 < 2^14; not in adaptive mode 2). The table holds (bias + MAXV) 2^Q then.
+#ifndef UP_FOLD
+#define UP_FOLD (ADAPTIVE_MODE != 2 && (16384ll << MSHIFT) * HIDDEN + 128ll * NOISE_N * NOISE_N * HIDDEN + \
+                                           (16384ll << (SHIFT_MLP_UP + MSHIFT)) < 2147483648ll)
+#endif
+#define UP_Q (SHIFT_MLP_UP + MSHIFT)
 #define UP_MEMBERS MEMBERS_OF(UP_ROWS)
 // UP_BLOCKS (gpu.py: 3 where they fit, else 2) blocks an SM: three (80 registers a
 // thread) 6% faster than two (96 registers) at the default, and blocks of 128 rows,
@@ -101,8 +112,9 @@ up_gelu_sm90(const i8* y, const i8* up_cores, const int* sb_up, const u32* seeds
         if (member >= n_members) continue;
         const int m = m0 + member, j = i % TABLE / 4 + i % 4 * HIDDEN;
         const u32 seed = seeds[m];
+        const int bias = bias_up[j] + vector_noise(ov_bias_up, seed, bias_a, bias_b, j, signs[m]);
         s_up[i] = make_int2(output_noise_of(ov_up_out, seed + up_a, j),
-                            bias_up[j] + vector_noise(ov_bias_up, seed, bias_a, bias_b, j, signs[m]));
+                            UP_FOLD ? (int)((u32)(bias + MAXV) << UP_Q) : bias);
         s_down[i] = dot_entry(ov_down_in, seed + down_b, j);
     }
 
@@ -135,8 +147,13 @@ up_gelu_sm90(const i8* y, const i8* up_cores, const int* sb_up, const u32* seeds
                 }
 #pragma unroll
                 for (int s = 0; s < 2; s++) {
+#if UP_FOLD
+                    const u32 key = (u32)d[4 * (r >> 1) + 2 * s + (r & 1)] * (1u << MSHIFT) + sbs[r] * (u32)up[s].x + (u32)up[s].y;
+                    const int hv = s_gelu[min(max((int)key, 0), (2 * MAXV + 1) * (1 << UP_Q) - 1) >> UP_Q];
+#else
                     const int out = wrap_add(d[4 * (r >> 1) + 2 * s + (r & 1)], rank1_term(sbs[r], up[s].x));
                     const int hv = s_gelu[clip8((out >> SHIFT_MLP_UP) + up[s].y) + MAXV];
+#endif
                     bytes[r] |= (u32)(unsigned char)hv << (8 * (2 * h + s));
                     partial[r] = down_step(partial[r], hv, down[s]);
                 }
