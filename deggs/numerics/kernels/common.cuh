@@ -33,10 +33,14 @@ typedef long long attn_acc;
 #else
 typedef int attn_acc;
 #endif
-#define MSHIFT (FIXED_POINT + SIGMA_SHIFT)
+#define MSHIFT (FIXED_POINT + SIGMA_SHIFT)  // up to 60
+// An int32's arithmetic shift by MSHIFT: 0 or -1 past 31, as at 31 (C++ leaves a shift by
+// the width or more undefined; the CPU's int64 shift gives the same 0 or -1).
+#define MSHIFT32 (MSHIFT < 31 ? MSHIFT : 31)
 #define NOISE_N (NOISE_MASK * (THREE_SAMPLE ? 3 : 1))  // the largest noise entry
 // The output noise of a matrix row held in shared memory, (int)(a_j * factor_j): |a_j| <=
-// 3 * 31 and factor <= 1 fit a short, halving that memory; mode 2's factor is unbounded.
+// NOISE_N <= 3 * 31 and factor <= 1 fit a short, halving that memory; mode 2's factor is
+// unbounded.
 #if ADAPTIVE_MODE == 2
 typedef int av_t;
 #else
@@ -151,7 +155,7 @@ __device__ __forceinline__ int vector_noise(const i8* ov, u32 seed, u32 off_a, u
 
 // Output side of a projection's rank-1 term, with int32 wraparound: sbs is the row's
 // input dot times its member's sign (-1, 0 or 1), as a u32 (a row's, computed once).
-__device__ __forceinline__ int rank1_term(u32 sbs, int av) { return ((int)(sbs * (u32)av)) >> MSHIFT; }
+__device__ __forceinline__ int rank1_term(u32 sbs, int av) { return ((int)(sbs * (u32)av)) >> MSHIFT32; }
 __device__ __forceinline__ int output_term(int sb, int av, int sign) { return rank1_term((u32)sb * (u32)sign, av); }
 
 // C's truncating n / d for one d (1 <= d < 2^10) and many n, by a multiply: with M =

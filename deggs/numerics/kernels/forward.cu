@@ -29,7 +29,7 @@ extern "C" __global__ void embed(const int* tokens, const u32* seeds, const int*
         for (int f = threadIdx.x; f < HIDDEN; f += blockDim.x) {
             int v = emb_t[(long)tok * HIDDEN + f] + s_bias[f];
             float prod = __fmul_rn(__fmul_rn(__int2float_rn(a * s_b[f]), s_row), s_col[f]);
-            v += (__float2int_rz(prod) * sign) >> MSHIFT;
+            v += (__float2int_rz(prod) * sign) >> MSHIFT32;
             x[row * HIDDEN + f] = (i8)clip8(v);
         }
     }

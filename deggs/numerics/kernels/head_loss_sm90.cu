@@ -13,9 +13,16 @@
 // SHIFT_LOGIT + MSHIFT rather than the logit before its shift, d + (sbs a_v >> MSHIFT),
 // by SHIFT_LOGIT (the same floor), where no such sum passes 32 bits: |d| <= 2^14 HIDDEN,
 // |sbs a_v| <= 128 n^2 HIDDEN for the largest noise n, NOISE_N (not in adaptive mode 2).
-#define HEAD_FOLD (HEAD_REGS_A && ADAPTIVE_MODE != 2 && \
+// (The shift check first: `&&` in #if leaves the rest unevaluated, which would overflow.)
+#ifndef HEAD_FOLD
+#define HEAD_FOLD (HEAD_REGS_A && ADAPTIVE_MODE != 2 && SHIFT_LOGIT + MSHIFT < 31 && \
                    (16384ll << MSHIFT) * HIDDEN + 128ll * NOISE_N * NOISE_N * HIDDEN < 2147483648ll)
-#define LOOKUP_SHIFT (HEAD_FOLD ? SHIFT_LOGIT + MSHIFT : SHIFT_LOGIT)
+#endif
+#if HEAD_FOLD
+#define LOOKUP_SHIFT (SHIFT_LOGIT + MSHIFT)
+#else
+#define LOOKUP_SHIFT SHIFT_LOGIT
+#endif
 
 extern "C" __global__ void __launch_bounds__(SM90_THREADS, 1)
 head_loss_sm90(const i8* y, const i8* emb_t, const i8* emb_cores, const int* sb, const int* tokens,
@@ -35,7 +42,7 @@ head_loss_sm90(const i8* y, const i8* emb_t, const i8* emb_cores, const int* sb,
     const i8* s_rows = s_a + (warp >> 2) * 64 * HIDDEN;  // the warpgroup's 64 rows
 
     rows_to_cores(s_a, y, row0, TILE_M, rows);
-    copy_commit();  // waited for before the sweep's first products
+    copy_commit();  // waited for before the rows' fragments are loaded, or the first products
     for (int i = threadIdx.x; i < (EXP_LAST + 1) * EXP_COPIES; i += blockDim.x)
         s_exp[i] = exp_tab[i / EXP_COPIES];
     const u32 my_exp = shared_address(s_exp + lane % EXP_COPIES);
@@ -65,8 +72,8 @@ head_loss_sm90(const i8* y, const i8* emb_t, const i8* emb_cores, const int* sb,
         // pipe bounds this epilogue): entry min(peak - (key >> LOOKUP_SHIFT), EXP_LAST) is
         // at last - (max(key, lowest) >> LOOKUP_SHIFT) entries, last the address of entry
         // peak (wrapping) and lowest the least key whose logit is peak - EXP_LAST or more
-        // (an arithmetic shift is monotone), or INT_MIN. (Where the rows are read from
-        // shared memory, the two spilled registers: the plain lookup.)
+        // (an arithmetic shift is monotone), or INT_MIN. (At HIDDEN > 256, rows read from
+        // shared memory, last and lowest spilled registers: the plain lookup there.)
         u32 last[2];
         int lowest[2];
 #pragma unroll
@@ -95,8 +102,11 @@ head_loss_sm90(const i8* y, const i8* emb_t, const i8* emb_cores, const int* sb,
                         continue;
                     }
 #if HEAD_REGS_A
-                    const u32 fold = (u32)d[4 * j + 2 * s + e] * (1u << MSHIFT) + mine.sbs[s] * (u32)a_v;
-                    const int key = HEAD_FOLD ? (int)fold : raw;
+#if HEAD_FOLD
+                    const int key = (int)((u32)d[4 * j + 2 * s + e] * (1u << MSHIFT) + mine.sbs[s] * (u32)a_v);
+#else
+                    const int key = raw;
+#endif
                     part[s] += shared_word(last[s] - (u32)(max(key, lowest[s]) >> LOOKUP_SHIFT) * (4 * EXP_COPIES));
 #else
                     part[s] += shared_word(my_exp + min((u32)peak[s] - (u32)(raw >> SHIFT_LOGIT), (u32)EXP_LAST) * (4 * EXP_COPIES));

@@ -39,8 +39,10 @@
 // 32 bits (|d| <= 2^14 HIDDEN, |sbs a| <= 128 NOISE_N^2 HIDDEN, |bias + MAXV| <= 255 +
 // NOISE_N^2 < 2^14; not in adaptive mode 2). The table holds (bias + MAXV) 2^Q then.
 #ifndef UP_FOLD
-#define UP_FOLD (ADAPTIVE_MODE != 2 && (16384ll << MSHIFT) * HIDDEN + 128ll * NOISE_N * NOISE_N * HIDDEN + \
-                                           (16384ll << (SHIFT_MLP_UP + MSHIFT)) < 2147483648ll)
+#define UP_FOLD (ADAPTIVE_MODE != 2 && SHIFT_MLP_UP + MSHIFT < 31 &&                                     \
+                 (16384ll << MSHIFT) * HIDDEN + 128ll * NOISE_N * NOISE_N * HIDDEN +                          \
+                         (16384ll << (SHIFT_MLP_UP + MSHIFT)) <                                               \
+                     2147483648ll)
 #endif
 #define UP_Q (SHIFT_MLP_UP + MSHIFT)
 #define UP_MEMBERS MEMBERS_OF(UP_ROWS)
@@ -113,8 +115,11 @@ up_gelu_sm90(const i8* y, const i8* up_cores, const int* sb_up, const u32* seeds
         const int m = m0 + member, j = i % TABLE / 4 + i % 4 * HIDDEN;
         const u32 seed = seeds[m];
         const int bias = bias_up[j] + vector_noise(ov_bias_up, seed, bias_a, bias_b, j, signs[m]);
-        s_up[i] = make_int2(output_noise_of(ov_up_out, seed + up_a, j),
-                            UP_FOLD ? (int)((u32)(bias + MAXV) << UP_Q) : bias);
+#if UP_FOLD
+        s_up[i] = make_int2(output_noise_of(ov_up_out, seed + up_a, j), (int)((u32)(bias + MAXV) << UP_Q));
+#else
+        s_up[i] = make_int2(output_noise_of(ov_up_out, seed + up_a, j), bias);
+#endif
         s_down[i] = dot_entry(ov_down_in, seed + down_b, j);
     }
 

@@ -9,10 +9,9 @@
 // products transposed: the matrix's rows as the MMA's rows); head_loss_sm90 and up_gelu_sm90
 // sweep a weight matrix Wt[out, HIDDEN] in tiles of TILE_N rows.
 // `wgmma.mma_async` reads both operands straight from shared memory (head_loss_sm90's
-// rows from registers: tile_product_regs) and runs
-// asynchronously: each warpgroup starts tile t + 1's products into a second set of
-// accumulators, then runs tile t's epilogue, so the tensor cores and the warps work at
-// once (`sweep_async`).
+// rows from registers: tile_product_regs) and runs asynchronously: each warpgroup
+// starts tile t + 1's products into a second set of accumulators, then runs tile t's
+// epilogue, so the tensor cores and the warps work at once (`sweep_async`).
 // That holds only if ptxas sees every product it waits for issued on every path: where
 // one is issued under a condition (the last tile's "next"), ptxas cannot tell at the loop
 // edge which accumulators are in flight and injects a wait after each product (its
@@ -141,6 +140,7 @@ __device__ __forceinline__ void tile_product_regs(int (&d)[32], const u32 (&a)[S
 // ALayout_64x32).
 template <int STEPS>
 __device__ __forceinline__ void rows_to_fragments(u32 (&a)[STEPS][4], const i8* s_rows) {
+    static_assert(32 * STEPS == HIDDEN, "CORE_SBO: rows of K = HIDDEN bytes");
     const int lane = threadIdx.x & 31, w = (threadIdx.x >> 5) & 3;
     const i8* at = s_rows + 2 * w * CORE_SBO + (lane >> 2) * 16 + 4 * (lane & 3);
 #pragma unroll
