@@ -35,7 +35,7 @@ typedef int attn_acc;
 #endif
 #define MSHIFT (FIXED_POINT + SIGMA_SHIFT)  // up to 60
 // An int32's arithmetic shift by MSHIFT: 0 or -1 past 31, as at 31 (C++ leaves a shift by
-// the width or more undefined; the CPU's int64 shift gives the same 0 or -1).
+// the width or more undefined; numpy's shift, the CPU's, gives the same 0 or -1).
 #define MSHIFT32 (MSHIFT < 31 ? MSHIFT : 31)
 #define NOISE_N (NOISE_MASK * (THREE_SAMPLE ? 3 : 1))  // the largest noise entry
 // The output noise of a matrix row held in shared memory, (int)(a_j * factor_j): |a_j| <=
