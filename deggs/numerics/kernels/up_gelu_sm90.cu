@@ -32,17 +32,19 @@
 // gpu.up_gelu_sm90_shared() sizes the dynamic shared memory from the layout below.
 
 #define UP_THREADS (4 * UP_ROWS)  // a warpgroup of 128 threads for 32 rows
-// The GELU table's index clip8((out >> SHIFT_MLP_UP) + bias) + MAXV, out = d + (sbs a >> MSHIFT),
-// is clamp(key, 0, 255 2^Q - 1) >> Q for key = d 2^MSHIFT + sbs a + (bias + MAXV) 2^Q,
-// Q = SHIFT_MLP_UP + MSHIFT (the same floors; a shift is monotone): two multiply-adds
-// on the FMA pipe where the integer pipe bounds the epilogue, where no such key passes
-// 32 bits (|d| <= 2^14 HIDDEN, |sbs a| <= 128 NOISE_N^2 HIDDEN, |bias + MAXV| <= 255 +
-// NOISE_N^2 < 2^14; not in adaptive mode 2). The table holds (bias + MAXV) 2^Q then.
+// The GELU table's index clip8((out >> SHIFT_MLP_UP) + bias) + MAXV, for
+// out = d + (sbs a >> MSHIFT), is clamp(key, 0, 255 2^Q - 1) >> Q for
+// key = d 2^MSHIFT + sbs a + (bias + MAXV) 2^Q, Q = SHIFT_MLP_UP + MSHIFT (the same
+// floors; a shift is monotone): two multiply-adds on the FMA pipe, where the integer
+// pipe bounds the epilogue, wherever no such key passes 32 bits (|d| <= 2^14 HIDDEN,
+// |sbs a| <= 128 NOISE_N^2 HIDDEN, |bias + MAXV| <= 255 + NOISE_N^2 < 2^14; not in
+// adaptive mode 2). The table holds (bias + MAXV) 2^Q then.
 #ifndef UP_FOLD
-#define UP_FOLD (ADAPTIVE_MODE != 2 && SHIFT_MLP_UP + MSHIFT < 31 &&                                     \
-                 (16384ll << MSHIFT) * HIDDEN + 128ll * NOISE_N * NOISE_N * HIDDEN +                          \
-                         (16384ll << (SHIFT_MLP_UP + MSHIFT)) <                                               \
-                     2147483648ll)
+#define UP_FOLD                                                                      \
+    (ADAPTIVE_MODE != 2 && SHIFT_MLP_UP + MSHIFT < 31 && /* first: the rest overflows */ \
+     (16384ll << MSHIFT) * HIDDEN + 128ll * NOISE_N * NOISE_N * HIDDEN +                   \
+             (16384ll << (SHIFT_MLP_UP + MSHIFT)) <                                        \
+         2147483648ll)
 #endif
 #define UP_Q (SHIFT_MLP_UP + MSHIFT)
 #define UP_MEMBERS MEMBERS_OF(UP_ROWS)
