@@ -155,7 +155,8 @@ up_gelu_sm90(const i8* y, const i8* up_cores, const int* sb_up, const u32* seeds
 #pragma unroll
                 for (int s = 0; s < 2; s++) {
 #if UP_FOLD
-                    const u32 key = (u32)d[4 * (r >> 1) + 2 * s + (r & 1)] * (1u << MSHIFT) + sbs[r] * (u32)up[s].x + (u32)up[s].y;
+                    const u32 g_shifted = (u32)d[4 * (r >> 1) + 2 * s + (r & 1)] * (1u << MSHIFT);
+                    const u32 key = g_shifted + sbs[r] * (u32)up[s].x + (u32)up[s].y;
                     const int hv = s_gelu[min(max((int)key, 0), (2 * MAXV + 1) * (1 << UP_Q) - 1) >> UP_Q];
 #else
                     const int out = wrap_add(d[4 * (r >> 1) + 2 * s + (r & 1)], rank1_term(sbs[r], up[s].x));
