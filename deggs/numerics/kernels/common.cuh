@@ -158,6 +158,19 @@ __device__ __forceinline__ int vector_noise(const i8* ov, u32 seed, u32 off_a, u
 __device__ __forceinline__ int rank1_term(u32 sbs, int av) { return ((int)(sbs * (u32)av)) >> MSHIFT32; }
 __device__ __forceinline__ int output_term(int sb, int av, int sign) { return rank1_term((u32)sb * (u32)sign, av); }
 
+// A projection of HIDDEN inputs, its product g and rank-1 term folded: g + rank1_term(sbs,
+// av) shifted left by MSHIFT with the term's low bits, one multiply-add, whose shift by
+// MSHIFT + S is (g + rank1_term) >> S (floor((g + floor(t / 2^M)) / 2^S) =
+// floor((g 2^M + t) / 2^(M + S))), where FOLD_FITS(S, extra): no fold plus `extra` passes
+// 32 bits, as |g| <= 2^14 HIDDEN and |sbs av| <= 128 NOISE_N^2 HIDDEN (not in adaptive
+// mode 2, whose factors are unbounded). The shift check comes first: `&&` in #if leaves
+// the rest, which would overflow, unevaluated.
+#define FOLD_FITS(S, extra)                                                                       \
+    (ADAPTIVE_MODE != 2 && (S) + MSHIFT < 31 &&                                                   \
+     (16384ll << MSHIFT) * HIDDEN + 128ll * NOISE_N * NOISE_N * HIDDEN + (extra) < 2147483648ll)
+// (MSHIFT32: MSHIFT wherever FOLD_FITS; compiled everywhere, it must not shift by 32.)
+__device__ __forceinline__ u32 folded_term(int g, u32 sbs, int av) { return (u32)g * (1u << MSHIFT32) + sbs * (u32)av; }
+
 // C's truncating n / d for one d (1 <= d < 2^10) and many n, by a multiply: with M =
 // ceil(2^32 / d), |n| M / 2^32 = |n| / d + |n| e / (d 2^32) for some 0 <= e < d, and
 // where |n| < 2^22 the second part is below 1 / d, so the floor is |n| / d's

@@ -9,14 +9,11 @@
 // The warpgroup's rows as registers (wgmma's A fragments, HIDDEN / 8 a thread) where
 // they fit beside two tiles' accumulators; else read from shared memory by each product.
 #define HEAD_REGS_A (HIDDEN <= 256)
-// The second pass's lookups shift d 2^MSHIFT + sbs a_v, one multiply-add, by
-// SHIFT_LOGIT + MSHIFT rather than the logit before its shift, d + (sbs a_v >> MSHIFT),
-// by SHIFT_LOGIT (the same floor), where no such sum passes 32 bits: |d| <= 2^14 HIDDEN,
-// |sbs a_v| <= 128 n^2 HIDDEN for the largest noise n, NOISE_N (not in adaptive mode 2).
-// (The shift check first: `&&` in #if leaves the rest unevaluated, which would overflow.)
+// The second pass's lookups shift the folded term (common.cuh's folded_term, one
+// multiply-add) by SHIFT_LOGIT + MSHIFT rather than the logit before its shift by
+// SHIFT_LOGIT, where FOLD_FITS.
 #ifndef HEAD_FOLD
-#define HEAD_FOLD (HEAD_REGS_A && ADAPTIVE_MODE != 2 && SHIFT_LOGIT + MSHIFT < 31 && \
-                   (16384ll << MSHIFT) * HIDDEN + 128ll * NOISE_N * NOISE_N * HIDDEN < 2147483648ll)
+#define HEAD_FOLD (HEAD_REGS_A && FOLD_FITS(SHIFT_LOGIT, 0))
 #endif
 #if HEAD_FOLD
 #define LOOKUP_SHIFT (SHIFT_LOGIT + MSHIFT)
@@ -103,13 +100,14 @@ head_loss_sm90(const i8* y, const i8* emb_t, const i8* emb_cores, const int* sb,
                     }
 #if HEAD_REGS_A
 #if HEAD_FOLD
-                    const int key = (int)((u32)d[4 * j + 2 * s + e] * (1u << MSHIFT) + mine.sbs[s] * (u32)a_v);
+                    const int key = (int)folded_term(d[4 * j + 2 * s + e], mine.sbs[s], a_v);
 #else
                     const int key = raw;
 #endif
                     part[s] += shared_word(last[s] - (u32)(max(key, lowest[s]) >> LOOKUP_SHIFT) * (4 * EXP_COPIES));
 #else
-                    part[s] += shared_word(my_exp + min((u32)peak[s] - (u32)(raw >> SHIFT_LOGIT), (u32)EXP_LAST) * (4 * EXP_COPIES));
+                    const u32 dist = (u32)peak[s] - (u32)(raw >> SHIFT_LOGIT);  // >= 0
+                    part[s] += shared_word(my_exp + min(dist, (u32)EXP_LAST) * (4 * EXP_COPIES));
 #endif
                 }
             }

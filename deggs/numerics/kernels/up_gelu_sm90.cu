@@ -32,19 +32,14 @@
 // gpu.up_gelu_sm90_shared() sizes the dynamic shared memory from the layout below.
 
 #define UP_THREADS (4 * UP_ROWS)  // a warpgroup of 128 threads for 32 rows
-// The GELU table's index clip8((out >> SHIFT_MLP_UP) + bias) + MAXV, for
-// out = d + (sbs a >> MSHIFT), is clamp(key, 0, 255 2^Q - 1) >> Q for
-// key = d 2^MSHIFT + sbs a + (bias + MAXV) 2^Q, Q = SHIFT_MLP_UP + MSHIFT (the same
-// floors; a shift is monotone): two multiply-adds on the FMA pipe, where the integer
-// pipe bounds the epilogue, wherever no such key passes 32 bits (|d| <= 2^14 HIDDEN,
-// |sbs a| <= 128 NOISE_N^2 HIDDEN, |bias + MAXV| <= 255 + NOISE_N^2 < 2^14; not in
-// adaptive mode 2). The table holds (bias + MAXV) 2^Q then.
+// The GELU table's index clip8((out >> SHIFT_MLP_UP) + bias) + MAXV is
+// clamp(key, 0, 255 2^Q - 1) >> Q for key = the folded term (common.cuh's folded_term)
+// + (bias + MAXV) 2^Q, Q = SHIFT_MLP_UP + MSHIFT (a shift is monotone): two
+// multiply-adds on the FMA pipe, where the integer pipe bounds the epilogue, where
+// FOLD_FITS with |bias + MAXV| <= 255 + NOISE_N^2 < 2^14. The table holds (bias + MAXV)
+// 2^Q then.
 #ifndef UP_FOLD
-#define UP_FOLD                                                                      \
-    (ADAPTIVE_MODE != 2 && SHIFT_MLP_UP + MSHIFT < 31 && /* first: the rest overflows */ \
-     (16384ll << MSHIFT) * HIDDEN + 128ll * NOISE_N * NOISE_N * HIDDEN +                   \
-             (16384ll << (SHIFT_MLP_UP + MSHIFT)) <                                        \
-         2147483648ll)
+#define UP_FOLD FOLD_FITS(SHIFT_MLP_UP, 16384ll << (SHIFT_MLP_UP + MSHIFT))
 #endif
 #define UP_Q (SHIFT_MLP_UP + MSHIFT)
 #define UP_MEMBERS MEMBERS_OF(UP_ROWS)
@@ -155,8 +150,7 @@ up_gelu_sm90(const i8* y, const i8* up_cores, const int* sb_up, const u32* seeds
 #pragma unroll
                 for (int s = 0; s < 2; s++) {
 #if UP_FOLD
-                    const u32 g_shifted = (u32)d[4 * (r >> 1) + 2 * s + (r & 1)] * (1u << MSHIFT);
-                    const u32 key = g_shifted + sbs[r] * (u32)up[s].x + (u32)up[s].y;
+                    const u32 key = folded_term(d[4 * (r >> 1) + 2 * s + (r & 1)], sbs[r], up[s].x) + (u32)up[s].y;
                     const int hv = s_gelu[min(max((int)key, 0), (2 * MAXV + 1) * (1 << UP_Q) - 1) >> UP_Q];
 #else
                     const int out = wrap_add(d[4 * (r >> 1) + 2 * s + (r & 1)], rank1_term(sbs[r], up[s].x));
