@@ -14,7 +14,9 @@ on any mismatch. Speed work on one kernel never needs the whole model to run, an
 compiles a variant (another ATT_SPLIT, LOSS_REGISTER_LPT, ...) to check and time beside it.
 
 Kernels without a check here are covered end to end by tests/test_gpu.py:
-noise_matrix and vector_votes (the update's votes) and cached_attention (generation).
+cached_attention (generation). The update's kernels take the config's whole population
+(scripts/kernels.py noise_matrix vector_votes --config config.toml times them at the
+default).
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ from deggs.config import Config, load_config  # noqa: E402
 from deggs.numerics import model  # noqa: E402
 from deggs.numerics.gpu import Norm, hidden_order  # noqa: E402
 from deggs.numerics.model import Perturbation, Weights, wrap32  # noqa: E402
-from deggs.numerics.optimizer import optimizer_step, update_overlay  # noqa: E402
+from deggs.numerics.noise import noise_table  # noqa: E402
+from deggs.numerics.optimizer import optimizer_step, update_overlay, vector_votes  # noqa: E402
 from deggs.numerics.params import EMB_MLP, LAYER_MLP, PARAM, offsets  # noqa: E402
 from deggs.numerics.sampling import choose_token, sampler_limits, scan_order  # noqa: E402
 
@@ -449,6 +452,69 @@ def check_head_loss_near(b):
 def check_head_loss_sm90(b):
     """head_loss on warpgroup MMAs (head_loss_sm90.cu), built on H100s and H200s only."""
     return check_head_loss(b, kernel="head_loss_sm90")
+
+
+def update_inputs(b):
+    """The update's buffers with random ternary fitness and a random step seed."""
+    U = b.gpu._update_buffers()
+    n_pairs = b.cfg.training.n_pairs
+    fitness = np.zeros(U["pairs"], np.int8)
+    fitness[:n_pairs] = b.ints(-1, 2, n_pairs, np.int8)
+    seed = int(b.rng.integers(2**32))
+    U["fit"][...] = b.cp.asarray(fitness)
+    U["seed"][...] = b.cp.asarray(np.array([seed], np.uint32))
+    return U, fitness, seed
+
+
+def check_noise_matrix(b):
+    """The two noise matrices of the up-projection's votes: its inputs' (no fitness) and
+    its outputs' (times each pair's fitness)."""
+    U, fitness, seed = update_inputs(b)
+    n_in, n_out, pairs = b.d, 4 * b.d, U["pairs"]
+    off_a, off_b = offsets(b.cfg, "w_up", 0)
+    seeds = ((seed + np.arange(pairs)) & 0xFFFFFFFF).astype(np.uint32)
+
+    def launch():
+        b.gpu._noise_matrix(U["b"], None, off_b, n_in)
+        b.gpu._noise_matrix(U["a"], U["fit"], off_a, n_out)
+
+    def noise(off, n):
+        z = b.cfg.noise
+        shifted = (seeds + np.uint32(off & 0xFFFFFFFF)).astype(np.uint32)
+        return noise_table(
+            shifted,
+            np.arange(n, dtype=np.uint32),
+            z.perturb_mask,
+            z.perturb_distribution == "three_sample",
+        ).T
+
+    def reference():
+        return noise(off_b, n_in).astype(np.int8), (noise(off_a, n_out) * fitness).astype(np.int8)
+
+    def result():
+        a, bb = (U[k][: n * pairs].get().reshape(n, pairs) for k, n in (("a", n_out), ("b", n_in)))
+        return bb, a
+
+    return lambda: None, launch, reference, result, (n_in + n_out) * pairs + pairs
+
+
+def check_vector_votes(b):
+    """The votes of a vector as long as the up-projection's bias."""
+    U, fitness, seed = update_inputs(b)
+    n = 4 * b.d
+    off_a, off_b = offsets(b.cfg, "mlp_bias_up", 0)
+
+    def launch():
+        b.gpu._vector_votes(U["vote"], off_a, off_b, n)
+
+    def reference():
+        n_pairs = b.cfg.training.n_pairs
+        return vector_votes(b.cfg, fitness[:n_pairs], seed, off_a, off_b, np.arange(n))
+
+    def result():
+        return U["vote"][:n].get()
+
+    return lambda: None, launch, reference, result, U["pairs"] + 4 * n
 
 
 def check_optimizer_step(b):

@@ -117,6 +117,31 @@ def test_windows_come_from_the_stream_given(monkeypatch):
     assert np.array_equal(ours, cpu.losses(third, 3, seed, members))
 
 
+def test_chunks_queued_behind_each_other_score_as_alone():
+    """start_losses leaves a chunk scoring while the next is queued behind it (what
+    Trainer.score_population does): the losses are the CPU's, collected in any order,
+    also where a queued chunk reads another token stream (the device copy of the first
+    is replaced while its kernels may still be reading it)."""
+    from deggs.numerics.es import Trainer, chunk_members
+
+    rng = np.random.default_rng(11)
+    cfg = small_config(rng).replace(training=dict(population_size=96, chunk_size=32))
+    cpu, gpu = CpuBackend(cfg, threads=1), GpuBackend_(cfg, batch=7)
+    first, second = (
+        rng.integers(0, cfg.model.vocab_size, n).astype(cfg.token_dtype) for n in (900, 4000)
+    )
+    seed = cfg.training.seed
+    jobs = [(first, 0, chunk_members(cfg, 0)), (second, 0, chunk_members(cfg, 1))]
+    jobs.append((first, 1, chunk_members(cfg, 2)))
+    waits = [gpu.start_losses(data, step, seed, members) for data, step, members in jobs]
+    got = [wait() for wait in reversed(waits)][::-1]
+    for (data, step, members), ours in zip(jobs, got, strict=True):
+        assert np.array_equal(ours, cpu.losses(data, step, seed, members)), members[0]
+    ours, theirs = Trainer(gpu).score_population(second), Trainer(cpu).score_population(second)
+    assert [r.losses.tolist() for r in ours] == [r.losses.tolist() for r in theirs]
+    assert [r.packed for r in ours] == [r.packed for r in theirs]
+
+
 # Sampling settings x model switches of the generation comparisons (vocab 256: bytes).
 GENERATION = [
     (dict(temperature=0.6, min_p=0.08, presence_penalty=0.2), dict(model=dict(vocab_size=256))),

@@ -37,6 +37,15 @@ class Backend(Protocol):
         scored, members in all) after each batch the backend scores."""
         ...
 
+    def start_losses(
+        self, data: np.ndarray, step: int, step_seed: int, members
+    ) -> Callable[[], np.ndarray]:
+        """Start scoring members as `losses` does; returns a function that waits for the
+        losses and returns them. A backend that runs asynchronously (the GPU) is left
+        scoring meanwhile, so the caller can queue the next chunk behind this one; one
+        that does not scores here."""
+        ...
+
     def logits(self, tokens: np.ndarray) -> np.ndarray:
         """Integer logits [window, position, vocab] of the unperturbed model."""
         ...

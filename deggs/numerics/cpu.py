@@ -98,6 +98,11 @@ class CpuBackend:
                 parts = [future.result() for future in futures]  # in submission order
         return np.concatenate(parts) if parts else np.zeros(0, np.int32)
 
+    def start_losses(self, data: np.ndarray, step: int, step_seed: int, members):
+        """Scores here: the CPU's threads are all busy with one chunk."""
+        result = self.losses(data, step, step_seed, members)
+        return lambda: result
+
     @property
     def members_at_once(self) -> int:
         """Members scored in one round of the backend's threads."""

@@ -115,8 +115,19 @@ class Trainer:
         return chunk_result(self.cfg, chunk, losses)
 
     def score_population(self, data: np.ndarray) -> list[ChunkResult]:
-        """Every chunk of the step, in order (what all workers together compute)."""
-        return [self.score_chunk(data, chunk) for chunk in range(self.cfg.training.n_chunks)]
+        """Every chunk of the step, in order (what all workers together compute). Each
+        chunk is started before the one ahead of it is collected, so that a GPU scores
+        it while the host takes the fitness of the other."""
+        start = lambda chunk: self.backend.start_losses(
+            data, self.step, self.seed, chunk_members(self.cfg, chunk)
+        )
+        n_chunks = self.cfg.training.n_chunks
+        results, pending = [], [start(0)]
+        for chunk in range(n_chunks):
+            if chunk + 1 < n_chunks:
+                pending.append(start(chunk + 1))
+            results.append(chunk_result(self.cfg, chunk, pending.pop(0)()))
+        return results
 
     def apply(self, fitness: np.ndarray) -> int:
         """The update from the whole population's fitness; moves to the next step.

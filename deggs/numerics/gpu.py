@@ -910,13 +910,25 @@ class GpuBackend:
     ) -> np.ndarray:
         """progress is told once, at the end: the sub-batches run asynchronously, and a
         chunk takes the GPU well under a second."""
+        out = self.start_losses(data, step, step_seed, members)()
+        if progress is not None:
+            progress(len(out), len(out))
+        return out
+
+    def start_losses(self, data: np.ndarray, step: int, step_seed: int, members):
+        """Queues the members' forward passes and the copy of their losses to pinned host
+        memory on the stream; the function returned waits for that copy alone, so
+        whatever the caller queued behind it keeps the GPU busy while the host takes the
+        losses (Trainer.score_population queues the next chunk first)."""
         members = np.asarray(members, np.int64)
         n = len(members)
         if n == 0:
-            return np.zeros(0, np.int32)
+            return lambda: np.zeros(0, np.int32)
         t = self.cfg.model.seq_len
         seeds = pair_seed(int(step_seed), members // 2).astype(np.uint32)
         signs = member_sign(members).astype(np.int32)
+        host = np.frombuffer(cp.cuda.alloc_pinned_memory(4 * n), np.int32, n)
+        done = cp.cuda.Event(disable_timing=True)
         with self.stream:
             d_tok = self._member_tokens(data, step, members).ravel()
             d_seeds, d_signs = cp.asarray(seeds), cp.asarray(signs)
@@ -928,11 +940,16 @@ class GpuBackend:
                 self._forward(
                     buf, d_tok[s * (t + 1) :], d_seeds[s:e], d_signs[s:e], e - s, loss[s:e]
                 )
-            out = loss.get(stream=self.stream)
-        self.stream.synchronize()
-        if progress is not None:
-            progress(n, n)
-        return out
+            loss.data.copy_to_host_async(host.ctypes.data, host.nbytes, self.stream)
+            done.record(self.stream)
+
+        def finish() -> np.ndarray:
+            # The device arrays freed above are safe to reuse meanwhile: CuPy's pool
+            # hands them out again on this stream only, behind these kernels.
+            done.synchronize()
+            return host.copy()  # the pinned page goes back to its pool
+
+        return finish
 
     def _member_tokens(self, data: np.ndarray, step: int, members: np.ndarray):
         """The members' windows (int32, [members, seq_len + 1]), gathered on the device
@@ -1431,44 +1448,13 @@ class GpuBackend:
             n = math.prod(shape)
             if u.param.is_matrix:
                 n_in, n_out = shape
-                grid_x = (pairs + 255) // 256
-                self._launch(
-                    "noise_matrix",
-                    (grid_x, min(n_in, 65535)),
-                    (256,),
-                    out=U["b"],
-                    fitness=None,
-                    step_seed=U["seed"],
-                    off=u.off_b,
-                    n=n_in,
-                    pairs=pairs,
-                )
-                self._launch(
-                    "noise_matrix",
-                    (grid_x, min(n_out, 65535)),
-                    (256,),
-                    out=U["a"],
-                    fitness=U["fit"],
-                    step_seed=U["seed"],
-                    off=u.off_a,
-                    n=n_out,
-                    pairs=pairs,
-                )
+                self._noise_matrix(U["b"], None, u.off_b, n_in)
+                self._noise_matrix(U["a"], U["fit"], u.off_a, n_out)
                 # vote[out, in] (row-major) = sum_p (fit_p a_p[out]) b_p[in]
                 self._gemm(U["b"], U["a"], U["vote"], n_in, n_out, pairs, pairs, pairs, n_in)
                 inner, cols = n_in, U["cols"]
             else:
-                self._launch(
-                    "vector_votes",
-                    (n,),
-                    (self.nt,),
-                    vote=U["vote"],
-                    fitness=U["fit"],
-                    step_seed=U["seed"],
-                    off_a=u.off_a,
-                    off_b=u.off_b,
-                    pairs=pairs,
-                )
+                self._vector_votes(U["vote"], u.off_a, u.off_b, n)
                 inner, cols = n, None
             self._optimizer_step(
                 w,
@@ -1503,6 +1489,44 @@ class GpuBackend:
                 cp.cuda.runtime.memsetAsync(U["rows"].data.ptr, 0, U["rows"].nbytes, stream)
                 cp.cuda.runtime.memsetAsync(U["cols"].data.ptr, 0, U["cols"].nbytes, stream)
         self._copy_cores()
+
+    def _noise_matrix(self, out, fitness, off: int, n: int):
+        """out[j, p] = pair p's noise j (times its fitness where given), for j < n (update.cu)."""
+        U = self._upd
+        self._launch(
+            "noise_matrix",
+            (-(-U["pairs"] // (4 * 256)), min(65535, max(1, n // 8))),  # ~8 rows a thread
+            (256,),
+            out=out,
+            fitness=fitness,
+            step_seed=U["seed"],
+            off=off,
+            n=n,
+            pairs=U["pairs"],
+        )
+
+    def _vector_votes(self, vote, off_a: int, off_b: int, n: int):
+        """vote[i] = sum_p fit_p a_p[i] b_p[i] for i < n (update.cu): the pairs split into
+        enough blocks for about eight an SM."""
+        U = self._upd
+        blocks = -(-n // 256)
+        share = -(-U["pairs"] * blocks // (8 * self.sms))
+        share = max(16, -(-share // 16) * 16)
+        stream = cp.cuda.get_current_stream().ptr
+        cp.cuda.runtime.memsetAsync(vote.data.ptr, 0, 4 * n, stream)
+        self._launch(
+            "vector_votes",
+            (blocks, -(-U["pairs"] // share)),
+            (256,),
+            vote=vote,
+            fitness=U["fit"],
+            step_seed=U["seed"],
+            off_a=off_a,
+            off_b=off_b,
+            n=n,
+            pairs_per_block=share,
+            pairs=U["pairs"],
+        )
 
     def _optimizer_step(
         self, w, m, v, acc, vote, n, inner, lr_buf, lr_index, row_counts, col_counts, changes
