@@ -349,7 +349,7 @@ def test_every_kernel_matches_its_cpu_reference(switches, not_used):
     )
     lines = []
     ok = harness.run(cfg, sorted(harness.CHECKS), members=6, repeats=1, out=lines.append)
-    assert ok and len(lines) == len(harness.CHECKS) == 19, "\n".join(lines)
+    assert ok and len(lines) == len(harness.CHECKS) == 21, "\n".join(lines)
     built = not any("not built" in line for line in lines)
     assert built == cp_device_is_hopper(), "\n".join(lines)  # the *_sm90 on Hopper
     skipped = [line.split()[0] for line in lines if "not used" in line]

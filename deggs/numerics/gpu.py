@@ -1436,7 +1436,7 @@ class GpuBackend:
 
     def _update_body(self):
         cfg = self.cfg
-        U = self._upd
+        U = self._update_buffers()
         pairs = U["pairs"]
         stream = cp.cuda.get_current_stream().ptr
         cp.cuda.runtime.memsetAsync(U["changes"].data.ptr, 0, 8, stream)
@@ -1492,7 +1492,7 @@ class GpuBackend:
 
     def _noise_matrix(self, out, fitness, off: int, n: int):
         """out[j, p] = pair p's noise j (times its fitness where given), for j < n (update.cu)."""
-        U = self._upd
+        U = self._update_buffers()
         self._launch(
             "noise_matrix",
             (-(-U["pairs"] // (4 * 256)), min(65535, max(1, n // 8))),  # ~8 rows a thread
@@ -1508,7 +1508,7 @@ class GpuBackend:
     def _vector_votes(self, vote, off_a: int, off_b: int, n: int):
         """vote[i] = sum_p fit_p a_p[i] b_p[i] for i < n (update.cu): the pairs split into
         enough blocks for about eight an SM."""
-        U = self._upd
+        U = self._update_buffers()
         blocks = -(-n // 256)
         share = -(-U["pairs"] * blocks // (8 * self.sms))
         share = max(16, -(-share // 16) * 16)
