@@ -3,13 +3,14 @@
 
     python scripts/bench.py [--config PATH | --golden NAME.npz] [--backend cpu|gpu]
         [--members N] [--repeats R] [--updates U] [--steps S] [--batch B] [--profile]
-        [--head KERNEL] [--qkv KERNEL] [--replay N]
+        [--timeline] [--head KERNEL] [--qkv KERNEL] [--replay N]
 
 After one warm-up of each (compilation, caches, graph capture) it times R forward runs
 of N members (default: a whole chunk on the GPU, 64 members on the CPU), U updates from
 random ternary fitness, and S whole steps (every member's loss, then the update). The
 step time is the median whole step, or with --steps 0 the projection
-population / N * forward + update ("extrapolated": true). With --replay N it also writes
+population / N * forward + update ("extrapolated": true). --timeline times one more
+whole step on the GPU chunk by chunk (see step_timeline). With --replay N it also writes
 a save directory of N steps of random fitness and times rebuilding the model from it
 (what deggs-generate does before it samples). Prints one JSON line.
 """
@@ -77,6 +78,9 @@ def device_name(backend):
 @click.option("--batch", type=click.IntRange(min=2), help="members per forward sub-batch")
 @click.option("--profile", is_flag=True, help="GPU: also time each kernel of one forward run")
 @click.option(
+    "--timeline", is_flag=True, help="GPU: one more whole step, each chunk's and the update's span"
+)
+@click.option(
     "--head",
     type=click.Choice(["head_loss", "head_loss_sm90"]),
     help="GPU: the fused head's kernel (default: the one chosen for the device)",
@@ -103,6 +107,7 @@ def main(
     steps,
     batch,
     profile,
+    timeline,
     head,
     qkv,
     replay_steps,
@@ -114,8 +119,8 @@ def main(
     else:
         cfg = load_config(config_path)
     m, t = cfg.model, cfg.training
-    if (head or qkv) and backend != "gpu":
-        raise click.UsageError("--head and --qkv choose kernels of --backend gpu")
+    if (head or qkv or timeline) and backend != "gpu":
+        raise click.UsageError("--head, --qkv and --timeline are for --backend gpu")
     start = time.perf_counter()
     engine = make_backend(cfg, backend)
     if batch:
@@ -193,9 +198,55 @@ def main(
             engine.losses(data, 2, seed, batch_members)
             record["profile_ms"] = engine.profile_report()
             engine.profile = None
+        if timeline:
+            record["timeline"] = step_timeline(engine, trainer, data)
     if replay_steps:
         record["replay"] = time_replay(cfg, backend, replay_steps, rng)
     print(json.dumps(record))
+
+
+def step_timeline(engine, trainer, data) -> list[dict]:
+    """One more whole step, with CUDA events on the backend's stream as each chunk and
+    the update are queued. span_ms: from when the host began to queue it (or the GPU
+    finished the one before, if later) to the end of its last kernel; idle_before_ms: the
+    GPU's wait for the host before that (0 where the next chunk was queued in time)."""
+    import cupy as cp
+
+    marks = []
+    start_losses, update = engine.start_losses, engine.update
+
+    def event():
+        e = cp.cuda.Event()
+        e.record(engine.stream)
+        return e
+
+    def timed(name, fn):
+        def run(*args):
+            first = event()
+            out = fn(*args)
+            marks.append((name(), first, event()))
+            return out
+
+        return run
+
+    engine.start_losses = timed(lambda: f"chunk {len(marks)}", start_losses)
+    engine.update = timed(lambda: "update", update)
+    try:
+        trainer.train_step(data)
+        engine.stream.synchronize()
+    finally:
+        del engine.start_losses, engine.update  # the methods again
+    ms = lambda event: cp.cuda.get_elapsed_time(marks[0][1], event)
+    rows, previous = [], 0.0
+    for name, first, last in marks:
+        begin, end = ms(first), ms(last)
+        rows.append(
+            dict(
+                what=name, span_ms=round(end - begin, 2), idle_before_ms=round(begin - previous, 2)
+            )
+        )
+        previous = end
+    return rows
 
 
 def time_replay(cfg, backend: str, steps: int, rng) -> dict:

@@ -321,11 +321,11 @@ def test_scaling_report_compares_step_times_and_losses():
         scaling.summary("late", late[:9])
 
 
-@pytest.mark.parametrize("choice", [["--qkv", "qkv_rope"], ["--head", "head_loss"]])
-def test_bench_refuses_gpu_kernel_choices_for_the_cpu_backend(choice):
+@pytest.mark.parametrize("choice", [["--qkv", "qkv_rope"], ["--head", "head_loss"], ["--timeline"]])
+def test_bench_refuses_gpu_options_for_the_cpu_backend(choice):
     import bench
     from click.testing import CliRunner
 
     result = CliRunner().invoke(bench.main, ["--config", str(ROOT / "config.toml"), *choice])
     assert result.exit_code == 2
-    assert "--head and --qkv choose kernels of --backend gpu" in result.output
+    assert "--head, --qkv and --timeline are for --backend gpu" in result.output

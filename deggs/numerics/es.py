@@ -12,7 +12,9 @@ A step of training, as every worker, the replay and the checks run it:
 
 Member 2i of the population adds pair i's noise to the weights, member 2i + 1 subtracts
 it; a chunk is `chunk_size` consecutive members. `Trainer` holds one replica of the model
-(a backend) with the step and seed it is at.
+(a backend) with the step and seed it is at. Where one process scores every chunk
+(`Trainer.score_population`), each chunk is started (`Backend.start_losses`) before the
+fitness of the one ahead is taken, so that a GPU never waits for the host.
 """
 
 from __future__ import annotations
