@@ -207,9 +207,12 @@ def main(
 
 def step_timeline(engine, trainer, data) -> list[dict]:
     """One more whole step, with CUDA events on the backend's stream as each chunk and
-    the update are queued. span_ms: from when the host began to queue it (or the GPU
-    finished the one before, if later) to the end of its last kernel; idle_before_ms: the
-    GPU's wait for the host before that (0 where the next chunk was queued in time)."""
+    the update are queued. span_ms: from when the GPU got to it (or the host began to
+    queue it, if later) to the end of its last kernel; idle_before_ms: from the end of
+    the one before to that; host_ms: the host's time in start_losses (queuing a chunk)
+    or in update (which waits for it). A chunk whose host_ms is well under the span of
+    the one before was queued before the GPU got to it, so its span is GPU time alone;
+    the first chunk's and the update's include what the host did first."""
     import cupy as cp
 
     marks = []
@@ -222,9 +225,10 @@ def step_timeline(engine, trainer, data) -> list[dict]:
 
     def timed(name, fn):
         def run(*args):
-            first = event()
+            first, began = event(), time.perf_counter()
             out = fn(*args)
-            marks.append((name(), first, event()))
+            host_ms = 1e3 * (time.perf_counter() - began)
+            marks.append((name(), first, event(), host_ms))
             return out
 
         return run
@@ -238,11 +242,14 @@ def step_timeline(engine, trainer, data) -> list[dict]:
         del engine.start_losses, engine.update  # the methods again
     ms = lambda event: cp.cuda.get_elapsed_time(marks[0][1], event)
     rows, previous = [], 0.0
-    for name, first, last in marks:
+    for name, first, last, host_ms in marks:
         begin, end = ms(first), ms(last)
         rows.append(
             dict(
-                what=name, span_ms=round(end - begin, 2), idle_before_ms=round(begin - previous, 2)
+                what=name,
+                span_ms=round(end - begin, 2),
+                idle_before_ms=round(begin - previous, 2),
+                host_ms=round(host_ms, 2),
             )
         )
         previous = end

@@ -40,6 +40,47 @@ def test_the_cpu_reports_a_chunks_progress_batch_by_batch(threads):
     assert np.array_equal(result.losses, whole.losses) and result.packed == whole.packed
 
 
+class QueuedBackend(CpuBackend):
+    """A CPU backend that records when each chunk is started and waited for, as a GPU
+    would leave it running in between; the chunk `failing` fails when waited for."""
+
+    def __init__(self, cfg, failing=None):
+        super().__init__(cfg, threads=1)
+        self.events: list[tuple[str, int]] = []
+        self.failing = failing
+
+    def start_losses(self, data, step, step_seed, members):
+        chunk = int(members[0]) // self.cfg.training.chunk_size
+        self.events.append(("start", chunk))
+        losses = self.losses(data, step, step_seed, members)
+
+        def wait():
+            self.events.append(("wait", chunk))
+            if chunk == self.failing:
+                raise RuntimeError(f"chunk {chunk} failed")
+            return losses
+
+        return wait
+
+
+def test_each_chunk_is_started_before_the_one_ahead_is_taken():
+    backend = QueuedBackend(CFG)
+    results = Trainer(backend).score_population(DATA)
+    steps = [("start", 0)] + [e for c in range(1, 4) for e in (("start", c), ("wait", c - 1))]
+    assert backend.events == steps + [("wait", 3)]
+    alone = Trainer(CpuBackend(CFG, threads=1))
+    assert [r.packed for r in results] == [alone.score_chunk(DATA, c).packed for c in range(4)]
+
+
+def test_a_failing_chunk_still_waits_for_the_chunk_queued_behind_it():
+    """Until it is waited for, a queued chunk's losses may still be arriving in memory
+    that the backend hands back with the function (Backend.start_losses)."""
+    backend = QueuedBackend(CFG, failing=1)
+    with pytest.raises(RuntimeError, match="chunk 1 failed"):
+        Trainer(backend).score_population(DATA)
+    assert backend.events[-3:] == [("start", 2), ("wait", 1), ("wait", 2)]
+
+
 def test_apply_moves_to_the_next_step_and_seed():
     trainer = Trainer(CpuBackend(CFG, threads=1))
     before = {k: v.copy() for k, v in trainer.backend.params.items()}

@@ -43,7 +43,9 @@ class Backend(Protocol):
         """Start scoring members as `losses` does; returns a function that waits for the
         losses and returns them. A backend that runs asynchronously (the GPU) is left
         scoring meanwhile, so the caller can queue the next chunk behind this one; one
-        that does not scores here."""
+        that does not scores here. Call the function even when the losses are no longer
+        wanted: until then the device may still be writing into the host memory it
+        returns them in."""
         ...
 
     def logits(self, tokens: np.ndarray) -> np.ndarray:

@@ -14,7 +14,8 @@ Member 2i of the population adds pair i's noise to the weights, member 2i + 1 su
 it; a chunk is `chunk_size` consecutive members. `Trainer` holds one replica of the model
 (a backend) with the step and seed it is at. Where one process scores every chunk
 (`Trainer.score_population`), each chunk is started (`Backend.start_losses`) before the
-fitness of the one ahead is taken, so that a GPU never waits for the host.
+fitness of the one ahead is taken, so that a GPU does not wait for the host between
+chunks.
 """
 
 from __future__ import annotations
@@ -125,10 +126,14 @@ class Trainer:
         )
         n_chunks = self.cfg.training.n_chunks
         results, pending = [], [start(0)]
-        for chunk in range(n_chunks):
-            if chunk + 1 < n_chunks:
-                pending.append(start(chunk + 1))
-            results.append(chunk_result(self.cfg, chunk, pending.pop(0)()))
+        try:
+            for chunk in range(n_chunks):
+                if chunk + 1 < n_chunks:
+                    pending.append(start(chunk + 1))
+                results.append(chunk_result(self.cfg, chunk, pending.pop(0)()))
+        finally:  # on an error, a chunk still queued is waited for (start_losses says why)
+            for wait in pending:
+                wait()
         return results
 
     def apply(self, fitness: np.ndarray) -> int:

@@ -165,7 +165,7 @@ def shared_memory(cfg: Config) -> dict[str, tuple[int, int]]:
     av = av_bytes(cfg)
     reductions = 32 * 8
     return {
-        "embed": (0, 12 * h + reductions),
+        "embed": (0, 12 * h),
         "standard_norm": (32 * h, reductions),
         "qkv_rope": (0, 12 * h),
         "attention_mix": (2 * m.seq_len * m.head_dim, 4 * lut + 8 * m.head_dim + reductions),
@@ -911,7 +911,7 @@ class GpuBackend:
         """progress is told once, at the end: the sub-batches run asynchronously, and a
         chunk takes the GPU well under a second."""
         out = self.start_losses(data, step, step_seed, members)()
-        if progress is not None:
+        if progress is not None and len(out):
             progress(len(out), len(out))
         return out
 
@@ -945,9 +945,11 @@ class GpuBackend:
 
         def finish() -> np.ndarray:
             # The device arrays freed above are safe to reuse meanwhile: CuPy's pool
-            # hands them out again on this stream only, behind these kernels.
+            # hands them out again on this stream only, behind these kernels. The pinned
+            # page is not: it goes back to its pool with this function, so the function
+            # must be called (Backend.start_losses).
             done.synchronize()
-            return host.copy()  # the pinned page goes back to its pool
+            return host.copy()
 
         return finish
 

@@ -6,10 +6,10 @@
 __device__ __forceinline__ u32 pair_seed(u32 step_seed, int p) { return step_seed + (u32)p; }
 
 // out[j, p] = noise(step_seed + p + off, j) (* fitness[p]): one noise vector per pair,
-// pair-contiguous. A thread takes four pairs (pairs is a multiple of 16), their seeds and
-// fitness once, and rows j = blockIdx.y + k gridDim.y, one 32-bit store a row: with a
-// thread a byte, the indexing, the fitness loads and the byte stores took more time than
-// the hashes (11.7 of the update's 22.6 ms at the default on an H100).
+// pair-contiguous (pairs: a multiple of 4; GpuBackend pads it to 16). A thread takes four
+// pairs, their seeds and fitness once, and rows j = blockIdx.y + k gridDim.y, one 32-bit
+// store a row: with a thread a byte, the indexing, the fitness loads and the byte stores
+// took more time than the hashes (11.7 of the update's 22.6 ms at the default on an H100).
 extern "C" __global__ void noise_matrix(i8* out, const i8* fitness, const u32* step_seed, u32 off,
                                         int n, int pairs) {
     const int p = 4 * (blockIdx.x * blockDim.x + threadIdx.x);
@@ -17,7 +17,8 @@ extern "C" __global__ void noise_matrix(i8* out, const i8* fitness, const u32* s
     const u32 seed = pair_seed(step_seed[0], p) + off;
     const char4 f = fitness ? ((const char4*)fitness)[p / 4] : make_char4(1, 1, 1, 1);
     for (int j = blockIdx.y; j < n; j += gridDim.y) {
-        const u32 word = (u32)(unsigned char)(noise(seed, j) * f.x) | (u32)(unsigned char)(noise(seed + 1, j) * f.y) << 8 |
+        const u32 word = (u32)(unsigned char)(noise(seed, j) * f.x) |
+                         (u32)(unsigned char)(noise(seed + 1, j) * f.y) << 8 |
                          (u32)(unsigned char)(noise(seed + 2, j) * f.z) << 16 |
                          (u32)(unsigned char)(noise(seed + 3, j) * f.w) << 24;
         ((u32*)(out + (long)j * pairs))[p / 4] = word;
