@@ -33,10 +33,15 @@ from deggs.config import Config, load_config  # noqa: E402
 from deggs.numerics import model  # noqa: E402
 from deggs.numerics.gpu import Norm, hidden_order  # noqa: E402
 from deggs.numerics.model import Perturbation, Weights, wrap32  # noqa: E402
-from deggs.numerics.noise import noise_table  # noqa: E402
-from deggs.numerics.optimizer import optimizer_step, update_overlay, vector_votes  # noqa: E402
+from deggs.numerics.optimizer import (  # noqa: E402
+    optimizer_step,
+    pair_noise,
+    update_overlay,
+    vector_votes,
+)
 from deggs.numerics.params import EMB_MLP, LAYER_MLP, PARAM, offsets  # noqa: E402
 from deggs.numerics.sampling import choose_token, sampler_limits, scan_order  # noqa: E402
+from deggs.seeds import pair_seed  # noqa: E402
 
 SMALL = Config().replace(
     model=dict(hidden_dim=256, head_dim=64, n_layers=1, seq_len=64, vocab_size=8192),
@@ -472,21 +477,14 @@ def check_noise_matrix(b):
     U, fitness, seed = update_inputs(b)
     n_in, n_out, pairs = b.d, 4 * b.d, U["pairs"]
     off_a, off_b = offsets(b.cfg, "w_up", 0)
-    seeds = ((seed + np.arange(pairs)) & 0xFFFFFFFF).astype(np.uint32)
+    seeds = pair_seed(seed, np.arange(pairs)).astype(np.uint32)[:, None]
 
     def launch():
         b.gpu._noise_matrix(U["b"], None, off_b, n_in)
         b.gpu._noise_matrix(U["a"], U["fit"], off_a, n_out)
 
-    def noise(off, n):
-        z = b.cfg.noise
-        shifted = (seeds + np.uint32(off & 0xFFFFFFFF)).astype(np.uint32)
-        return noise_table(
-            shifted,
-            np.arange(n, dtype=np.uint32),
-            z.perturb_mask,
-            z.perturb_distribution == "three_sample",
-        ).T
+    def noise(off, n):  # [n, pairs], as the kernel lays it out
+        return pair_noise(b.cfg, seeds, off, np.arange(n)).T.astype(np.int64)
 
     def reference():
         return noise(off_b, n_in).astype(np.int8), (noise(off_a, n_out) * fitness).astype(np.int8)

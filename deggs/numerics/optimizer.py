@@ -56,7 +56,9 @@ def _pair_blocks(cfg, fitness, step_seed):
         yield seeds, fitness[pairs].astype(np.float64)[:, None]
 
 
-def _noise(cfg, seeds, offset, idx):
+def pair_noise(cfg, seeds, offset, idx):
+    """noise[p, j]: pair p's perturbation noise entry idx[j] at a parameter's seed offset
+    (seeds: the pairs' seeds as a column), in float64 for the vote products."""
     return noise_table(
         (seeds[:, 0] + np.uint32(offset & 0xFFFFFFFF)),
         np.asarray(idx, np.uint32),
@@ -69,8 +71,8 @@ def matrix_votes(cfg, fitness, step_seed, off_a, off_b, rows, cols):
     """vote[k, j] = sum_p fitness_p * a_p[j] * b_p[k] for the listed rows k and cols j."""
     total = np.zeros((len(rows), len(cols)), np.float64)
     for seeds, fit in _pair_blocks(cfg, fitness, step_seed):
-        a = _noise(cfg, seeds, off_a, cols) * fit
-        b = _noise(cfg, seeds, off_b, rows)
+        a = pair_noise(cfg, seeds, off_a, cols) * fit
+        b = pair_noise(cfg, seeds, off_b, rows)
         total += b.T @ a  # integers below 2^53: exact
     return total.astype(np.int64)
 
@@ -78,7 +80,9 @@ def matrix_votes(cfg, fitness, step_seed, off_a, off_b, rows, cols):
 def vector_votes(cfg, fitness, step_seed, off_a, off_b, idx):
     total = np.zeros(len(idx), np.float64)
     for seeds, fit in _pair_blocks(cfg, fitness, step_seed):
-        total += (fit * _noise(cfg, seeds, off_a, idx) * _noise(cfg, seeds, off_b, idx)).sum(0)
+        total += (
+            fit * pair_noise(cfg, seeds, off_a, idx) * pair_noise(cfg, seeds, off_b, idx)
+        ).sum(0)
     return total.astype(np.int64)
 
 
