@@ -164,12 +164,13 @@ def shared_memory(cfg: Config) -> dict[str, tuple[int, int]]:
     h, up, v = m.hidden_dim, 4 * m.hidden_dim, m.vocab_size
     av = av_bytes(cfg)
     reductions = 32 * 8
+    magic = 4 * 129  # forward.cu's s_magic, MEAN_MAX + 1 words
     return {
         "embed": (0, 12 * h),
-        "standard_norm": (32 * h, reductions),
+        "standard_norm": (32 * h, magic + reductions),
         "qkv_rope": (0, 12 * h),
         "attention_mix": (2 * m.seq_len * m.head_dim, 4 * lut + 8 * m.head_dim + reductions),
-        "residual_norm": (32 * h, 8 * h + reductions),
+        "residual_norm": (32 * h, 8 * h + magic + reductions),
         "mlp_up": (16 * up, 4 * 256 + reductions),
         "sequence_loss": (av * v, 4 * lut + reductions),
         "choose_token": (4 * ((v + 1) // 2), 8 * (h + 1) + reductions),

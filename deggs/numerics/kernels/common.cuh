@@ -178,10 +178,13 @@ __device__ __forceinline__ u32 folded_term(int g, u32 sbs, int av) { return (u32
 // float quotient's conversions are quarter-rate); M is one division a d. In modes 0
 // and 1 the caller's n stay below 2^22; mode 2's unbounded factors can pass it, and
 // those n are divided as C does.
+__device__ __forceinline__ u32 divisor_magic(int d) { return d <= 1 ? 0u : 0xFFFFFFFFu / (u32)d + 1u; }
 struct Divisor {
     int d;
     u32 magic;  // ceil(2^32 / d); 0 for d = 1, whose quotient is n
-    __device__ __forceinline__ explicit Divisor(int d_) : d(d_), magic(d_ == 1 ? 0u : 0xFFFFFFFFu / (u32)d_ + 1u) {}
+    // magic: divisor_magic(d), looked up where d takes few values (a row's mean): the
+    // division is some twenty instructions, quarter-rate conversions among them.
+    __device__ __forceinline__ Divisor(int d_, u32 magic_) : d(d_), magic(magic_) {}
     __device__ __forceinline__ int operator()(int n) const {
 #if ADAPTIVE_MODE == 2
         if ((u32)n + (1u << 22) >= (1u << 23)) return n / d;  // |n| >= 2^22
@@ -241,14 +244,27 @@ __device__ __forceinline__ long long block_sum_ll(long long v) {
     return r;
 }
 
+// A warp's sum and maximum: one redux.sync on sm_80 and later (in place of five shuffles
+// and five adds; the row kernels take five to seven of them a row).
+#ifndef WARP_REDUX
+#define WARP_REDUX 1
+#endif
 __device__ __forceinline__ u32 warp_sum_u32(u32 v) {
+#if WARP_REDUX && __CUDA_ARCH__ >= 800
+    return __reduce_add_sync(0xffffffffu, v);
+#else
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;
+#endif
 }
 
-__device__ __forceinline__ int warp_max_int(int v) {
+__device__ __forceinline__ u32 warp_max_u32(u32 v) {
+#if WARP_REDUX && __CUDA_ARCH__ >= 800
+    return __reduce_max_sync(0xffffffffu, v);
+#else
     for (int o = 16; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, o));
     return v;
+#endif
 }
 
 // Over the four lanes of a quad (lane ^ 1, lane ^ 2): the threads that hold one row of
@@ -259,7 +275,8 @@ __device__ __forceinline__ T quad_sum(T v) {
     return v + __shfl_xor_sync(0xffffffffu, v, 2);
 }
 
-__device__ __forceinline__ int quad_max(int v) {
+template <typename T>
+__device__ __forceinline__ T quad_max(T v) {
     v = max(v, __shfl_xor_sync(0xffffffffu, v, 1));
     return max(v, __shfl_xor_sync(0xffffffffu, v, 2));
 }
@@ -270,45 +287,54 @@ __device__ __forceinline__ int quad_max(int v) {
 #define WARP (threadIdx.x >> 5)
 #define NWARPS (blockDim.x >> 5)
 
+// Their per-feature tables in shared memory are lane-major: lane l's features l + 32 i
+// sit together, RUN of them a 16-byte (or narrower) load (`lane_run`), so a warp reads
+// a run of each table in one instruction without bank conflicts, not one a feature.
+// Feature f = l + 32 i is at lane_slot(f): run i / RUN of lane l, entry i % RUN.
+#define RUN (FPL % 4 == 0 ? 4 : (FPL % 2 == 0 ? 2 : 1))
+__device__ __forceinline__ int lane_slot(int f) {
+    const int l = f & 31, i = f >> 5;
+    return (i / RUN) * (32 * RUN) + l * RUN + i % RUN;
+}
+template <typename T>
+struct __align__(sizeof(T) * RUN) Run {
+    T v[RUN];
+};
+// Run j of this lane's entries of a lane-major table: features LANE + 32 (RUN j + c).
+template <typename T>
+__device__ __forceinline__ Run<T> lane_run(const T* table, int j) {
+    return ((const Run<T>*)table)[32 * j + LANE];
+}
+
 // max_abs_normalize's float32 steps: the scale of a row whose largest magnitude is
-// peak, and one value scaled, rounded half away from zero and clipped.
-__device__ __forceinline__ float peak_scale(int peak) {
-    return __fdiv_rn(127.0f, __fadd_rn(__int2float_rn(peak), 1e-9f));
+// peak, and each value scaled, rounded half away from zero and clipped. A row's peak is
+// unsigned (abs_u32): |INT_MIN| is 2^31, as the CPU's int64 abs has it.
+__device__ __forceinline__ u32 abs_u32(int v) { return (u32)abs(v); }
+__device__ __forceinline__ float peak_scale(u32 peak) {
+    return __fdiv_rn(127.0f, __fadd_rn(__uint2float_rn(peak), 1e-9f));
 }
-__device__ __forceinline__ float scaled_rounded(int v, float scale) {
-    return fmaxf(-127.0f, fminf(127.0f, roundf(__fmul_rn(__int2float_rn(v), scale))));
-}
-__device__ __forceinline__ int scaled_byte(int v, float scale) { return (int)scaled_rounded(v, scale); }
-// The same byte in the low 8 bits of a word, with no float-to-int conversion (a quarter-rate
-// instruction): r + 1.5 x 2^23 is exact for a whole |r| <= 127 and holds r's two's complement
-// in its low mantissa bits.
+// The byte of a value v of a row scaled by its own peak (|v| <= peak, scale =
+// peak_scale(peak)) in the low 8 bits of a word, with no float-to-int conversion (a
+// quarter-rate instruction): r + 1.5 x 2^23 is exact for a whole |r| <= 127 and holds r's
+// two's complement in its low mantissa bits. No clip either: |v| scale <= 127 (1 +
+// 2^-24)^2, rounded, is at most 127, so the clip to +-127 never acts there.
 __device__ __forceinline__ u32 scaled_byte_bits(int v, float scale) {
-    return __float_as_uint(__fadd_rn(scaled_rounded(v, scale), 12582912.0f));
+    return __float_as_uint(__fadd_rn(roundf(__fmul_rn(__int2float_rn(v), scale)), 12582912.0f));
 }
 
 // max_abs_normalize of the row a warp holds in v[FPL] into out, and into kept[FPL] too
 // when given (for a kernel that goes on with the row).
 __device__ __forceinline__ void max_abs_normalize_warp(const int* v, i8* out, int* kept = nullptr) {
-    int peak = 0;
+    u32 peak = 0;
 #pragma unroll
-    for (int i = 0; i < FPL; i++) peak = max(peak, abs(v[i]));
-    peak = warp_max_int(peak);
-    const float scale = peak_scale(peak);
+    for (int i = 0; i < FPL; i++) peak = max(peak, abs_u32(v[i]));
+    const float scale = peak_scale(warp_max_u32(peak));
 #pragma unroll
     for (int i = 0; i < FPL; i++) {
         const int n = (i8)scaled_byte_bits(v[i], scale);
         out[LANE + 32 * i] = (i8)n;
         if (kept) kept[i] = n;
     }
-}
-
-// max_abs_normalize of one row held in buf[HIDDEN] (each thread its own features).
-__device__ __forceinline__ void max_abs_normalize_row(const int* buf, i8* out) {
-    int peak = 0;
-    for (int f = threadIdx.x; f < HIDDEN; f += blockDim.x) peak = max(peak, abs(buf[f]));
-    peak = block_max_int(peak);
-    const float scale = peak_scale(peak);
-    for (int f = threadIdx.x; f < HIDDEN; f += blockDim.x) out[f] = (i8)scaled_byte(buf[f], scale);
 }
 
 // --- int8 tensor cores (sm_80+): D = A B + D, m16n8k32, A row-major, B column-major ----

@@ -81,11 +81,14 @@ extern "C" __global__ void embed(const int* tokens, const u32* seeds, const int*
 // sb[p][row] = sum_i dot_term(y_i, entry_i) for the projections that read y. Its
 // per-member tables and its row are device functions: residual_norm runs them too.
 
-// The member's tables in s_norm (at most 8 HIDDEN words): weight and bias with their
-// noise, and each input dot's entries (dot_t[3][HIDDEN]: 1 or 2 words each).
-__device__ __forceinline__ void norm_tables(int* s_norm, u32 seed, int sign, const i8* w, const i8* b,
-                                            const i8* ov_w, const i8* ov_b, u32 w_a, u32 w_b, u32 b_a,
-                                            u32 b_b, int ndots, const i8* ov0, const i8* ov1,
+// The member's tables in s_norm (at most 8 HIDDEN words), lane-major (common.cuh's
+// lane_slot): weight and bias with their noise, and each input dot's entries
+// (dot_t[3][HIDDEN]: 1 or 2 words each); and s_magic[d], Divisor's multiplier of each
+// mean d a row can have (0..MEAN_MAX).
+#define MEAN_MAX 128  // |x| <= 128 for a byte x
+__device__ __forceinline__ void norm_tables(int* s_norm, u32* s_magic, u32 seed, int sign, const i8* w,
+                                            const i8* b, const i8* ov_w, const i8* ov_b, u32 w_a, u32 w_b,
+                                            u32 b_a, u32 b_b, int ndots, const i8* ov0, const i8* ov1,
                                             const i8* ov2, u32 off0, u32 off1, u32 off2) {
     const i8* ovs[3] = {ov0, ov1, ov2};
     const u32 offs[3] = {off0, off1, off2};
@@ -93,35 +96,44 @@ __device__ __forceinline__ void norm_tables(int* s_norm, u32 seed, int sign, con
     // Loops over the dots run to 3 with a test, unrolled: runtime-indexed arrays would
     // live in local memory, read and written for every element.
     for (int f = threadIdx.x; f < HIDDEN; f += blockDim.x) {
-        s_norm[f] = w[f] + vector_noise(ov_w, seed, w_a, w_b, f, sign);
-        s_norm[HIDDEN + f] = b[f] + vector_noise(ov_b, seed, b_a, b_b, f, sign);
+        const int at = lane_slot(f);
+        s_norm[at] = w[f] + vector_noise(ov_w, seed, w_a, w_b, f, sign);
+        s_norm[HIDDEN + at] = b[f] + vector_noise(ov_b, seed, b_a, b_b, f, sign);
 #pragma unroll
         for (int p = 0; p < 3; p++)
-            if (p < ndots) s_dot[p * HIDDEN + f] = dot_entry(ovs[p], seed + offs[p], f);
+            if (p < ndots) s_dot[p * HIDDEN + at] = dot_entry(ovs[p], seed + offs[p], f);
     }
+    for (int d = threadIdx.x; d <= MEAN_MAX; d += blockDim.x) s_magic[d] = divisor_magic(d);
 }
 
 // standard_norm of the row a warp holds (lane: features LANE + 32 i of xv) into yr, and
 // its NDOTS input dots into sb[p * rows + row].
 template <int NDOTS>
 __device__ __forceinline__ void norm_row_dots(const int* xv, i8* yr, int* sb, long row, int rows,
-                                              const int* s_norm) {
+                                              const int* s_norm, const u32* s_magic) {
     const dot_t* s_dot = (const dot_t*)(s_norm + 2 * HIDDEN);
     u32 s = 0;
 #pragma unroll
     for (int i = 0; i < FPL; i++) s += (u32)abs(xv[i]);
-    // The mean is at most 127 (xv are bytes), and in modes 0 and 1 |xv w| < 2^21: |w| <=
-    // 127 + 93^2 (a weight and its vector noise), as Divisor's multiply needs.
+    // The mean is at most MEAN_MAX (xv are bytes), and in modes 0 and 1 |xv w| < 2^21:
+    // |w| <= 127 + 93^2 (a weight and its vector noise), as Divisor's multiply needs.
     const int mean = (int)(warp_sum_u32(s) / HIDDEN);
-    const Divisor by_mean(mean == 0 ? 1 : mean);
+    const Divisor by_mean(mean == 0 ? 1 : mean, s_magic[mean]);
     u32 dots[3] = {0u, 0u, 0u};
 #pragma unroll
-    for (int i = 0; i < FPL; i++) {
-        const int f = LANE + 32 * i;
-        const int v = clip8(by_mean(xv[i] * s_norm[f]) + s_norm[HIDDEN + f]);
-        yr[f] = (i8)v;
+    for (int j = 0; j < FPL / RUN; j++) {
+        const Run<int> wr = lane_run(s_norm, j), br = lane_run(s_norm + HIDDEN, j);
+        Run<dot_t> dr[3];
 #pragma unroll
-        for (int p = 0; p < NDOTS; p++) dots[p] += (u32)dot_term(v, s_dot[p * HIDDEN + f]);
+        for (int p = 0; p < NDOTS; p++) dr[p] = lane_run(s_dot + p * HIDDEN, j);
+#pragma unroll
+        for (int c = 0; c < RUN; c++) {
+            const int i = RUN * j + c;
+            const int v = clip8(by_mean(xv[i] * wr.v[c]) + br.v[c]);
+            yr[LANE + 32 * i] = (i8)v;
+#pragma unroll
+            for (int p = 0; p < NDOTS; p++) dots[p] += (u32)dot_term(v, dr[p].v[c]);
+        }
     }
 #pragma unroll
     for (int p = 0; p < NDOTS; p++) {
@@ -133,12 +145,12 @@ __device__ __forceinline__ void norm_row_dots(const int* xv, i8* yr, int* sb, lo
 // The dot count as a constant of the row's code: with the runtime count in the
 // element loop, every element issued all three dots' instructions, predicated off.
 __device__ __forceinline__ void norm_row(const int* xv, i8* yr, int* sb, long row, int rows, int ndots,
-                                         const int* s_norm) {
+                                         const int* s_norm, const u32* s_magic) {
     switch (ndots) {
-        case 0: norm_row_dots<0>(xv, yr, sb, row, rows, s_norm); break;
-        case 1: norm_row_dots<1>(xv, yr, sb, row, rows, s_norm); break;
-        case 2: norm_row_dots<2>(xv, yr, sb, row, rows, s_norm); break;
-        default: norm_row_dots<3>(xv, yr, sb, row, rows, s_norm);
+        case 0: norm_row_dots<0>(xv, yr, sb, row, rows, s_norm, s_magic); break;
+        case 1: norm_row_dots<1>(xv, yr, sb, row, rows, s_norm, s_magic); break;
+        case 2: norm_row_dots<2>(xv, yr, sb, row, rows, s_norm, s_magic); break;
+        default: norm_row_dots<3>(xv, yr, sb, row, rows, s_norm, s_magic);
     }
 }
 
@@ -147,17 +159,18 @@ extern "C" __global__ void standard_norm(const i8* x, i8* y, const u32* seeds, c
                                          u32 w_a, u32 w_b, u32 b_a, u32 b_b, int ndots,
                                          const i8* ov0, const i8* ov1, const i8* ov2,
                                          u32 off0, u32 off1, u32 off2, int* sb, int seq, int rows) {
-    extern __shared__ __align__(8) int s_norm[];  // dynamic: 8 HIDDEN words (gpu.shared_memory)
+    extern __shared__ __align__(32) int s_norm[];  // dynamic: 8 HIDDEN words (gpu.shared_memory)
+    __shared__ u32 s_magic[MEAN_MAX + 1];
     const int m = blockIdx.x;
-    norm_tables(s_norm, seeds[m], signs[m], w, b, ov_w, ov_b, w_a, w_b, b_a, b_b, ndots, ov0, ov1,
-                ov2, off0, off1, off2);
+    norm_tables(s_norm, s_magic, seeds[m], signs[m], w, b, ov_w, ov_b, w_a, w_b, b_a, b_b, ndots, ov0,
+                ov1, ov2, off0, off1, off2);
     __syncthreads();
     for (int t = WARP; t < seq; t += NWARPS) {
         const long row = (long)m * seq + t;
         int xv[FPL];
 #pragma unroll
         for (int i = 0; i < FPL; i++) xv[i] = x[row * HIDDEN + LANE + 32 * i];
-        norm_row(xv, y + row * HIDDEN, sb, row, rows, ndots, s_norm);
+        norm_row(xv, y + row * HIDDEN, sb, row, rows, ndots, s_norm, s_magic);
     }
 }
 
@@ -326,16 +339,18 @@ extern "C" __global__ void residual_norm(const int* g, const short* terms, const
                                          int ndots, const i8* ov0, const i8* ov1, const i8* ov2,
                                          u32 off0, u32 off1, u32 off2, int* sb_out, int seq,
                                          int rows) {
-    extern __shared__ __align__(8) int s_norm[];  // dynamic: 8 HIDDEN words (gpu.shared_memory)
-    __shared__ int s_av[HIDDEN];
-    __shared__ int s_bias[HIDDEN];
+    extern __shared__ __align__(32) int s_norm[];  // dynamic: 8 HIDDEN words (gpu.shared_memory)
+    __shared__ __align__(16) int s_av[HIDDEN];    // lane-major, as s_norm
+    __shared__ __align__(16) int s_bias[HIDDEN];  // lane-major
+    __shared__ u32 s_magic[MEAN_MAX + 1];
     const int m = blockIdx.x;
     const u32 seed = seeds[m];
     const int sign = signs[m];
-    if (!terms) output_noise(s_av, HIDDEN, ov_out, seed + off_a);
-    for (int f = threadIdx.x; f < HIDDEN; f += blockDim.x)
-        s_bias[f] = bias ? bias[f] + vector_noise(ov_bias, seed, bias_a, bias_b, f, sign) : 0;
-    norm_tables(s_norm, seed, sign, w, b, ov_w, ov_b, w_a, w_b, b_a, b_b, ndots, ov0, ov1, ov2,
+    for (int f = threadIdx.x; f < HIDDEN; f += blockDim.x) {
+        if (!terms) s_av[lane_slot(f)] = output_noise_of(ov_out, seed + off_a, f);
+        s_bias[lane_slot(f)] = bias ? bias[f] + vector_noise(ov_bias, seed, bias_a, bias_b, f, sign) : 0;
+    }
+    norm_tables(s_norm, s_magic, seed, sign, w, b, ov_w, ov_b, w_a, w_b, b_a, b_b, ndots, ov0, ov1, ov2,
                 off0, off1, off2);
     // Up to hidden 256, a row's loads (its products, x and input dot) are made while the
     // warp's previous row is normalised: the warp's memory traffic does not wait for
@@ -363,15 +378,21 @@ extern "C" __global__ void residual_norm(const int* g, const short* terms, const
         const u32 sbs = (u32)sb_next * (u32)sign;
         int v[FPL];
 #pragma unroll
-        for (int i = 0; i < FPL; i++) {
-            const int f = LANE + 32 * i;
-            const int term = terms ? g_next[i] : wrap_add(g_next[i], rank1_term(sbs, s_av[f])) >> shift;
-            v[i] = x_next[i] + term + s_bias[f];
+        for (int j = 0; j < FPL / RUN; j++) {
+            const Run<int> bias_run = lane_run(s_bias, j);
+            Run<int> av_run{};
+            if (!terms) av_run = lane_run(s_av, j);
+#pragma unroll
+            for (int c = 0; c < RUN; c++) {
+                const int i = RUN * j + c;
+                const int term = terms ? g_next[i] : wrap_add(g_next[i], rank1_term(sbs, av_run.v[c])) >> shift;
+                v[i] = x_next[i] + term + bias_run.v[c];
+            }
         }
         if (PREFETCH) fetch(t + NWARPS);
         int xv[FPL];
         max_abs_normalize_warp(v, x + row * HIDDEN, xv);
-        norm_row(xv, y + row * HIDDEN, sb_out, row, rows, ndots, s_norm);
+        norm_row(xv, y + row * HIDDEN, sb_out, row, rows, ndots, s_norm, s_magic);
     }
 }
 

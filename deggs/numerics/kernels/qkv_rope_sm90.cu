@@ -91,7 +91,7 @@ qkv_rope_sm90(const i8* y, const i8* w_cores, const int* sb, i8* out, const u32*
         // d[c][4 j + 2 s + e]: row 16 warp + 8 s + g, column TILE_N c + 8 j + 2 tig + e.
         const ThreadRows<2> mine(sb + p * rows, signs, row0, m0, rows);
         const av_t* av = s_av + p * QKV_MEMBERS * HIDDEN;
-        int peak[2] = {0, 0};
+        u32 peak[2] = {0u, 0u};
         auto finish = [&](auto with_rope) {
 #pragma unroll
             for (int c = 0; c < QKV_TILES; c++)
@@ -112,7 +112,7 @@ qkv_rope_sm90(const i8* y, const i8* w_cores, const int* sb, i8* out, const u32*
                         }
                         d[c][4 * j + 2 * s] = even;
                         d[c][4 * j + 2 * s + 1] = odd;
-                        peak[s] = max(peak[s], max(abs(even), abs(odd)));
+                        peak[s] = max(peak[s], max(abs_u32(even), abs_u32(odd)));
                     }
         };
         if (p < 2)
