@@ -291,7 +291,9 @@ __device__ __forceinline__ T quad_max(T v) {
 // sit together, RUN of them a 16-byte (or narrower) load (`lane_run`), so a warp reads
 // a run of each table in one instruction without bank conflicts, not one a feature.
 // Feature f = l + 32 i is at lane_slot(f): run i / RUN of lane l, entry i % RUN.
+#ifndef RUN
 #define RUN (FPL % 4 == 0 ? 4 : (FPL % 2 == 0 ? 2 : 1))
+#endif
 __device__ __forceinline__ int lane_slot(int f) {
     const int l = f & 31, i = f >> 5;
     return (i / RUN) * (32 * RUN) + l * RUN + i % RUN;
@@ -313,13 +315,23 @@ __device__ __forceinline__ u32 abs_u32(int v) { return (u32)abs(v); }
 __device__ __forceinline__ float peak_scale(u32 peak) {
     return __fdiv_rn(127.0f, __fadd_rn(__uint2float_rn(peak), 1e-9f));
 }
-// The byte of a value v of a row scaled by its own peak (|v| <= peak, scale =
-// peak_scale(peak)) in the low 8 bits of a word, with no float-to-int conversion (a
-// quarter-rate instruction): r + 1.5 x 2^23 is exact for a whole |r| <= 127 and holds r's
-// two's complement in its low mantissa bits. No clip either: |v| scale <= 127 (1 +
-// 2^-24)^2, rounded, is at most 127, so the clip to +-127 never acts there.
-__device__ __forceinline__ u32 scaled_byte_bits(int v, float scale) {
-    return __float_as_uint(__fadd_rn(roundf(__fmul_rn(__int2float_rn(v), scale)), 12582912.0f));
+// A value v of a row scaled by its own peak (|v| <= peak, scale = peak_scale(peak)),
+// rounded half away from zero: roundf's own steps (the product plus 0.5 with its sign,
+// rounded toward zero, then truncated), the truncation as the conversion to int. No
+// clip: |v| scale <= 127 (1 + 2^-24)^2 rounds to at most 127, so the clip to +-127
+// never acts there. Its low byte is the byte.
+#ifndef ROUND_F2I
+#define ROUND_F2I 1
+#endif
+__device__ __forceinline__ int scaled_int(int v, float scale) {
+    const float p = __fmul_rn(__int2float_rn(v), scale);
+#if ROUND_F2I
+    return __float2int_rz(__fadd_rz(p, copysignf(0.5f, p)));
+#else
+    // r + 1.5 x 2^23 is exact for a whole |r| <= 127 and holds r's two's complement in
+    // its low mantissa bits
+    return (i8)__float_as_uint(__fadd_rn(roundf(p), 12582912.0f));
+#endif
 }
 
 // max_abs_normalize of the row a warp holds in v[FPL] into out, and into kept[FPL] too
@@ -331,7 +343,7 @@ __device__ __forceinline__ void max_abs_normalize_warp(const int* v, i8* out, in
     const float scale = peak_scale(warp_max_u32(peak));
 #pragma unroll
     for (int i = 0; i < FPL; i++) {
-        const int n = (i8)scaled_byte_bits(v[i], scale);
+        const int n = scaled_int(v[i], scale);
         out[LANE + 32 * i] = (i8)n;
         if (kept) kept[i] = n;
     }

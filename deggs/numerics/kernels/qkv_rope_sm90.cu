@@ -130,8 +130,8 @@ qkv_rope_sm90(const i8* y, const i8* w_cores, const int* sb, i8* out, const u32*
             for (int c = 0; c < QKV_TILES; c++)
 #pragma unroll
                 for (int j = 0; j < 8; j++) {
-                    const u32 lo = scaled_byte_bits(d[c][4 * j + 2 * s], scale);
-                    const u32 hi = scaled_byte_bits(d[c][4 * j + 2 * s + 1], scale);
+                    const u32 lo = (u32)scaled_int(d[c][4 * j + 2 * s], scale);
+                    const u32 hi = (u32)scaled_int(d[c][4 * j + 2 * s + 1], scale);
                     *(unsigned short*)(staged + TILE_N * c + 8 * j) = (unsigned short)__byte_perm(lo, hi, 0x40);
                 }
         }
