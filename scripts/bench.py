@@ -187,7 +187,7 @@ def main(
     )
     if backend == "gpu":
         record.update(
-            batch=engine.batch,
+            batch=min(engine.batch, n),  # members a sub-batch of the timed forward
             head=engine.head_kernel if engine.fused else "cuBLAS + sequence_loss",
             qkv="qkv_rope_sm90" if engine.fused_qkv else "cuBLAS + qkv_rope",
             graph=engine.graph is not None,

@@ -75,7 +75,9 @@ class Bench:
         self.weights = Weights(cfg, params, overlays, self.pert)
         self.seeds = cp.asarray(self.pert.seeds)
         self.signs = cp.asarray(self.pert.signs.astype(np.int32))
-        self.buf = self.gpu._row_buffers(self.rows, self.rows)
+        # room for any kernel's products or logits, whichever path it belongs to
+        words = self.rows * max(4 * self.d, cfg.model.vocab_size)
+        self.buf = self.gpu._row_buffers(self.rows, words)
         self.ctx = (self.buf, self.seeds, self.signs, members, self.t, self.rows)
 
     def ints(self, low, high, shape, dtype=np.int32):

@@ -383,6 +383,34 @@ def test_the_terms_kernels_take_many_tiles_a_block(model, members):
     assert ok and all(e in line for e, line in zip(expected, lines, strict=True)), lines
 
 
+def test_a_chunk_is_one_sub_batch_where_every_projection_is_fused():
+    """At the default shapes on an H100 or H200 every projection is fused: a sub-batch's
+    product buffer holds only 16-bit terms and a default chunk is one sub-batch, its
+    largest buffer (the hidden bytes) within the budget. With cuBLAS's q, k, v switched
+    on after a forward, the product buffer grows before cuBLAS writes it, and the losses
+    stay the CPU's both ways."""
+    cfg = Config().replace(model=DEFAULT_MODEL, training=dict(population_size=6, chunk_size=6))
+    gpu, cpu = GpuBackend_(cfg), CpuBackend(cfg, threads=1)
+    m = cfg.model
+    fused = gpu.fused_up and gpu.fused_qkv and gpu.o_terms and gpu.down_terms
+    assert fused == cp_device_is_hopper()
+    words = gpu._product_words(1, whole=True)
+    assert words == (m.hidden_dim // 2 if fused else 4 * m.hidden_dim)
+    assert gpu.batch * m.seq_len * max(4 * words, 4 * m.hidden_dim) <= gpu.budget
+    if fused:
+        assert gpu.batch >= Config().training.chunk_size
+    rng = np.random.default_rng(5)
+    data = rng.integers(0, m.vocab_size, 3000).astype(cfg.token_dtype)
+    members, seed = np.arange(6), cfg.training.seed
+    expected = cpu.losses(data, 0, seed, members)
+    assert np.array_equal(gpu.losses(data, 0, seed, members), expected)
+    rows = 6 * m.seq_len
+    assert gpu._fwd["g"].size == rows * words
+    gpu.fused_qkv = False
+    assert np.array_equal(gpu.losses(data, 0, seed, members), expected)
+    assert gpu._fwd["g"].size >= rows * 3 * m.hidden_dim
+
+
 def test_a_variant_launches_as_compiled_and_timing_skips_the_check():
     """scripts/kernels.py -D NT=128: the row kernels launch with the thread count they
     were compiled with and still match the CPU; --no-check times without the CPU."""
