@@ -27,6 +27,7 @@ from deggs.numerics.gpu import (
     kernel_source,
     projection_terms_fit,
     qkv_rope_sm90_shared,
+    seeds_in_pairs,
     shared_memory,
     sliced_core_pieces,
     supports,
@@ -181,6 +182,21 @@ def test_projection_terms_fit_where_every_term_fits_16_bits(k, mask, distributio
             exact = exact_terms_fit(k, n, fixed_point, sigma_shift, shift)
             assert projection_terms_fit(cfg, k, shift) == exact, (fixed_point, sigma_shift, shift)
             assert not projection_terms_fit(cfg.replace(adaptive_noise=dict(mode=2)), k, shift)
+
+
+def test_head_loss_sm90_takes_a_batch_whose_members_come_in_whole_pairs():
+    """head_loss_sm90 keeps its output noise a pair: members 2k and 2k + 1 of a batch must
+    share their seed. A chunk's do, and a sub-batch from an even member on; one starting
+    mid-pair, or members picked out of order, do not (the portable head runs them)."""
+    from deggs.seeds import pair_seed
+
+    seeds = lambda members: pair_seed(77, np.asarray(members) // 2)
+    assert seeds_in_pairs(seeds(np.arange(40960)))
+    assert seeds_in_pairs(seeds(np.arange(6, 13)))  # an odd count: the last one alone
+    assert seeds_in_pairs(seeds([0, 1, 8, 9]))
+    assert not seeds_in_pairs(seeds(np.arange(7, 14)))
+    assert not seeds_in_pairs(seeds([0, 2, 4, 6]))
+    assert seeds_in_pairs(seeds([5]))
 
 
 @pytest.mark.parametrize("mode", [0, 1, 2])

@@ -151,6 +151,13 @@ def choose_token_threads(hidden: int) -> int:
     return hidden // per
 
 
+def seeds_in_pairs(seeds: np.ndarray) -> bool:
+    """Whether members 2k and 2k + 1 of a batch share their seed, as an antithetic pair's
+    do: head_loss_sm90 keeps its output noise a pair (tiles.cuh's tile_noise, by_pair).
+    A chunk's members are whole pairs; a sub-batch starting mid-pair is not."""
+    return np.array_equal(seeds[0 : len(seeds) - 1 : 2], seeds[1::2])
+
+
 def av_bytes(cfg: Config) -> int:
     """Bytes of common.cuh's av_t, the output noise held in shared memory: 32 bits in
     adaptive mode 2 (its factor is unbounded), else 16."""
@@ -272,12 +279,12 @@ def tile_members(cfg: Config, rows: int) -> int:
 def head_loss_sm90_shared(cfg: Config, defines: dict[str, int]) -> int:
     """Bytes of dynamic shared memory of head_loss_sm90 (head_loss_sm90.cu's layout) as
     compiled with `defines`: the block's rows, two vocabulary tiles (no padding: wgmma's
-    core-matrix layout), the output noise of each member over the whole vocabulary (in
-    whole tiles), the exp table's copies."""
+    core-matrix layout), the output noise of each pair over the whole vocabulary (32
+    bits an entry, in whole tiles; tiles.cuh's PAIRS_OF), the exp table's copies."""
     rows, vocab = 32 * defines["TILE_WARPS"], -(-cfg.model.vocab_size // TILE_N) * TILE_N
     tiles = (rows + 2 * TILE_N) * cfg.model.hidden_dim
     table = 4 * (defines["EXP_LAST"] + 1) * defines["EXP_COPIES"]
-    return tiles + av_bytes(cfg) * tile_members(cfg, rows) * vocab + table
+    return tiles + 4 * (tile_members(cfg, rows) // 2 + 1) * vocab + table
 
 
 def up_gelu_sm90_shared(cfg: Config, defines: dict[str, int]) -> int:
@@ -294,14 +301,14 @@ def up_gelu_sm90_shared(cfg: Config, defines: dict[str, int]) -> int:
 def qkv_rope_sm90_shared(cfg: Config) -> int | None:
     """Bytes of dynamic shared memory of qkv_rope_sm90 (qkv_rope_sm90.cu's layout): the
     block's rows, one of the q, k, v matrices, the output rows staged (padded by 16
-    bytes), the output noise of q, k and v for each member; None where the kernel cannot
-    run the config: a row's products stay in registers, HIDDEN / 2 a thread, in whole
-    tiles."""
+    bytes), the output noise of q, k and v for each member (32 bits an entry); None
+    where the kernel cannot run the config: a row's products stay in registers, HIDDEN /
+    2 a thread, in whole tiles."""
     d = cfg.model.hidden_dim
     if d % TILE_N or d > 256:
         return None
     rows = QKV_ROWS
-    return rows * d + d * d + rows * (d + 16) + 3 * av_bytes(cfg) * tile_members(cfg, rows) * d
+    return rows * d + d * d + rows * (d + 16) + 3 * 4 * tile_members(cfg, rows) * d
 
 
 def projection_terms_fit(cfg: Config, k: int, shift: int) -> bool:
@@ -972,8 +979,9 @@ class GpuBackend:
             buf = self._buffers(nb, logits=not self.fused)
             for s in range(0, n, nb):
                 e = min(n, s + nb)
+                paired = seeds_in_pairs(seeds[s:e])
                 self._forward(
-                    buf, d_tok[s * (t + 1) :], d_seeds[s:e], d_signs[s:e], e - s, loss[s:e]
+                    buf, d_tok[s * (t + 1) :], d_seeds[s:e], d_signs[s:e], e - s, loss[s:e], paired
                 )
             loss.data.copy_to_host_async(host.ctypes.data, host.nbytes, self.stream)
             done.record(self.stream)
@@ -1044,12 +1052,15 @@ class GpuBackend:
     # Each method below runs one kernel (or a block of them) on ctx = (buffers, seeds,
     # signs, members, positions, rows); scripts/kernels.py checks them one by one.
 
-    def _forward(self, buf, tok, seeds, signs, nb, loss):
+    def _forward(self, buf, tok, seeds, signs, nb, loss, paired: bool):
+        """The members' losses; paired: members 2k and 2k + 1 share their seed, which
+        head_loss_sm90 needs (`seeds_in_pairs`; else the portable head runs)."""
         seq = self.cfg.model.seq_len
         ctx = (buf, seeds, signs, nb, seq, nb * seq)
         if self.fused:
             self._hidden(ctx, tok)
-            self._head_loss(ctx, tok, loss)
+            unpaired = not paired and self.head_kernel == "head_loss_sm90"
+            self._head_loss(ctx, tok, loss, "head_loss" if unpaired else None)
         else:
             self._head(ctx, tok)
             self._loss(ctx, tok, loss)

@@ -29,8 +29,10 @@ head_loss_sm90(const i8* y, const i8* emb_t, const i8* emb_cores, const int* sb,
     i8* s_a = (i8*)head_loss_sm90_shared;          // TILE_M rows, core matrices
     i8* s_b = s_a + TILE_M * HIDDEN;               // [2] tiles of TILE_N rows, core matrices
     constexpr int TILES = (VOCAB + TILE_N - 1) / TILE_N;
-    av_t* s_av = (av_t*)(s_b + 2 * TILE_N * HIDDEN);             // [TILE_MEMBERS][TILES * TILE_N]
-    int* s_exp = (int*)(s_av + TILE_MEMBERS * TILES * TILE_N);  // [EXP_LAST + 1][EXP_COPIES]
+    // The output noise a pair (its members share their seed), 32 bits an entry whatever
+    // av_t is: a thread's two columns in one 8-byte load, no halves to unpack
+    int* s_av = (int*)(s_b + 2 * TILE_N * HIDDEN);                   // [PAIRS_OF(TILE_M)][TILES * TILE_N]
+    int* s_exp = s_av + PAIRS_OF(TILE_M) * TILES * TILE_N;            // [EXP_LAST + 1][EXP_COPIES]
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, tig = lane & 3;
     const int row0 = blockIdx.x * TILE_M;
@@ -55,14 +57,15 @@ head_loss_sm90(const i8* y, const i8* emb_t, const i8* emb_cores, const int* sb,
     // emb_cores: the embedding in the core-matrix layout, zero rows past the vocabulary.
     // The members' output noise over the whole vocabulary, once for both passes: built
     // tile by tile, its global loads stalled every warp between two tiles' products.
-    tile_noise(s_av, n_members, m0, seeds, off_a, ov_out, 0, VOCAB, TILES * TILE_N);
+    const int n_pairs = (m0 + n_members - 1) / 2 - m0 / 2 + 1;
+    tile_noise(s_av, n_pairs, m0, seeds, off_a, ov_out, 0, VOCAB, TILES * TILE_N, true);
 
     int peak[2] = {INT_MIN_, INT_MIN_};
     unsigned long long total[2] = {0ull, 0ull};
 
     // Tile t's epilogue on its products d: pass 0 the rows' peaks, pass 1 their sums.
     auto epilogue = [&](const int (&d)[32], int tile, int pass) {
-        const av_t* av = s_av + tile * TILE_N;
+        const int* av = s_av + tile * TILE_N;
         const int v0 = tile * TILE_N;
 #if HEAD_REGS_A
         // Pass 1's lookups in a clamp, a shift and a multiply-add a logit (the integer
@@ -92,7 +95,7 @@ head_loss_sm90(const i8* y, const i8* emb_t, const i8* emb_cores, const int* sb,
                 if (VOCAB_PAD && v0 + col >= VOCAB) continue;
 #pragma unroll
                 for (int s = 0; s < 2; s++) {
-                    const int a_v = mine.of(av, s, col, TILES * TILE_N);
+                    const int a_v = mine.of_pair(av, s, col, TILES * TILE_N);
                     const int raw = wrap_add(d[4 * j + 2 * s + e], rank1_term(mine.sbs[s], a_v));
                     if (pass == 0) {
                         peak[s] = max(peak[s], raw);

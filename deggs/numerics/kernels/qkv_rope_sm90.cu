@@ -41,7 +41,9 @@ qkv_rope_sm90(const i8* y, const i8* w_cores, const int* sb, i8* out, const u32*
     i8* s_a = (i8*)qkv_rope_sm90_shared;     // QKV_ROWS rows, core matrices
     i8* s_w = s_a + QKV_ROWS * HIDDEN;       // one matrix, HIDDEN rows, core matrices
     i8* s_out = s_w + HIDDEN * HIDDEN;       // [QKV_ROWS][QKV_LD]: the bytes before they go out
-    av_t* s_av = (av_t*)(s_out + QKV_ROWS * QKV_LD);  // [3][QKV_MEMBERS][HIDDEN] output noise
+    // [3][QKV_MEMBERS][HIDDEN] output noise, 32 bits an entry (whatever av_t is): a
+    // column pair's two in one 8-byte load, with no halves to unpack
+    int* s_av = (int*)(s_out + QKV_ROWS * QKV_LD);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, tig = lane & 3;
     const int row0 = blockIdx.x * QKV_ROWS;
@@ -90,7 +92,7 @@ qkv_rope_sm90(const i8* y, const i8* w_cores, const int* sb, i8* out, const u32*
         // The rank-1 term of every product, then RoPE on q and k, and the rows' peaks.
         // d[c][4 j + 2 s + e]: row 16 warp + 8 s + g, column TILE_N c + 8 j + 2 tig + e.
         const ThreadRows<2> mine(sb + p * rows, signs, row0, m0, rows);
-        const av_t* av = s_av + p * QKV_MEMBERS * HIDDEN;
+        const int* av = s_av + p * QKV_MEMBERS * HIDDEN;
         u32 peak[2] = {0u, 0u};
         auto finish = [&](auto with_rope) {
 #pragma unroll

@@ -13,6 +13,9 @@
 // Members a block of M rows can hold rows of (its rows start at a multiple of M).
 #define MEMBERS_OF(M) ((M) % SEQ == 0 ? (M) / SEQ : (M) / SEQ + 2)
 #define TILE_MEMBERS MEMBERS_OF(TILE_M)
+// Antithetic pairs a block of M rows can hold rows of: a pair's two members share their
+// seed, so a table of output noise needs a row a pair.
+#define PAIRS_OF(M) (MEMBERS_OF(M) / 2 + 1)
 // __launch_bounds__(TILE_M, 16 / TILE_WARPS): 16 warps an SM, at most 128 registers each
 
 // The shared-space address of a pointer into shared memory, as PTX's shared operands take it.
@@ -101,6 +104,7 @@ template <int N>
 struct ThreadRows {
     u32 sbs[N];
     int member[N];
+    int pair[N];  // counted from the pair of the block's first member
     bool valid[N];
     __device__ __forceinline__ ThreadRows(const int* sb, const int* signs, int row0, int m0, int rows) {
 #pragma unroll
@@ -109,6 +113,7 @@ struct ThreadRows {
             valid[s] = row < rows;
             const int m = valid[s] ? row / SEQ : m0;
             member[s] = m - m0;
+            pair[s] = m / 2 - m0 / 2;
             sbs[s] = valid[s] ? (u32)sb[row] * (u32)signs[m] : 0u;
         }
     }
@@ -117,6 +122,11 @@ struct ThreadRows {
     template <typename T>
     __device__ __forceinline__ T of(const T* table, int s, int col, int stride = TILE_N) const {
         return table[(SEQ % (8 * N) == 0 ? member[0] : member[s]) * stride + col];
+    }
+    // The same from a per-pair table (tile_noise's by_pair).
+    template <typename T>
+    __device__ __forceinline__ T of_pair(const T* table, int s, int col, int stride) const {
+        return table[(SEQ % (8 * N) == 0 ? pair[0] : pair[s]) * stride + col];
     }
 };
 
@@ -149,28 +159,31 @@ __device__ __forceinline__ int shared_word(u32 at) {
 
 // The per-member output noise of `width` columns (a tile's by default), av[member][col]
 // = (int)(a_j * factor_j) for the matrix columns j = j0 + col (0 past `limit`), members
-// m0.. of the block.
-__device__ __forceinline__ void tile_noise(av_t* av, int n_members, int m0, const u32* seeds,
-                                           u32 off_a, const i8* ov_out, int j0, int limit,
-                                           int width = TILE_N) {
+// m0.. of the block; by_pair: av[pair][col], a row for each of n pairs from the pair of
+// member m0 (ThreadRows::of_pair), made from the seed of a member of the block's in it.
+template <typename T>
+__device__ __forceinline__ void tile_noise(T* av, int n, int m0, const u32* seeds, u32 off_a,
+                                           const i8* ov_out, int j0, int limit,
+                                           int width = TILE_N, bool by_pair = false) {
     // A thread loads the seeds and overlay bytes of four entries, then computes them:
     // entry by entry, each entry's loads were waited for in turn.
     constexpr int BATCH = 4;
-    const int n = n_members * width;
-    for (int first = threadIdx.x; first < n; first += BATCH * blockDim.x) {
+    const int entries = n * width;
+    for (int first = threadIdx.x; first < entries; first += BATCH * blockDim.x) {
         u32 seed[BATCH];
         int o[BATCH];
 #pragma unroll
         for (int b = 0; b < BATCH; b++) {
-            const int i = first + b * blockDim.x, j = j0 + i % width;
-            const bool used = i < n && j < limit;
-            seed[b] = used ? seeds[m0 + i / width] + off_a : 0u;
+            const int i = first + b * blockDim.x, j = j0 + i % width, r = i / width;
+            const bool used = i < entries && j < limit;
+            const int m = by_pair ? max(m0, (m0 & ~1) + 2 * r) : m0 + r;
+            seed[b] = used ? seeds[m] + off_a : 0u;
             o[b] = used ? overlay_byte(ov_out, j) : 0;
         }
 #pragma unroll
         for (int b = 0; b < BATCH; b++) {
             const int i = first + b * blockDim.x, j = j0 + i % width;
-            if (i < n) av[i] = j < limit ? (av_t)dot_term(1, dot_entry_of(o[b], seed[b], j)) : 0;
+            if (i < entries) av[i] = j < limit ? (T)dot_term(1, dot_entry_of(o[b], seed[b], j)) : 0;
         }
     }
 }
