@@ -331,7 +331,7 @@ def terms_sm90_shared(cfg: Config, defines: dict[str, int]) -> int | None:
     """Bytes of dynamic shared memory of o_terms_sm90 and down_terms_sm90 (terms_sm90.cu's
     layout) as compiled with `defines`: the stages (a slice of a tile's 128 rows and of
     the matrix each), each warp's 16 staged rows of terms, per member and column the
-    output noise (av_t), the tiles' inputs (seeds, signs, input dots) in SLICE_STAGES -
+    output noise (32 bits), the tiles' inputs (seeds, signs, input dots) in SLICE_STAGES -
     1 buffers, the output noise's overlay; None where they cannot run the config (a
     row's products in registers, in whole slices)."""
     d, slice_, rows = cfg.model.hidden_dim, defines["SLICE"], defines["TERMS_ROWS"]
@@ -340,7 +340,7 @@ def terms_sm90_shared(cfg: Config, defines: dict[str, int]) -> int | None:
     stages, members = defines["SLICE_STAGES"] * (rows + d) * slice_, tile_members(cfg, rows)
     stage = (2 * rows // 32) * 16 * (TILE_N // 2 + 4) * 4  # TERMS_LD words a row
     inputs = (defines["SLICE_STAGES"] - 1) * 4 * (2 * members + rows)  # seeds, signs, dots
-    return stages + stage + av_bytes(cfg) * members * d + inputs + d
+    return stages + stage + 4 * members * d + inputs + d
 
 
 def sliced_core_pieces(n: int, k: int, slice_: int) -> np.ndarray:

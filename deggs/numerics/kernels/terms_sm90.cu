@@ -60,7 +60,9 @@ __device__ __forceinline__ void projection_terms(const i8* a, const i8* w_cores,
     if (shared_address(s_a) & 1023) __trap();  // never: the swizzle would mix rows
     i8* s_b = s_a + SLICE_STAGES * A_BYTES;               // [SLICE_STAGES][B_BYTES]
     u32* s_stage = (u32*)(s_b + SLICE_STAGES * B_BYTES);  // [warp][16][TERMS_LD]
-    av_t* s_av = (av_t*)(s_stage + (2 * TERMS_ROWS / 32) * 16 * TERMS_LD);  // [TERMS_MEMBERS][HIDDEN]
+    // [TERMS_MEMBERS][HIDDEN] output noise, 32 bits an entry (whatever av_t is): a column
+    // pair's two in one 8-byte load, no halves to unpack
+    int* s_av = (int*)(s_stage + (2 * TERMS_ROWS / 32) * 16 * TERMS_LD);
     // What a tile's tables are made of, copied with its first slice (so no global load
     // waits in the tile loop; TILE_INPUTS buffers, as a tile's are copied up to
     // SLICE_AHEAD tiles ahead): its members' seeds and signs, its rows' input dots
@@ -129,7 +131,7 @@ __device__ __forceinline__ void projection_terms(const i8* a, const i8* w_cores,
     for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
         const int row0 = tile * TERMS_ROWS;
         u32 sbs[2];           // the thread's rows' input dots times their members' signs
-        const av_t* av[2];    // and their members' output noise
+        const int* av[2];     // and their members' output noise
 #pragma unroll
         for (int k = 0; k < KS; k++, i++) {
             const int stage = i % SLICE_STAGES;
@@ -178,15 +180,9 @@ __device__ __forceinline__ void projection_terms(const i8* a, const i8* w_cores,
 #pragma unroll
                 for (int s = 0; s < 2; s++) {
                     const int col = TILE_N * c + 8 * j + 2 * tig;
-                    int t[2], a_v[2];
-                    if constexpr (sizeof(av_t) == 2) {  // the two columns' noise in one load
-                        const u32 pair = *(const u32*)(av[s] + col);
-                        a_v[0] = (short)(pair & 0xFFFF);
-                        a_v[1] = (int)pair >> 16;
-                    } else {
-                        a_v[0] = av[s][col];
-                        a_v[1] = av[s][col + 1];
-                    }
+                    const int2 noise2 = *(const int2*)(av[s] + col);
+                    const int a_v[2] = {noise2.x, noise2.y};
+                    int t[2];
 #pragma unroll
                     for (int e = 0; e < 2; e++)
                         t[e] = wrap_add(d[c][4 * j + 2 * s + e], rank1_term(sbs[s], a_v[e])) >> shift;
