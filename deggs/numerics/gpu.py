@@ -117,7 +117,7 @@ SM_SHARED, BLOCK_RESERVED = 233472, 1024
 MAX_THREADS = 1024  # per block, on every CUDA device
 STATIC_SHARED = 48 << 10  # a kernel may use more shared memory only when it opts in
 QKV = ("w_q", "w_k", "w_v")  # one GEMM projects a layer's three (GpuBackend.load_state)
-FORWARD_BUDGET = 8 << 30  # bytes for the largest buffer of a forward sub-batch (GpuBackend.batch)
+FORWARD_BUDGET = 16 << 30  # bytes of a forward sub-batch's row buffers (GpuBackend.batch)
 
 # cuBLAS / CUDA enum values
 CUDA_R_8I, CUDA_R_32I = 3, 10
@@ -276,6 +276,12 @@ def tile_members(cfg: Config, rows: int) -> int:
     return rows // seq if rows % seq == 0 else rows // seq + 2
 
 
+def tile_pairs(cfg: Config, rows: int) -> int:
+    """Antithetic pairs a block of `rows` rows can hold rows of (tiles.cuh's PAIRS_OF)."""
+    seq = cfg.model.seq_len
+    return (rows // seq + 1) // 2 if rows % seq == 0 else tile_members(cfg, rows) // 2 + 1
+
+
 def head_loss_sm90_shared(cfg: Config, defines: dict[str, int]) -> int:
     """Bytes of dynamic shared memory of head_loss_sm90 (head_loss_sm90.cu's layout) as
     compiled with `defines`: the block's rows, two vocabulary tiles (no padding: wgmma's
@@ -284,7 +290,7 @@ def head_loss_sm90_shared(cfg: Config, defines: dict[str, int]) -> int:
     rows, vocab = 32 * defines["TILE_WARPS"], -(-cfg.model.vocab_size // TILE_N) * TILE_N
     tiles = (rows + 2 * TILE_N) * cfg.model.hidden_dim
     table = 4 * (defines["EXP_LAST"] + 1) * defines["EXP_COPIES"]
-    return tiles + 4 * (tile_members(cfg, rows) // 2 + 1) * vocab + table
+    return tiles + 4 * tile_pairs(cfg, rows) * vocab + table
 
 
 def up_gelu_sm90_shared(cfg: Config, defines: dict[str, int]) -> int:
@@ -673,10 +679,8 @@ class GpuBackend:
         self.d_exp = cp.asarray(self.tables.exp.astype(np.int32))
         self.d_gelu = cp.asarray(self.tables.gelu.astype(np.int32))
         self.d_rope = cp.asarray(self.tables.rope.astype(np.int32).ravel())
-        # members a sub-batch: its largest buffer within the budget (`batch`)
+        # members a sub-batch: its row buffers within the budget (`batch`)
         self.budget = min(FORWARD_BUDGET, cp.cuda.runtime.memGetInfo()[0] // 4)
-        with_logits = m.seq_len * max(4 * m.hidden_dim, m.vocab_size) * 4
-        self.logit_batch = batch or max(1, self.budget // with_logits)
         self.fixed_batch = batch
         # device buffers, made on first use: forward, generation, update
         self._fwd: dict | None = None
@@ -883,21 +887,31 @@ class GpuBackend:
     @property
     def batch(self) -> int:
         """Members a forward sub-batch of training: as given, else as many as keep its
-        largest buffer within the budget. That is the int32 products (`_product_words`)
-        or, where every projection is fused, the GELU'd hidden bytes: at the default
-        config a whole chunk, one launch a kernel (32,768 + 8,192 members ran 1% slower
-        on an H100)."""
+        row buffers within the budget, an even number (whole antithetic pairs: see
+        seeds_in_pairs). Where every projection is fused no int32 product is written
+        (`_product_words`), and at the default config a chunk is one sub-batch, one
+        launch a kernel (32,768 + 8,192 members ran 1% slower on an H100)."""
         if self.fixed_batch:
             return self.fixed_batch
         if not self.fused:
             return self.logit_batch
-        m = self.cfg.model
-        row = max(4 * self._product_words(1, whole=True), 4 * m.hidden_dim)
-        return max(1, self.budget // (m.seq_len * row))
+        return self._members_within_budget(self._product_words(1, whole=True))
 
     @batch.setter
     def batch(self, members: int) -> None:
         self.fixed_batch = members
+
+    @property
+    def logit_batch(self) -> int:
+        """Members a sub-batch whose logits are written (validation, the unfused head)."""
+        words = max(self._product_words(1, whole=True), self.cfg.model.vocab_size)
+        return self.fixed_batch or self._members_within_budget(words)
+
+    def _members_within_budget(self, words: int) -> int:
+        """Members whose row buffers, with `words` int32 product words a row, fit the
+        budget: an even number, at least a pair."""
+        row = 4 * words + sum(n * np.dtype(t).itemsize for n, t in self._row_fields().values())
+        return max(2, self.budget // (self.cfg.model.seq_len * row) // 2 * 2)
 
     def _product_words(self, rows: int, whole: bool) -> int:
         """int32 words of the products the forward of `rows` rows writes to memory (a
@@ -926,21 +940,23 @@ class GpuBackend:
         self._fwd = self._row_buffers(r, words)
         return self._fwd
 
+    def _row_fields(self) -> dict:
+        """A row's elements and dtype in each row buffer but the products ("g")."""
+        d = self.cfg.model.hidden_dim
+        return dict(
+            x=(d, np.int8),
+            y=(4 * d, np.int8),
+            # up_gelu_sm90's output: y holds its input, rows other blocks still read
+            hidden=(4 * d if self.fused_up else 0, np.int8),
+            sb=(3, np.int32),
+            sbd=(1, np.int32),
+            qkv=(3 * d, np.int8),
+        )
+
     def _row_buffers(self, r, words):
         """Activations of r rows, and `words` int32 words for their products or logits."""
-        m = self.cfg.model
-        d = m.hidden_dim
-        return dict(
-            rows=r,
-            x=cp.empty(r * d, cp.int8),
-            y=cp.empty(r * 4 * d, cp.int8),
-            # up_gelu_sm90's output: y holds its input, rows other blocks still read
-            hidden=cp.empty(r * 4 * d if self.fused_up else 0, cp.int8),
-            g=cp.empty(words, cp.int32),
-            sb=cp.empty(3 * r, cp.int32),
-            sbd=cp.empty(r, cp.int32),
-            qkv=cp.empty(3 * r * d, cp.int8),
-        )
+        buffers = {name: cp.empty(r * n, t) for name, (n, t) in self._row_fields().items()}
+        return dict(buffers, rows=r, g=cp.empty(words, cp.int32))
 
     def losses(
         self,

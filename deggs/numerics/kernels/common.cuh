@@ -288,12 +288,14 @@ __device__ __forceinline__ T quad_max(T v) {
 #define NWARPS (blockDim.x >> 5)
 
 // Their per-feature tables in shared memory are lane-major: lane l's features l + 32 i
-// sit together, RUN of them a 16-byte (or narrower) load (`lane_run`), so a warp reads
-// a run of each table in one instruction without bank conflicts, not one a feature.
+// sit together, RUN of them one load (`lane_run`; 16 bytes for 4-byte entries, without
+// bank conflicts), so a warp reads a run of each table in one instruction, not one a
+// feature (mode 2's 8-byte dot entries: two 16-byte loads a run).
 // Feature f = l + 32 i is at lane_slot(f): run i / RUN of lane l, entry i % RUN.
 #ifndef RUN
 #define RUN (FPL % 4 == 0 ? 4 : (FPL % 2 == 0 ? 2 : 1))
 #endif
+static_assert(FPL % RUN == 0, "a lane's features are whole runs");
 __device__ __forceinline__ int lane_slot(int f) {
     const int l = f & 31, i = f >> 5;
     return (i / RUN) * (32 * RUN) + l * RUN + i % RUN;
@@ -309,29 +311,21 @@ __device__ __forceinline__ Run<T> lane_run(const T* table, int j) {
 }
 
 // max_abs_normalize's float32 steps: the scale of a row whose largest magnitude is
-// peak, and each value scaled, rounded half away from zero and clipped. A row's peak is
-// unsigned (abs_u32): |INT_MIN| is 2^31, as the CPU's int64 abs has it.
-__device__ __forceinline__ u32 abs_u32(int v) { return (u32)abs(v); }
+// peak, and each value scaled and rounded half away from zero. A row's peak is unsigned
+// (abs_u32): |INT_MIN| is 2^31, as the CPU's int64 abs has it.
+__device__ __forceinline__ u32 abs_u32(int v) { return v < 0 ? 0u - (u32)v : (u32)v; }
 __device__ __forceinline__ float peak_scale(u32 peak) {
     return __fdiv_rn(127.0f, __fadd_rn(__uint2float_rn(peak), 1e-9f));
 }
 // A value v of a row scaled by its own peak (|v| <= peak, scale = peak_scale(peak)),
 // rounded half away from zero: roundf's own steps (the product plus 0.5 with its sign,
-// rounded toward zero, then truncated), the truncation as the conversion to int. No
-// clip: |v| scale <= 127 (1 + 2^-24)^2 rounds to at most 127, so the clip to +-127
-// never acts there. Its low byte is the byte.
-#ifndef ROUND_F2I
-#define ROUND_F2I 1
-#endif
+// rounded toward zero, then truncated), the truncation as the conversion to int (one
+// instruction where roundf's truncation, a magic-number add and a sign extension took
+// three). No clip: |v| scale <= 127 (1 + 2^-24)^2 rounds to at most 127, so the CPU's
+// clip to +-127 never acts here. Its low byte is the byte.
 __device__ __forceinline__ int scaled_int(int v, float scale) {
     const float p = __fmul_rn(__int2float_rn(v), scale);
-#if ROUND_F2I
     return __float2int_rz(__fadd_rz(p, copysignf(0.5f, p)));
-#else
-    // r + 1.5 x 2^23 is exact for a whole |r| <= 127 and holds r's two's complement in
-    // its low mantissa bits
-    return (i8)__float_as_uint(__fadd_rn(roundf(p), 12582912.0f));
-#endif
 }
 
 // max_abs_normalize of the row a warp holds in v[FPL] into out, and into kept[FPL] too

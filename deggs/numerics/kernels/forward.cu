@@ -86,9 +86,6 @@ extern "C" __global__ void embed(const int* tokens, const u32* seeds, const int*
 // (dot_t[3][HIDDEN]: 1 or 2 words each); and s_magic[d], Divisor's multiplier of each
 // mean d a row can have (0..MEAN_MAX).
 #define MEAN_MAX 128  // |x| <= 128 for a byte x
-#ifndef MEAN_TABLE
-#define MEAN_TABLE 1
-#endif
 __device__ __forceinline__ void norm_tables(int* s_norm, u32* s_magic, u32 seed, int sign, const i8* w,
                                             const i8* b, const i8* ov_w, const i8* ov_b, u32 w_a, u32 w_b,
                                             u32 b_a, u32 b_b, int ndots, const i8* ov0, const i8* ov1,
@@ -121,11 +118,7 @@ __device__ __forceinline__ void norm_row_dots(const int* xv, i8* yr, int* sb, lo
     // The mean is at most MEAN_MAX (xv are bytes), and in modes 0 and 1 |xv w| < 2^21:
     // |w| <= 127 + 93^2 (a weight and its vector noise), as Divisor's multiply needs.
     const int mean = (int)(warp_sum_u32(s) / HIDDEN);
-#if MEAN_TABLE
     const Divisor by_mean(mean == 0 ? 1 : mean, s_magic[mean]);
-#else
-    const Divisor by_mean(mean == 0 ? 1 : mean, divisor_magic(mean));
-#endif
     u32 dots[3] = {0u, 0u, 0u};
 #pragma unroll
     for (int j = 0; j < FPL / RUN; j++) {

@@ -13,9 +13,10 @@
 // Members a block of M rows can hold rows of (its rows start at a multiple of M).
 #define MEMBERS_OF(M) ((M) % SEQ == 0 ? (M) / SEQ : (M) / SEQ + 2)
 #define TILE_MEMBERS MEMBERS_OF(TILE_M)
-// Antithetic pairs a block of M rows can hold rows of: a pair's two members share their
-// seed, so a table of output noise needs a row a pair.
-#define PAIRS_OF(M) (MEMBERS_OF(M) / 2 + 1)
+// Antithetic pairs a block of M rows can hold rows of (a pair's two members share their
+// seed, so a table of output noise needs a row a pair): where M is whole members a block
+// starts mid-pair only if M / SEQ is odd.
+#define PAIRS_OF(M) ((M) % SEQ == 0 ? ((M) / SEQ + 1) / 2 : MEMBERS_OF(M) / 2 + 1)
 // __launch_bounds__(TILE_M, 16 / TILE_WARPS): 16 warps an SM, at most 128 registers each
 
 // The shared-space address of a pointer into shared memory, as PTX's shared operands take it.
@@ -160,7 +161,8 @@ __device__ __forceinline__ int shared_word(u32 at) {
 // The per-member output noise of `width` columns (a tile's by default), av[member][col]
 // = (int)(a_j * factor_j) for the matrix columns j = j0 + col (0 past `limit`), members
 // m0.. of the block; by_pair: av[pair][col], a row for each of n pairs from the pair of
-// member m0 (ThreadRows::of_pair), made from the seed of a member of the block's in it.
+// member m0 (ThreadRows::of_pair), made from the seed of the pair's first member in the
+// block.
 template <typename T>
 __device__ __forceinline__ void tile_noise(T* av, int n, int m0, const u32* seeds, u32 off_a,
                                            const i8* ov_out, int j0, int limit,
