@@ -151,6 +151,13 @@ class CoordinatorConfig:
     max_connections: int = 1024  # lowered to what the descriptor limit allows
     max_send_buffer: int = 1 << 20  # bytes queued to one peer before we stop reading it
     disk_retry_s: float = 60.0  # how long a failing checkpoint write is retried
+    # Weight snapshots (runtime/snapshot.py): a GPU replays ~24 ms a step, so 1000 steps
+    # keep a rejoin's replay near 25 s. 0: no snapshots.
+    snapshot_every_steps: int = 1000
+    keep_snapshots: int = 2  # the newest this many snapshot files stay on disk
+    prune_history: bool = False  # delete the checkpoints before the oldest kept snapshot
+    # State digests every this many steps, and at every snapshot step (0: those alone).
+    digest_every_steps: int = 100
 
 
 @dataclass(frozen=True)
@@ -529,6 +536,14 @@ def _validate(c: Config):
     _require(0 <= k.port <= 65535, "coordinator.port", "must be in 0..65535")
     _require(k.straggler_timeout_s > 0, "coordinator.straggler_timeout_s", "must be positive")
     _require(k.max_history >= 1, "coordinator.max_history", "must be at least 1")
+    for key in ("snapshot_every_steps", "digest_every_steps"):
+        _require(getattr(k, key) >= 0, f"coordinator.{key}", "must not be negative (0: off)")
+    _require(k.keep_snapshots >= 1, "coordinator.keep_snapshots", "must be at least 1")
+    _require(
+        not k.prune_history or k.snapshot_every_steps > 0,
+        "coordinator.prune_history",
+        "needs coordinator.snapshot_every_steps > 0 (without snapshots the history is the model)",
+    )
     _require(bool(k.host), "coordinator.host", "must not be empty")
     for key in ("handshake_timeout_s", "frame_timeout_s", "disk_retry_s"):
         _require(

@@ -45,6 +45,7 @@ from deggs.runtime.checkpoint import (
 from deggs.runtime.protocol import (
     AUTH,
     CHALLENGE,
+    DIGEST_SIZE,
     GOODBYE,
     HEADER_SIZE,
     HELLO,
@@ -58,8 +59,10 @@ from deggs.runtime.protocol import (
     NONCE_SIZE,
     OPCODE_NAMES,
     PROOF_SIZE,
+    SNAPSHOT_PART,
     Auth,
     Challenge,
+    Digest,
     Evaluation,
     FrameReader,
     Goodbye,
@@ -73,6 +76,9 @@ from deggs.runtime.protocol import (
     ProtocolError,
     Reason,
     Result,
+    SnapshotHeader,
+    SnapshotPart,
+    SnapshotRequest,
     decode_message,
     frame,
     parse_header,
@@ -149,6 +155,10 @@ MESSAGE_STRATEGIES = {
             unique_by=lambda e: e.name,
         ).map(tuple),
     ),
+    Digest: st.builds(Digest, u64, _bytes(DIGEST_SIZE)),
+    SnapshotRequest: st.builds(SnapshotRequest, u64),
+    SnapshotHeader: st.builds(SnapshotHeader, u64, u64, u64, _bytes(DIGEST_SIZE)),
+    SnapshotPart: st.builds(SnapshotPart, u64, st.binary(max_size=64)),
 }
 assert set(MESSAGE_STRATEGIES) == set(MESSAGES.values())
 any_message = st.one_of(*MESSAGE_STRATEGIES.values())
@@ -748,6 +758,20 @@ class Fuzzer:
         r = self.r
         return frame(AUTH, r.randbytes(r.choice([PROOF_SIZE] * 4 + [0, 31, 33])))
 
+    def snapshot_traffic(self) -> bytes:
+        """A digest, an upload nobody asked for or a piece of one: none may count."""
+        r = self.r
+        choice = r.randrange(4)
+        if choice == 0:
+            step = r.choice([self.step, max(self.step - 1, 0), self.step + 1, r.getrandbits(64)])
+            return Digest(step, r.randbytes(DIGEST_SIZE)).encode()
+        if choice == 1:
+            size = r.choice([0, 1, 1 << 20, 1 << 40, r.getrandbits(64)])
+            return SnapshotHeader(self.step, r.getrandbits(64), size, r.randbytes(32)).encode()
+        if choice == 2:
+            return SnapshotPart(r.choice([0, 1, r.getrandbits(64)]), r.randbytes(50)).encode()
+        return frame(SNAPSHOT_PART, r.randbytes(r.randrange(0, 8)))
+
     def coordinators_own(self) -> bytes:  # frames only a coordinator sends
         r = self.r
         return r.choice(
@@ -838,8 +862,9 @@ class Fuzzer:
                     lambda: LogMessage(self.text()).encode(),
                     self.hello,
                     self.auth,
+                    self.snapshot_traffic,
                 ],
-                weights=[3, 6, 2, 2, 3, 2],
+                weights=[3, 6, 2, 2, 3, 2, 2],
             )[0]
         else:
             maker = r.choices(
@@ -852,8 +877,9 @@ class Fuzzer:
                     self.coordinators_own,
                     self.raw_header,
                     self.garbage,
+                    self.snapshot_traffic,
                 ],
-                weights=[3, 5, 3, 3, 2, 1, 2, 1],
+                weights=[3, 5, 3, 3, 2, 1, 2, 1, 2],
             )[0]
         data = maker()
         # A RESULT with the right seed goes out intact: a mutation could make it a

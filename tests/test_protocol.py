@@ -126,15 +126,15 @@ def test_log_message_replaces_bad_utf8():
 
 def test_hello():
     fp, nonce = bytes(range(1, 9)), bytes(range(16))
-    raw = header(4, 2 + 8 + 4 + 2 + 16) + b"\x00\x03" + fp + u32(2) + b"{}" + nonce
+    raw = header(4, 2 + 8 + 4 + 2 + 16) + b"\x00\x04" + fp + u32(2) + b"{}" + nonce
     assert Hello(fp, "{}", nonce).encode() == raw
-    assert Hello.decode(raw[10:]) == Hello(fp, "{}", nonce, 3)
+    assert Hello.decode(raw[10:]) == Hello(fp, "{}", nonce, 4)
     with pytest.raises(ProtocolError, match="HELLO payload ends inside nonce"):
         Hello.decode(raw[10:-1])
     with pytest.raises(ProtocolError, match="inside fingerprint"):
-        Hello.decode(b"\x00\x03\x00")
+        Hello.decode(b"\x00\x04\x00")
     with pytest.raises(ProtocolError, match="config of 70000 bytes exceeds 65536"):
-        Hello.decode(b"\x00\x03" + fp + u32(70000))
+        Hello.decode(b"\x00\x04" + fp + u32(70000))
     with pytest.raises(ValueError, match="8 bytes"):
         Hello(b"short").encode()
     # another version's HELLO is read only as far as its version

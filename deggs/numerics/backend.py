@@ -18,7 +18,7 @@ import numpy as np
 from ..config import Config
 
 if TYPE_CHECKING:  # the registry itself stays light: `deggs worker --help` reads NAMES
-    from .optimizer import OptimizerState
+    from .state import OptimizerState
 
 
 class Backend(Protocol):

@@ -25,8 +25,9 @@ from .model import (
     make_tables,
     member_losses,
 )
-from .optimizer import OptimizerState, apply_update
+from .optimizer import apply_update
 from .sampling import generate
+from .state import OptimizerState
 
 # Members evaluated together: bounds the [members, positions, vocab] logits in memory.
 LOGIT_BUDGET = 1 << 23

@@ -30,7 +30,8 @@ from ..seeds import next_step_seed
 from ..ternary import pack_trits
 from .backend import Backend
 from .fitness import chunk_fitness
-from .model import make_tables, sequence_loss
+from .model import init_overlays, init_params, make_tables, sequence_loss
+from .state import OptimizerState
 
 GENERATION_SEED = 999  # a step's sample is drawn with the step seed + 999, as the reference
 
@@ -105,6 +106,13 @@ class Trainer:
         self.cfg = backend.cfg
         self.step = 0
         self.seed = self.cfg.training.seed
+
+    def restart(self):
+        """Back to the initial weights and a zero optimizer state at step 0: a replica
+        that must rebuild its model and has no snapshot to start from."""
+        cfg = self.cfg
+        self.backend.load_state(init_params(cfg), init_overlays(cfg), OptimizerState.zeros(cfg))
+        self.step, self.seed = 0, cfg.training.seed
 
     def score_chunk(
         self, data: np.ndarray, chunk: int, progress: Callable[[int, int], None] | None = None

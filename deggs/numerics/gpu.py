@@ -59,7 +59,6 @@ from ..config import Config
 from ..seeds import member_sign, pair_seed
 from . import launch
 from .model import init_overlays, init_params, make_tables, member_tokens, window_starts
-from .optimizer import OptimizerState
 from .params import (
     EMB_MLP,
     GATE_SEED,
@@ -72,6 +71,7 @@ from .params import (
     param_slices,
 )
 from .sampling import SAMPLE_STRIDE, sampler_limits
+from .state import OptimizerState
 
 log = logging.getLogger(__name__)
 

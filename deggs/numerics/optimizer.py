@@ -14,33 +14,17 @@ entry) grows by `inc` if any of its weights changed and shrinks by `dec` otherwi
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
 from ..config import Config
 from ..seeds import pair_seed
 from .model import MAX_VAL, fma32
 from .noise import noise_table
-from .params import Slice, param_shapes, param_slices
+from .params import Slice, param_slices
+from .state import OptimizerState
 
 # Pairs handled per block when building votes: bounds the noise matrices' memory.
 PAIR_BLOCK = 4096
-
-
-@dataclass
-class OptimizerState:
-    """AdamW moments and fractional accumulators, float32, shaped like the parameters."""
-
-    m: dict
-    v: dict
-    acc: dict
-
-    @classmethod
-    def zeros(cls, cfg: Config) -> OptimizerState:
-        shapes = param_shapes(cfg)
-        z = lambda: {k: np.zeros(s, np.float32) for k, s in shapes.items()}
-        return cls(z(), z(), z())
 
 
 # --- votes -------------------------------------------------------------------------

@@ -55,18 +55,23 @@ from ..seeds import next_step_seed
 from ..ternary import check_packed, pack_trits, packed_size, unpack_blocks
 from . import auth
 from . import checkpoint as ckpt
+from . import snapshot as snapshots
 from .protocol import (
     AUTH,
     DEGGS_PROTOCOL,
+    DIGEST,
     EVALUATION,
     HEALTH,
     HELLO,
     JOB_REQUEST,
     NO_FINGERPRINT,
     RESULT,
+    SNAPSHOT,
+    SNAPSHOT_PART,
     WAIT,
     Auth,
     Challenge,
+    Digest,
     Evaluation,
     FrameReader,
     Goodbye,
@@ -79,10 +84,13 @@ from .protocol import (
     ProtocolError,
     Reason,
     Result,
+    SnapshotHeader,
+    SnapshotPart,
     limits_from_worker,
     printable,
     set_keepalive,
 )
+from .replicas import Replicas
 from .tensorboard import TensorBoard
 
 log = logging.getLogger("deggs.runtime.coordinator")
@@ -193,6 +201,7 @@ class StepState:
     evaluation: Evaluation | None = None  # the validation loss, on eval.every_steps steps
     health: Health | None = None  # weight and activation statistics, on health_every_steps
     workers: dict[str, WorkerFigures] = field(default_factory=dict)  # by peer name
+    drifted: dict[str, int] = field(default_factory=dict)  # worker -> the step it drifted at
 
     @classmethod
     def fresh(cls, config: Config, step: int, seed: int, now: float) -> StepState:
@@ -289,6 +298,7 @@ class Coordinator:
         self._last_lost = -float("inf")  # when a worker last lost its connection (see below)
         self._over_limit = _Burst(log, "refused {n} connection(s) over the limit of {limit}")
         self.state = self._initial_state()
+        self.replicas = Replicas(self)  # snapshots and state digests
 
     # --- lifecycle ---------------------------------------------------------------------
 
@@ -317,14 +327,16 @@ class Coordinator:
             ckpt.prepare_save_dir(self.save_dir, self.config, self.state.step)
             ckpt.tidy_metrics(self.save_dir, self.state.step)
             if self.load_dir is not None and self.load_dir.resolve() != self.save_dir.resolve():
-                await self._on_disk(ckpt.copy_history, self.load_dir, self.save_dir)
+                await self.on_disk(ckpt.copy_history, self.load_dir, self.save_dir)
+                await self.on_disk(snapshots.copy_snapshots, self.load_dir, self.save_dir)
+        await self.on_disk(self.replicas.load, self.history_dirs, self.state.step)
         if self.tensorboard_dir is not None:
             self.tensorboard = TensorBoard(self.tensorboard_dir)
         self.max_connections = _connection_budget(self.config.coordinator.max_connections)
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(lambda: Peer(self), self.host, self.port)
         self.port = self._server.sockets[0].getsockname()[1]
-        self._spawn(self._sweep_deadlines())
+        self.spawn(self._sweep_deadlines())
         self.state.started = self.clock()
         self._last_lost = time.monotonic()  # a restart: the workers may be reconnecting
         t = self.config.training
@@ -368,7 +380,7 @@ class Coordinator:
         goodbye = Goodbye(reason, text).encode()
         for peer in list(self.peers):
             peer.close_with(goodbye if peer.welcomed else b"")
-        self._tell_held()  # their connections are closing: nothing more to wait for
+        self.tell_held()  # their connections are closing: nothing more to wait for
         deadline = time.monotonic() + LINGER_S + 0.5
         while self.peers and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
@@ -409,13 +421,13 @@ class Coordinator:
         log.error("%s", reason)
         self.ended.set()
 
-    def _spawn(self, coro) -> asyncio.Task:
+    def spawn(self, coro) -> asyncio.Task:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task
 
-    def _on_disk(self, fn, *args):
+    def on_disk(self, fn, *args):
         """Run fn on the disk thread, after everything submitted before it."""
         return asyncio.get_running_loop().run_in_executor(self._disk, fn, *args)
 
@@ -442,10 +454,20 @@ class Coordinator:
         self.peers.discard(peer)
         if (peer.welcomed or peer.step is not None) and not self.finished.is_set():
             self._last_lost = time.monotonic()  # a worker, which will reconnect
+        self.replicas.lost(peer)
+        if peer.step == self.state.step:
+            peer.figures.left(self.clock())
+            self._requeue(peer, "left")
+
+    def take_back(self, peer: Peer):
+        """A drifted worker's chunks go back to the queue; its RESULTs for them are ignored."""
+        if peer.step == self.state.step:
+            self._requeue(peer, "drifted")
+            peer.revoked |= peer.chunks
+            peer.chunks = set()
+
+    def _requeue(self, peer: Peer, why: str):
         s = self.state
-        if peer.step != s.step:
-            return
-        peer.figures.left(self.clock())
         for chunk in peer.chunks:
             holders = s.holders.get(chunk)
             if holders is None:
@@ -455,8 +477,17 @@ class Coordinator:
                 del s.holders[chunk]
                 s.in_progress.pop(chunk, None)
                 s.pending.appendleft(chunk)
-                log.info("chunk %d of step %d back in the queue: %s left", chunk, s.step, peer.name)
-                self._tell_held()
+                log.info(
+                    "chunk %d of step %d back in the queue: %s %s", chunk, s.step, peer.name, why
+                )
+                self.tell_held()
+
+    def peer_named(self, name: str) -> Peer | None:
+        return next((peer for peer in self.peers if peer.name == name), None)
+
+    def note_drift(self, name: str, step: int):
+        """A worker found drifted: named in the step's metrics line."""
+        self.state.drifted[name] = step
 
     def handle(self, peer: Peer, opcode: int, payload: bytes):
         """The reply to one message: a frame, an awaitable of a frame, or None.
@@ -486,6 +517,16 @@ class Coordinator:
             if not peer.welcomed:
                 raise ProtocolError("HEALTH from a peer that did not say HELLO")
             self._on_health(peer, Health.decode(payload))
+            return None
+        if opcode in (DIGEST, SNAPSHOT, SNAPSHOT_PART):
+            if not peer.welcomed:
+                raise ProtocolError("a snapshot or digest from a peer that did not say HELLO")
+            if opcode == DIGEST:
+                self.replicas.on_digest(peer, Digest.decode(payload))
+            elif opcode == SNAPSHOT:
+                self.replicas.on_header(peer, SnapshotHeader.decode(payload))
+            else:
+                self.replicas.on_part(peer, SnapshotPart.decode(payload))
             return None
         # LOG_MESSAGE: a line per line of text, each marked with its sender, so a peer can
         # neither forge the coordinator's own lines nor drive the terminal.
@@ -564,6 +605,12 @@ class Coordinator:
         s = self.state
         if self.finished.is_set():
             raise self._refusal(peer, Reason.FINISHED, f"the run reached step {s.step}")
+        if (
+            peer.welcomed
+            and req.last_step <= s.step
+            and self.replicas.wants_snapshot(peer, req.last_step)
+        ):
+            return self.replicas.send_snapshot(peer)
         if req.last_step < s.step:
             return self._catch_up(peer, req.last_step)
         if req.last_step > s.step:
@@ -610,7 +657,7 @@ class Coordinator:
                 if not job.is_wait or time.monotonic() >= give_up:
                     return job.encode()
 
-    def _tell_held(self):
+    def tell_held(self):
         """Wake every held request: the step moved on, or a chunk came back."""
         self._news.set()
         self._news = asyncio.Event()
@@ -625,7 +672,7 @@ class Coordinator:
     async def _catch_up_from_disk(self, peer: Peer, step: int) -> bytes:
         fitness = None
         if self.history_dirs:
-            fitness = await self._on_disk(
+            fitness = await self.on_disk(
                 _fitness_from_disk, self.history_dirs, step, self.config.training.n_pairs
             )
         if fitness is None:
@@ -645,6 +692,8 @@ class Coordinator:
             # a name already there is a closed connection's (the OS reused its port)
             peer.figures = s.workers.setdefault(peer.name, WorkerFigures())
             peer.figures.free_since = now
+        if self.replicas.book.split_step is not None:  # the replicas disagree: no training
+            return JobResponse(s.seed, s.step, WAIT)
         if s.pending:
             chunk = s.pending.popleft()
         elif s.in_progress:
@@ -675,6 +724,9 @@ class Coordinator:
                 f"packs into {self.chunk_bytes}"
             )
         chunk = res.data_position // self.chunk_size
+        if res.last_step == s.step and chunk in peer.revoked:
+            log.info("ignoring %s's RESULT for chunk %d: it drifted", peer.name, chunk)
+            return
         if res.last_step != s.step:
             log.info(
                 "ignoring a RESULT for step %d from %s (now at step %d)",
@@ -714,7 +766,7 @@ class Coordinator:
         s.packed[chunk] = res.data  # unpacked with the whole population at the seal
         if s.complete:
             s.sealing = True
-            self._spawn(self._seal(s))
+            self.spawn(self._seal(s))
 
     def _on_evaluation(self, peer: Peer, ev: Evaluation):
         """A validation loss of the step in progress: kept for its metrics line (every
@@ -777,7 +829,8 @@ class Coordinator:
     async def _seal(self, s: StepState):
         """Make a finished step durable, then move every worker on to the next one."""
         packed = pack_trits(s.fitness())
-        record = self._metrics(s)
+        digests = self.replicas.sealed(s.step)
+        record = self._metrics(s) | digests
         step, seed = s.step + 1, next_step_seed(s.seed, s.step + 1)
         if self.save_dir is not None:
             try:
@@ -795,11 +848,11 @@ class Coordinator:
         log.info(format_workers_line(record["workers"]))
         self._prev_loss = record["loss"]
         if self.tensorboard is not None:  # in order after the step's own files; never fails
-            self._on_disk(self.tensorboard.write, record)
+            self.on_disk(self.tensorboard.write, record)
         self._remember(s.step, packed)
         self.state = StepState.fresh(self.config, step, seed, self.clock())
         self._check_finished()
-        self._tell_held()
+        self.tell_held()
 
     async def _durably(self, fn, *args):
         """fn on the disk thread, retried while it fails with OSError, for disk_retry_s."""
@@ -807,7 +860,7 @@ class Coordinator:
         pause = 0.1
         while True:
             try:
-                return await self._on_disk(fn, *args)
+                return await self.on_disk(fn, *args)
             except OSError as e:
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -847,6 +900,7 @@ class Coordinator:
             "time": time.time(),
             **self._validation(s),
             **self._health(s),
+            **({"drifted": s.drifted} if s.drifted else {}),
             "workers": {
                 name: figures.record(now, t.chunk_size * m.seq_len)
                 for name, figures in s.workers.items()
@@ -909,6 +963,10 @@ class Peer(asyncio.Protocol):
         self.welcomed = False  # a deggs worker that passed the handshake
         self.step: int | None = None  # the step it last asked for a chunk of
         self.chunks: set[int] = set()  # chunks handed to this connection in that step
+        self.revoked: set[int] = set()  # chunks taken back from it when it drifted
+        self.drifted = False  # its state digest disagreed: it resyncs before more work
+        self._writable = asyncio.Event()  # set while its replies do not pile up
+        self._writable.set()
         self.figures = WorkerFigures()  # its share of that step; a new one each step
 
     @property
@@ -965,10 +1023,12 @@ class Peer(asyncio.Protocol):
 
     def pause_writing(self):
         self.write_paused_since = time.monotonic()
+        self._writable.clear()
         self.transport.pause_reading()
 
     def resume_writing(self):
         self.write_paused_since = None
+        self._writable.set()
         if not self.busy and not self.closing:
             self.transport.resume_reading()
             self._process()
@@ -1023,6 +1083,18 @@ class Peer(asyncio.Protocol):
         if self.write_paused_since is None:
             self.transport.resume_reading()
         self._process()
+
+    def send_now(self, frame: bytes):
+        """A frame out of turn (a request to the worker, or a streamed snapshot's part)."""
+        self._write([frame])
+
+    async def writable(self):
+        """Until the peer has read enough of what we sent (or its connection closes)."""
+        while not self._writable.is_set() and not self.closing:
+            try:
+                await asyncio.wait_for(self._writable.wait(), 1.0)
+            except TimeoutError:
+                pass
 
     def _write(self, frames: list[bytes]):
         if frames and not self.transport.is_closing():

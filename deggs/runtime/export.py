@@ -15,6 +15,8 @@ The JSON maps each tensor's name to {"dtype", "shape", "data_offsets": [begin, e
     config       the config's JSON (Config.to_json)
     fingerprint  the config's fingerprint, hex
     step, seed   the step the model is at and its seed, decimal
+    digest       the model's state digest, hex (`state_digest`; files written before it
+                 existed have none, and load without the check)
 
 Tensors: `param/<name>` (I8, the logical layout of params.param_shapes),
 `overlay/<name>` (I8, params.overlay_shapes) and the optimizer state `adam_m/<name>`,
@@ -25,26 +27,33 @@ first, so every one of them starts at a multiple of 4 bytes.
 The file is never trusted: load_model bounds the header, parses it strictly and checks
 every tensor against the config the file names (present, dtype, shape, offsets that
 tile the data exactly) and the state for NaN and infinities; any problem raises
-ExportError naming the file. save_model writes atomically (temporary file, fsync,
-rename), as the checkpoints are written.
+ExportError naming the file, and so does a digest that is not the tensors'. save_model
+writes atomically (temporary file, fsync, rename), as the checkpoints are written.
+
+The same file is a snapshot (snapshot.py): the coordinator stores and serves it, so this
+module imports nothing that needs numba.
 """
 
 from __future__ import annotations
 
+import hashlib
+import io
 import json
 import os
 import struct
 from collections.abc import Callable
 from pathlib import Path
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
 from ..config import Config, ConfigError
-from ..numerics.es import Trainer
-from ..numerics.optimizer import OptimizerState
 from ..numerics.params import overlay_shapes, param_shapes
+from ..numerics.state import OptimizerState
 from .checkpoint import atomic_file, list_checkpoints, read_checkpoint, saved_config
+
+if TYPE_CHECKING:  # the numerics need numba; the coordinator reads these files without it
+    from ..numerics.es import Trainer
 
 FORMAT = "deggs-model-1"
 MAX_HEADER_BYTES = 16 << 20  # the JSON header; a default model's is about 10 KiB
@@ -53,6 +62,8 @@ _LENGTH = struct.Struct("<Q")
 _DTYPES: dict[str, np.dtype] = {"I8": np.dtype("i1"), "F32": np.dtype("<f4")}
 _STATE_PREFIXES = ("adam_m", "adam_v", "adam_acc")  # OptimizerState's m, v, acc
 _METADATA_KEYS = ("format", "config", "fingerprint", "step", "seed")
+DIGEST_SIZE = 32  # SHA-256
+_DIGEST_TAG = b"deggs-state-1"
 
 
 class ExportError(ValueError):
@@ -89,6 +100,20 @@ def _tensors(model: Model) -> dict[str, np.ndarray]:
     return out
 
 
+def state_digest(model: Model) -> bytes:
+    """SHA-256 of everything that decides the model's next steps: the config's
+    fingerprint, the step, the seed and every tensor's bytes in file order. Two replicas
+    of a run hold the same model exactly when their digests agree; the config's tables
+    outside the fingerprint (where workers may differ) are left out."""
+    h = hashlib.sha256(_DIGEST_TAG + model.cfg.fingerprint())
+    h.update(struct.pack("<QQ", model.step, model.seed))
+    tensors = _tensors(model)
+    for key, (dtype, _) in expected_tensors(model.cfg).items():
+        h.update(key.encode() + b"\0")
+        h.update(np.ascontiguousarray(tensors[key], dtype=_DTYPES[dtype]).data)
+    return h.digest()
+
+
 # --- writing -------------------------------------------------------------------------
 
 
@@ -118,6 +143,7 @@ def _layout(model: Model, name: str) -> tuple[bytes, list[np.ndarray]]:
             "fingerprint": model.cfg.fingerprint().hex(),
             "step": str(model.step),
             "seed": str(model.seed),
+            "digest": state_digest(model).hex(),
         }
     }
     arrays = []
@@ -140,14 +166,22 @@ def _layout(model: Model, name: str) -> tuple[bytes, list[np.ndarray]]:
     return _LENGTH.pack(len(text)) + text, arrays
 
 
+def encode_model(model: Model) -> bytes:
+    """The model file's bytes, in memory (a snapshot a worker uploads)."""
+    head, arrays = _layout(model, "the model")
+    return b"".join([head, *(array.data for array in arrays)])
+
+
 def save_model(
-    path: str | Path, trainer: Trainer, progress: Callable[[int, int], None] | None = None
+    path: str | Path,
+    trainer: Trainer | Model,
+    progress: Callable[[int, int], None] | None = None,
 ) -> Path:
-    """Write the trainer's model to `path` atomically; returns the path.
+    """Write the trainer's model (or a Model) to `path` atomically; returns the path.
 
     progress(bytes written, bytes in all) is called after the header and each tensor."""
     path = Path(path)
-    head, arrays = _layout(model_of(trainer), str(path))
+    head, arrays = _layout(trainer if isinstance(trainer, Model) else model_of(trainer), str(path))
     size = len(head) + sum(array.nbytes for array in arrays)
     report = progress or (lambda done, total: None)
     with atomic_file(path) as f:
@@ -207,7 +241,7 @@ def _read_header(f, name: str, size: int) -> tuple[dict, int]:
     return header, _LENGTH.size + length
 
 
-def _read_metadata(header: dict, name: str) -> tuple[Config, int, int]:
+def _read_metadata(header: dict, name: str) -> tuple[Config, int, int, bytes | None]:
     meta = header.pop("__metadata__", None)
     if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
         raise ExportError(f"{name}: no __metadata__ table of strings: not a deggs model file")
@@ -232,7 +266,16 @@ def _read_metadata(header: dict, name: str) -> tuple[Config, int, int]:
     seed = _integer(name, "seed", meta["seed"], 0, 2**32 - 1)
     if step == 0 and seed != cfg.training.seed:
         raise ExportError(f"{name}: seed {seed} at step 0, its config's is {cfg.training.seed}")
-    return cfg, step, seed
+    digest = meta.get("digest")
+    if digest is None:
+        return cfg, step, seed, None
+    try:
+        raw = bytes.fromhex(digest)
+    except ValueError:
+        raw = b""
+    if len(raw) != DIGEST_SIZE:
+        raise ExportError(f"{name}: metadata digest {digest[:80]!r} is not {DIGEST_SIZE} hex bytes")
+    return cfg, step, seed, raw
 
 
 def _check_entries(
@@ -294,22 +337,31 @@ def load_model(path: str | Path) -> Model:
     name = str(path)
     try:
         with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            header, start = _read_header(f, name, size)
-            cfg, step, seed = _read_metadata(header, name)
-            expected = expected_tensors(cfg)
-            spans = _check_entries(header, expected, name, size - start)
-            arrays = {}
-            for key, (dtype, shape) in expected.items():
-                begin, end = spans[key]
-                buffer = bytearray(end - begin)
-                f.seek(start + begin)
-                if f.readinto(buffer) != len(buffer):
-                    raise ExportError(f"{name}: truncated while reading {key}")
-                array = np.frombuffer(buffer, _DTYPES[dtype]).reshape(shape)
-                arrays[key] = array.astype(array.dtype.newbyteorder("="), copy=False)
+            return _read_model(f, name, os.fstat(f.fileno()).st_size)
     except OSError as e:
         raise ExportError(f"{name}: cannot read: {e.strerror or e}") from None
+
+
+def model_from_bytes(data: bytes, name: str) -> Model:
+    """A model file's bytes (an uploaded or downloaded snapshot), validated as load_model
+    validates a file; `name` says where they came from in errors."""
+    return _read_model(io.BytesIO(data), name, len(data))
+
+
+def _read_model(f: io.BufferedIOBase, name: str, size: int) -> Model:
+    header, start = _read_header(f, name, size)
+    cfg, step, seed, digest = _read_metadata(header, name)
+    expected = expected_tensors(cfg)
+    spans = _check_entries(header, expected, name, size - start)
+    arrays = {}
+    for key, (dtype, shape) in expected.items():
+        begin, end = spans[key]
+        buffer = bytearray(end - begin)
+        f.seek(start + begin)
+        if f.readinto(buffer) != len(buffer):
+            raise ExportError(f"{name}: truncated while reading {key}")
+        array = np.frombuffer(buffer, _DTYPES[dtype]).reshape(shape)
+        arrays[key] = array.astype(array.dtype.newbyteorder("="), copy=False)
     for key, array in arrays.items():
         if key.startswith(_STATE_PREFIXES) and not np.isfinite(array).all():
             raise ExportError(f"{name}: {key} holds NaN or infinite values")
@@ -319,7 +371,12 @@ def load_model(path: str | Path) -> Model:
         k.split("/", 1)[1]: v for k, v in arrays.items() if k.startswith(prefix + "/")
     }
     state = OptimizerState(table("adam_m"), table("adam_v"), table("adam_acc"))
-    return Model(cfg, step, seed, table("param"), table("overlay"), state)
+    model = Model(cfg, step, seed, table("param"), table("overlay"), state)
+    if digest is not None and state_digest(model) != digest:
+        raise ExportError(
+            f"{name}: the tensors' digest is not the one the file records: a corrupt or edited file"
+        )
+    return model
 
 
 # --- training and replaying from an export ---------------------------------------------
@@ -328,11 +385,17 @@ def load_model(path: str | Path) -> Model:
 def trainer_from_model(model: Model, backend: str = "auto", threads: int | None = None) -> Trainer:
     """A Trainer holding the model, at its step and seed, on the named backend."""
     from ..numerics.backend import make_backend
+    from ..numerics.es import Trainer
 
     trainer = Trainer(make_backend(model.cfg, backend, threads))
+    load_into(trainer, model)
+    return trainer
+
+
+def load_into(trainer: Trainer, model: Model) -> None:
+    """Put a model (of the trainer's config) into a trainer: weights, state, step, seed."""
     trainer.backend.load_state(model.params, model.overlays, model.state)
     trainer.step, trainer.seed = model.step, model.seed
-    return trainer
 
 
 def check_history(model: Model, save_dir: str | Path, name: str) -> None:

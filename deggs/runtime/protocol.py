@@ -19,21 +19,33 @@ u8, payload length u32) and then the payload. All integers are big-endian.
                                      nats f64, text_bytes u64
     HEALTH      10  worker -> coord  step u64, count u16, then per entry: name_len u8,
                                      ASCII name, mean, std, saturation, entropy (f64 each)
+    DIGEST      11  worker -> coord  step u64, state digest 32 bytes
+    SNAPSHOT_REQUEST 12 coord -> worker  step u64
+    SNAPSHOT    13  either way       step u64, seed u64, size u64, state digest 32 bytes
+    SNAPSHOT_PART 14 either way      offset u64, then up to 1 MiB of the snapshot file
 
 A JOB_RESPONSE whose data_position is 2^64-1 means "no chunk free, ask again later".
 
-Opcodes 4..10 are deggs' own: the handshake and farewell (see auth.py for the proofs),
-then a worker's validation loss and model health, sent only to a coordinator that answered
-HELLO. The reference worker never sends HELLO, so without a shared secret the coordinator serves a
-worker that starts with JOB_REQUEST as well. The reference coordinator ignores opcodes it
-does not know, so a deggs worker without a secret sends HELLO and JOB_REQUEST back to
-back and accepts a HELLO_REPLY (deggs) or a JOB_RESPONSE (reference) as the first answer.
-With a secret the coordinator answers HELLO with a CHALLENGE, and nothing but AUTH is
-accepted until the worker has proven the secret.
+Opcodes 4..14 are deggs' own: the handshake and farewell (see auth.py for the proofs),
+then a worker's validation loss and model health, and the state digests and weight
+snapshots (snapshot.py), exchanged only between a worker and a coordinator that have
+both said HELLO. The reference worker never sends HELLO, so without a shared secret the
+coordinator serves a worker that starts with JOB_REQUEST as well. The reference
+coordinator ignores opcodes it does not know, so a deggs worker without a secret sends
+HELLO and JOB_REQUEST back to back and accepts a HELLO_REPLY (deggs) or a JOB_RESPONSE
+(reference) as the first answer. With a secret the coordinator answers HELLO with a
+CHALLENGE, and nothing but AUTH is accepted until the worker has proven the secret.
 
 GOODBYE tells a deggs worker why the coordinator is closing its connection, as a code it
 need not parse from text: the run is finished, the coordinator is going away for now, or
 a refusal that retrying cannot fix (Reason.permanent).
+
+Snapshots. A worker reports DIGEST when its model reaches a digest step. After the step
+the coordinator may send SNAPSHOT_REQUEST(S) to a worker whose digest agreed; the worker
+answers SNAPSHOT (size 0: it no longer holds S) and the file in SNAPSHOT_PARTs, in order.
+Where the coordinator would answer a JOB_REQUEST with a catch-up step, it may send a
+SNAPSHOT and its parts instead (the newest snapshot, or a worker's resync after its digest
+disagreed); SNAPSHOT of step 0 with size 0 means "start over from the initial weights".
 """
 
 from __future__ import annotations
@@ -50,8 +62,9 @@ from typing import Any, ClassVar, cast
 MAGIC = b"JOBS"
 VERSION = 1
 HEADER_SIZE = 10
-DEGGS_PROTOCOL = 3  # version of the HELLO handshake (2: nonces, CHALLENGE/AUTH, GOODBYE;
-# 3: EVALUATION and HEALTH, which an older coordinator would drop a worker for)
+DEGGS_PROTOCOL = 4  # version of the HELLO handshake (2: nonces, CHALLENGE/AUTH, GOODBYE;
+# 3: EVALUATION and HEALTH, which an older coordinator would drop a worker for; 4: DIGEST
+# and the SNAPSHOT messages)
 WAIT = 2**64 - 1  # JOB_RESPONSE.data_position: nothing to do yet
 NO_FINGERPRINT = bytes(8)  # HELLO from a worker that has no config yet
 NONCE_SIZE = 16
@@ -70,6 +83,12 @@ AUTH = 7
 GOODBYE = 8
 EVALUATION = 9  # deggs only: a worker's validation loss
 HEALTH = 10  # deggs only: a worker's weight and activation statistics
+DIGEST = 11  # deggs only: a worker's state digest at a step
+SNAPSHOT_REQUEST = 12  # deggs only: the coordinator asks for a worker's model at a step
+SNAPSHOT = 13  # deggs only: a model file follows in SNAPSHOT_PARTs
+SNAPSHOT_PART = 14
+DIGEST_SIZE = 32  # SHA-256 (export.state_digest)
+PART_SIZE = 1 << 20  # a SNAPSHOT_PART's bytes of the file, at most
 OPCODE_NAMES = {
     JOB_REQUEST: "JOB_REQUEST",
     RESULT: "RESULT",
@@ -82,6 +101,10 @@ OPCODE_NAMES = {
     GOODBYE: "GOODBYE",
     EVALUATION: "EVALUATION",
     HEALTH: "HEALTH",
+    DIGEST: "DIGEST",
+    SNAPSHOT_REQUEST: "SNAPSHOT_REQUEST",
+    SNAPSHOT: "SNAPSHOT",
+    SNAPSHOT_PART: "SNAPSHOT_PART",
 }
 
 _HEADER = struct.Struct(">4sBBI")
@@ -478,6 +501,115 @@ class Health:
         return cls(step, tuple(entries))
 
 
+@dataclass(frozen=True)
+class Digest:
+    """A worker's state digest (export.state_digest) when its model reached `step`."""
+
+    step: int
+    digest: bytes
+
+    OPCODE: ClassVar[int] = DIGEST
+    _FIELDS: ClassVar[struct.Struct] = struct.Struct(f">Q{DIGEST_SIZE}s")
+
+    def encode(self) -> bytes:
+        return frame(self.OPCODE, self._FIELDS.pack(self.step, _sized(self.digest, DIGEST_SIZE)))
+
+    @classmethod
+    def decode(cls, payload: bytes) -> Digest:
+        _need(payload, cls._FIELDS.size, "DIGEST")
+        return cls(*cls._FIELDS.unpack_from(payload))
+
+
+@dataclass(frozen=True)
+class SnapshotRequest:
+    step: int
+
+    OPCODE: ClassVar[int] = SNAPSHOT_REQUEST
+    _FIELDS: ClassVar[struct.Struct] = struct.Struct(">Q")
+
+    def encode(self) -> bytes:
+        return frame(self.OPCODE, self._FIELDS.pack(self.step))
+
+    @classmethod
+    def decode(cls, payload: bytes) -> SnapshotRequest:
+        _need(payload, cls._FIELDS.size, "SNAPSHOT_REQUEST")
+        return cls(*cls._FIELDS.unpack_from(payload))
+
+
+@dataclass(frozen=True)
+class SnapshotHeader:
+    """A model file of `size` bytes follows in SNAPSHOT_PARTs (none when size is 0)."""
+
+    step: int
+    seed: int
+    size: int
+    digest: bytes
+
+    OPCODE: ClassVar[int] = SNAPSHOT
+    _FIELDS: ClassVar[struct.Struct] = struct.Struct(f">QQQ{DIGEST_SIZE}s")
+
+    def encode(self) -> bytes:
+        fields = self._FIELDS.pack(
+            self.step, self.seed, self.size, _sized(self.digest, DIGEST_SIZE)
+        )
+        return frame(self.OPCODE, fields)
+
+    @classmethod
+    def decode(cls, payload: bytes) -> SnapshotHeader:
+        _need(payload, cls._FIELDS.size, "SNAPSHOT")
+        return cls(*cls._FIELDS.unpack_from(payload))
+
+
+@dataclass(frozen=True)
+class SnapshotPart:
+    offset: int
+    data: bytes
+
+    OPCODE: ClassVar[int] = SNAPSHOT_PART
+    _FIELDS: ClassVar[struct.Struct] = struct.Struct(">Q")
+
+    def encode(self) -> bytes:
+        return frame(self.OPCODE, self._FIELDS.pack(self.offset) + self.data)
+
+    @classmethod
+    def decode(cls, payload: bytes) -> SnapshotPart:
+        _need(payload, cls._FIELDS.size, "SNAPSHOT_PART")
+        (offset,) = cls._FIELDS.unpack_from(payload)
+        return cls(offset, bytes(payload[cls._FIELDS.size :]))
+
+
+class Assembly:
+    """A snapshot arriving in SNAPSHOT_PARTs: its header's size bounded before anything is
+    held, then every part in order, with nothing missing, overlapping or past the end."""
+
+    def __init__(self, header: SnapshotHeader, bounds: tuple[int, int], who: str):
+        least, most = bounds
+        if not least <= header.size <= most:
+            raise ProtocolError(
+                f"{who} announces a snapshot of {header.size} bytes; this run's are {least}..{most}"
+            )
+        self.header, self.who = header, who
+        self.data = bytearray()
+
+    def add(self, part: SnapshotPart) -> bool:
+        """Take the next part; True once the file is whole."""
+        if part.offset != len(self.data) or not part.data:
+            raise ProtocolError(
+                f"{self.who} sent snapshot bytes at {part.offset}, expected {len(self.data)}"
+            )
+        if len(self.data) + len(part.data) > self.header.size:
+            raise ProtocolError(f"{self.who} sent more snapshot bytes than it announced")
+        self.data += part.data
+        return len(self.data) == self.header.size
+
+
+def snapshot_frames(header: SnapshotHeader, data: bytes):
+    """SNAPSHOT and its SNAPSHOT_PARTs, one encoded frame at a time."""
+    yield header.encode()
+    for offset in range(0, len(data), PART_SIZE):
+        yield SnapshotPart(offset, data[offset : offset + PART_SIZE]).encode()
+
+
 def health_size(entries: int) -> int:
     """The largest HEALTH payload of this many entries."""
     return Health._HEAD.size + entries * (1 + MAX_HEALTH_NAME + Health._FIGURES.size)
@@ -497,6 +629,10 @@ MESSAGES = {
         Goodbye,
         Evaluation,
         Health,
+        Digest,
+        SnapshotRequest,
+        SnapshotHeader,
+        SnapshotPart,
     )
 }
 
@@ -529,6 +665,9 @@ def limits_from_worker(
         AUTH: PROOF_SIZE,
         EVALUATION: Evaluation._FIELDS.size,
         HEALTH: health_size(min(health_entries, MAX_HEALTH_ENTRIES)),
+        DIGEST: Digest._FIELDS.size,
+        SNAPSHOT: SnapshotHeader._FIELDS.size,
+        SNAPSHOT_PART: SnapshotPart._FIELDS.size + PART_SIZE,
     }
 
 
@@ -540,6 +679,9 @@ def limits_from_coordinator(population_bytes: int) -> dict[int, int]:
         HELLO_REPLY: 8 + 4 + MAX_CONFIG_JSON,
         CHALLENGE: NONCE_SIZE + PROOF_SIZE,
         GOODBYE: 1 + MAX_LOG_TEXT,
+        SNAPSHOT_REQUEST: SnapshotRequest._FIELDS.size,
+        SNAPSHOT: SnapshotHeader._FIELDS.size,
+        SNAPSHOT_PART: SnapshotPart._FIELDS.size + PART_SIZE,
     }
 
 

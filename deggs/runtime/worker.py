@@ -17,7 +17,10 @@ Every connection starts with deggs' handshake (protocol.py, auth.py):
                           -> AUTH (ours) -> HELLO_REPLY.
 
 The model lives on the worker, not on the wire: a worker that falls behind catches up
-one step per request from the coordinator's fitness history. How a run ends for it:
+one step per request from the coordinator's fitness history, after loading the newest
+weight snapshot when a deggs coordinator has one (snapshot.py). At every digest step it
+reports its state digest, and at a snapshot step it keeps a copy of its model until the
+next one, for the coordinator to ask for. How a run ends for it:
 
 - GOODBYE(FINISHED), or the model reaches max_steps: run() returns.
 - A refusal that retrying cannot fix (another config, another secret, a coordinator that
@@ -44,9 +47,13 @@ from ..numerics.health import activation_health, weight_health
 from ..numerics.sampling import prompt_window
 from ..ternary import packed_size, unpack_trits
 from . import auth, protocol
+from . import snapshot as snapshots
+from .export import ExportError, encode_model, load_into, model_of
 from .protocol import (
+    Assembly,
     Auth,
     Challenge,
+    Digest,
     Evaluation,
     Goodbye,
     Health,
@@ -60,8 +67,12 @@ from .protocol import (
     ProtocolError,
     Reason,
     Result,
+    SnapshotHeader,
+    SnapshotPart,
+    SnapshotRequest,
     printable,
     set_keepalive,
+    snapshot_frames,
 )
 
 WAIT_S = 0.1  # the reference worker's pause after a WAIT
@@ -161,6 +172,12 @@ class Worker:
         self._windows: np.ndarray | None = None  # validation windows, once loaded
         self._pause = FIRST_PAUSE_S  # before the next reconnect
         self._heard = False  # has this connection delivered a frame yet?
+        # The coordinator's config: its [coordinator] table says when digests and
+        # snapshots are due (ours may differ there, outside the fingerprint).
+        self.schedule: Config | None = None
+        self._digest = b""  # a DIGEST frame to send with the next request
+        self._reported = -1  # the last step whose digest we reported (once a step)
+        self.held: snapshots.Snapshot | None = None  # our model at the last snapshot step
         if cfg is not None:
             self._prepare(cfg)
 
@@ -325,7 +342,8 @@ class Worker:
             self._send(sock, result)
 
     def _ask(self, sock: socket.socket, *before: bytes):
-        self._send(sock, *before, JobRequest(self.seed, self.step).encode())
+        digest, self._digest = self._digest, b""
+        self._send(sock, *before, digest, JobRequest(self.seed, self.step).encode())
         self._asked_at = time.monotonic()
 
     def _handshake(self, sock: socket.socket, pipelined: bool) -> JobResponse | None:
@@ -369,6 +387,7 @@ class Worker:
         if isinstance(message, HelloReply):
             self._adopt(message)
             self.deggs_coordinator = True
+            self._reached_step()  # a model kept across a reconnect may owe its digest
             self._joined("shared secret proven" if self.secret is not None else "deggs")
             return None
         if not pipelined:
@@ -397,6 +416,7 @@ class Worker:
         elif theirs.fingerprint() != self.cfg.fingerprint():
             diff = "; ".join(self.cfg.differences(theirs))
             raise WorkerError(f"the coordinator's config differs from ours: {diff}")
+        self.schedule = theirs
 
     def _send(self, sock: socket.socket, *frames: bytes):
         # The last read may have left a short timeout on the socket: sending has its own.
@@ -429,10 +449,15 @@ class Worker:
                 self._goodbye(message)
 
     def _next_job(self, sock: socket.socket) -> JobResponse:
-        message = self._receive(sock)
-        if not isinstance(message, JobResponse):
-            raise ProtocolError(f"a {type(message).__name__} where a JOB_RESPONSE belongs")
-        return message
+        """The answer to our request; a snapshot sent instead is loaded, and we ask again."""
+        while True:
+            message = self._receive(sock)
+            if isinstance(message, JobResponse):
+                return message
+            if not (isinstance(message, SnapshotHeader) and self.deggs_coordinator):
+                raise ProtocolError(f"a {type(message).__name__} where a JOB_RESPONSE belongs")
+            self._download(sock, message)
+            self._ask(sock)
 
     def _receive(self, sock: socket.socket, hint: str = ""):
         """The coordinator's next message, after the log lines it sends first. A GOODBYE
@@ -443,6 +468,8 @@ class Worker:
                 self._show("[coordinator]", message.text)
             elif isinstance(message, Goodbye):
                 self._goodbye(message)
+            elif isinstance(message, SnapshotRequest) and self.deggs_coordinator:
+                self._upload(sock, message.step)
             else:
                 return message
 
@@ -537,6 +564,78 @@ class Worker:
         self.log(
             f"[worker] updated to step {self.step}: {self.last_updates} weights changed "
             f"({time.perf_counter() - started:.2f} s)"
+        )
+        self._reached_step()
+
+    # --- digests and snapshots -----------------------------------------------------------
+
+    def _reached_step(self, snapshot: snapshots.Snapshot | None = None):
+        """Our model has reached a step: owe its digest when one is due (once a step), and
+        keep a copy at a snapshot step. `snapshot`: the model was just loaded from it."""
+        cfg, training = self.schedule, self.training
+        if cfg is None or training is None or not self.deggs_coordinator:
+            return
+        step = training.trainer.step
+        if not snapshots.digest_due(cfg, step) or step == self._reported:
+            return
+        if snapshot is None:
+            snapshot = self._snapshot_of(training, keep=snapshots.snapshot_due(cfg, step))
+        if snapshots.snapshot_due(cfg, step):
+            self.held = snapshot
+        self._digest = Digest(step, snapshot.digest).encode()
+        self._reported = step
+
+    def _snapshot_of(self, training: Training, keep: bool) -> snapshots.Snapshot:
+        """Our model's digest, and its file's bytes when `keep` (else none)."""
+        model = model_of(training.trainer)  # host copies of the device's arrays on a GPU
+        data = encode_model(model) if keep else b""
+        return snapshots.Snapshot.of(model, data)
+
+    def _upload(self, sock: socket.socket, step: int):
+        """The coordinator asks for our model at `step`: send it if we still hold it."""
+        held = self.held
+        if held is None or held.step != step or not held.data:
+            self.log(f"[worker] asked for the snapshot of step {step}, which we do not hold")
+            self._send(sock, SnapshotHeader(step, 0, 0, bytes(protocol.DIGEST_SIZE)).encode())
+            return
+        started = time.perf_counter()
+        header = SnapshotHeader(held.step, held.seed, len(held.data), held.digest)
+        for frame in snapshot_frames(header, held.data):
+            self._send(sock, frame)
+        self.log(
+            f"[worker] uploaded the snapshot of step {step} ({len(held.data) / 2**20:.1f} MiB, "
+            f"{time.perf_counter() - started:.2f} s)"
+        )
+
+    def _download(self, sock: socket.socket, header: SnapshotHeader):
+        """Load the snapshot the coordinator sends instead of a catch-up step (or the
+        initial weights, for step 0 and no bytes)."""
+        training = self._ready()
+        trainer = training.trainer
+        if header.step == 0 and header.size == 0:
+            trainer.restart()
+            self.log("[worker] starting over from the initial weights, as the coordinator asks")
+            return
+        started = time.perf_counter()
+        name = f"the snapshot of step {header.step} from {self.address}"
+        assembly = Assembly(header, snapshots.size_bounds(trainer.cfg), name)
+        while True:
+            message = self._receive(sock)
+            if not isinstance(message, SnapshotPart):
+                raise ProtocolError(f"a {type(message).__name__} inside {name}")
+            if assembly.add(message):
+                break
+        data = bytes(assembly.data)
+        try:
+            model = snapshots.check(data, trainer.cfg, name, header.step, header.digest)
+        except ExportError as e:
+            raise ProtocolError(str(e)) from None
+        load_into(trainer, model)
+        self._reported = -1
+        self._reached_step(snapshots.Snapshot(model.step, model.seed, header.digest, data))
+        self.log(
+            f"[worker] loaded the snapshot of step {header.step} ({len(data) / 2**20:.1f} MiB "
+            f"in {time.perf_counter() - started:.2f} s)"
         )
 
     def _run_chunk(self, sock: socket.socket, response: JobResponse) -> bytes:

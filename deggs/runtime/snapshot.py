@@ -1,0 +1,199 @@
+"""Weight snapshots: the model at a step, kept in the save directory.
+
+Without them a run's model exists only as its fitness history, and every worker that
+joins, every export and every sample replays the run from step 0. A snapshot of step S
+holds everything a replica needs to train step S bit for bit (the weights, overlays,
+optimizer state, step, seed and config: an export, export.py's format, so an export is a
+snapshot and the other way round), and whoever needs the model replays only the steps
+after the newest snapshot.
+
+    snapshot_%08d.safetensors   S in eight digits, like checkpoint_%08d.bin
+
+The coordinator needs no GPU for them: every `[coordinator] snapshot_every_steps` steps it
+asks a worker whose state digest agrees with the others' for its model at S (the worker
+kept a copy when it reached S), checks the upload (its size, every tensor's shape, the
+digest it records against the agreed one) and writes it atomically before it counts.
+It then serves the file to a worker that is behind it, in SNAPSHOT_PART frames.
+
+Pruning: only the newest `keep_snapshots` files stay, and with `prune_history` the
+checkpoints before the oldest of them go too (checkpoint S stays: it holds S's seed). A
+directory pruned so is still a save directory: the newest checkpoint resumes the run, the
+snapshot plus the checkpoints after it rebuild the model.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..config import Config
+from .checkpoint import atomic_file, list_checkpoints
+from .export import (
+    MAX_HEADER_BYTES,
+    ExportError,
+    Model,
+    expected_tensors,
+    model_from_bytes,
+    state_digest,
+)
+
+log = logging.getLogger(__name__)
+
+PART_SIZE = 1 << 20  # bytes of a snapshot a SNAPSHOT_PART frame carries at most
+# The header beyond the tensors: the JSON of ~100 tensor entries and the config, padded.
+# A default model's is ~12 KiB; a 256-layer one's ~300 KiB.
+HEADER_ALLOWANCE = 1 << 20
+_NAME = re.compile(r"snapshot_(\d{8,})\.safetensors")
+
+
+def snapshot_path(directory: str | Path, step: int) -> Path:
+    return Path(directory) / f"snapshot_{step:08d}.safetensors"
+
+
+def list_snapshots(directory: str | Path) -> dict[int, Path]:
+    """step -> path of every snapshot file in a directory (none if it does not exist)."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return {}
+    out = {}
+    for path in directory.iterdir():
+        match = _NAME.fullmatch(path.name)
+        if match:
+            out[int(match.group(1))] = path
+    return out
+
+
+def data_bytes(cfg: Config) -> int:
+    """The tensors' bytes in a model file of this config."""
+    return sum(
+        int(np.prod(shape, dtype=np.int64)) * (1 if dtype == "I8" else 4)
+        for dtype, shape in expected_tensors(cfg).values()
+    )
+
+
+def size_bounds(cfg: Config) -> tuple[int, int]:
+    """The least and most bytes a snapshot of this config can have: what an announced
+    upload or download is checked against before a byte of it is held."""
+    least = data_bytes(cfg) + 8
+    return least, least + min(HEADER_ALLOWANCE, MAX_HEADER_BYTES)
+
+
+def digest_due(cfg: Config, step: int) -> bool:
+    """Do the replicas compare their state digests at this step (never at step 0, where
+    every replica holds the initial weights by construction)?"""
+    k = cfg.coordinator
+    every = [n for n in (k.digest_every_steps, k.snapshot_every_steps) if n > 0]
+    return step > 0 and any(step % n == 0 for n in every)
+
+
+def snapshot_due(cfg: Config, step: int) -> bool:
+    every = cfg.coordinator.snapshot_every_steps
+    return step > 0 and every > 0 and step % every == 0
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """A model file's bytes, with what it says of itself."""
+
+    step: int
+    seed: int
+    digest: bytes
+    data: bytes
+
+    @classmethod
+    def of(cls, model: Model, data: bytes) -> Snapshot:
+        return cls(model.step, model.seed, state_digest(model), data)
+
+
+def check(data: bytes, cfg: Config, name: str, step: int, digest: bytes) -> Model:
+    """The model in a snapshot's bytes, refused (ExportError) unless it is a valid model
+    file of this config's run at `step` whose tensors have `digest`."""
+    model = model_from_bytes(data, name)
+    if model.cfg.fingerprint() != cfg.fingerprint():
+        raise ExportError(
+            f"{name}: a model of another config (fingerprint {model.cfg.fingerprint().hex()}, "
+            f"the run's {cfg.fingerprint().hex()})"
+        )
+    if model.step != step:
+        raise ExportError(f"{name}: a model of step {model.step}, announced as step {step}")
+    actual = state_digest(model)
+    if actual != digest:
+        raise ExportError(
+            f"{name}: state digest {actual.hex()[:16]} is not the announced {digest.hex()[:16]}"
+        )
+    return model
+
+
+def write_snapshot(directory: str | Path, step: int, data: bytes) -> Path:
+    """Store checked snapshot bytes atomically (fsynced, then renamed)."""
+    path = snapshot_path(directory, step)
+    with atomic_file(path) as f:
+        f.write(data)
+    return path
+
+
+def read_snapshot(path: str | Path, cfg: Config) -> Snapshot:
+    """A snapshot file, checked (load_model's checks, the config's fingerprint, and the
+    digest it records); ExportError names the file."""
+    data = _read_bytes(path)
+    model = model_from_bytes(data, str(path))
+    if model.cfg.fingerprint() != cfg.fingerprint():
+        raise ExportError(f"{path}: a model of another config than the run's")
+    match = _NAME.fullmatch(Path(path).name)
+    if match and int(match.group(1)) != model.step:
+        raise ExportError(f"{path}: holds the model of step {model.step}")
+    return Snapshot.of(model, data)
+
+
+def _read_bytes(path: str | Path) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError as e:
+        raise ExportError(f"{path}: cannot read: {e.strerror or e}") from None
+
+
+def newest_valid(directory: str | Path, cfg: Config, at_most: int | None = None) -> Snapshot | None:
+    """The newest snapshot in a directory (at or before `at_most`) that passes its checks;
+    a bad one is logged and passed over: an older snapshot is only a longer replay."""
+    for step, path in sorted(list_snapshots(directory).items(), reverse=True):
+        if at_most is not None and step > at_most:
+            continue
+        try:
+            return read_snapshot(path, cfg)
+        except ExportError as e:
+            log.error("snapshot passed over: %s", e)
+    return None
+
+
+def copy_snapshots(source: str | Path, target: str | Path) -> int:
+    """Copy the snapshot files `target` lacks (a run resumed into another directory)."""
+    copied = 0
+    for step, path in list_snapshots(source).items():
+        dest = snapshot_path(target, step)
+        if not dest.exists():
+            with open(path, "rb") as f, atomic_file(dest) as out:
+                shutil.copyfileobj(f, out, PART_SIZE)
+            copied += 1
+    return copied
+
+
+def prune(directory: str | Path, keep: int, history: bool) -> list[Path]:
+    """Delete all but the newest `keep` snapshots and, with `history`, the checkpoints
+    before the oldest kept snapshot. Returns what was deleted."""
+    snapshots = sorted(list_snapshots(directory).items())
+    gone = [path for _, path in snapshots[:-keep]] if keep < len(snapshots) else []
+    kept = snapshots[-keep:]
+    if history and kept:
+        oldest = kept[0][0]
+        checkpoints = list_checkpoints(directory)
+        gone += [path for step, path in sorted(checkpoints.items()) if step < oldest]
+    for path in gone:
+        path.unlink(missing_ok=True)
+    if gone:
+        log.info("pruned %d file(s) from %s", len(gone), directory)
+    return gone
