@@ -386,11 +386,16 @@ def prepare_main(text, vocab_size, config_path, out, val_fraction, errors, assig
     show_default=True,
     help="input.bin (default prompt), decoding.bin and tokenizer.json",
 )
+@click.option(
+    "--step",
+    type=click.IntRange(min=0),
+    help="with --load-dir: the model at this step (default: the newest)",
+)
 @click.option("--prompt", help="text to continue (default: the data at the last step)")
 @click.option("--tokens", "n_tokens", type=click.IntRange(min=1), help="tokens to sample")
 @click.option("--seed", type=int, help="sampling seed (default: the last step's seed + 999)")
 @_backend_option("where the model runs")
-def generate_main(load_dir, model_file, from_file, data_dir, prompt, n_tokens, seed, backend):
+def generate_main(load_dir, model_file, from_file, data_dir, step, prompt, n_tokens, seed, backend):
     """Sample from a model: the one trained in --load-dir (rebuilt by replaying its steps)
     or an export (--model)."""
     from .data import DataError, detokenize, load_decoding, load_tokens
@@ -400,8 +405,8 @@ def generate_main(load_dir, model_file, from_file, data_dir, prompt, n_tokens, s
 
     if (load_dir is None) == (model_file is None):
         _fail("deggs-generate", ValueError("give either --load-dir or --model"))
-    if from_file is not None and load_dir is None:
-        _fail("deggs-generate", ValueError("--from needs --load-dir (its steps are replayed)"))
+    if (from_file is not None or step is not None) and load_dir is None:
+        _fail("deggs-generate", ValueError("--from and --step need --load-dir"))
     try:
         model = load_model(model_file) if model_file is not None else None
         cfg = model.cfg if model is not None else _saved_run_config(load_dir)
@@ -421,7 +426,7 @@ def generate_main(load_dir, model_file, from_file, data_dir, prompt, n_tokens, s
         if model is not None:
             trainer = trainer_from_model(model, backend)
         else:
-            trainer = _replay_run(load_dir, from_file, cfg, backend)
+            trainer = _replay_run(load_dir, from_file, cfg, backend, step)
         step = trainer.step
         if prompt is None:
             ids = prompt_window(cfg, tokens, step)
@@ -454,18 +459,22 @@ def generate_main(load_dir, model_file, from_file, data_dir, prompt, n_tokens, s
     type=click.Path(exists=True, dir_okay=False),
     help="start the replay from this export (an earlier step of the same run)",
 )
+@click.option(
+    "--step", type=click.IntRange(min=0), help="the model at this step (default: the newest)"
+)
 @_backend_option("where the steps are replayed")
-def export_main(load_dir, out, from_file, backend):
+def export_main(load_dir, out, from_file, step, backend):
     """Rebuild the model trained in LOAD_DIR and write it to OUT as a safetensors file:
-    its weights, overlays and optimizer state at the newest step, which deggs-generate
-    --model samples from and --from resumes a replay from."""
+    its weights, overlays and optimizer state at the newest step (or --step), which
+    deggs-generate --model samples from and --from resumes a replay from. The replay
+    starts from the newest snapshot at or before that step."""
     from .runtime.export import save_model
 
     try:
         if not Path(out).resolve().parent.is_dir():
             raise ValueError(f"{Path(out).parent} is not a directory")
         cfg = _saved_run_config(load_dir)
-        trainer = _replay_run(load_dir, from_file, cfg, backend)
+        trainer = _replay_run(load_dir, from_file, cfg, backend, step)
         with _Bars(unit="B", unit_scale=True, unit_divisor=1024) as bars:
             save_model(out, trainer, lambda done, total: bars(f"writing {out}", done, total))
     except (ConfigError, CheckpointError, ValueError, OSError) as e:
@@ -483,19 +492,31 @@ def _saved_run_config(load_dir):
     return cfg
 
 
-def _replay_run(load_dir, from_file, cfg, backend):
-    """The model of LOAD_DIR's newest step, replayed from scratch or from an export."""
+def _replay_run(load_dir, from_file, cfg, backend, step=None):
+    """The model of LOAD_DIR at `step` (default: its newest): from an export (--from),
+    else from the newest snapshot at or before it, else from scratch; then the steps
+    after it replayed."""
     from .numerics.backend import make_backend
     from .numerics.es import Trainer
     from .runtime.checkpoint import list_checkpoints
-    from .runtime.export import resume
+    from .runtime.export import resume, trainer_from_model
     from .runtime.replay import replay
+    from .runtime.snapshot import newest_valid
 
+    newest = max(list_checkpoints(load_dir), default=0)
+    last = newest if step is None else step
+    if last > newest:
+        raise ValueError(f"--step {last}: {load_dir}'s history ends at step {newest}")
+    found = newest_valid(load_dir, cfg, last) if from_file is None else None
     if from_file is not None:
         trainer = resume(from_file, backend, save_dir=load_dir)
+        if trainer.step > last:
+            raise ValueError(f"{from_file} is at step {trainer.step}, past --step {last}")
+    elif found is not None:
+        trainer = trainer_from_model(found[0], backend)
+        click.echo(f"starting from the snapshot of step {trainer.step}", err=True)
     else:
         trainer = Trainer(make_backend(cfg, backend))
-    last = max(list_checkpoints(load_dir), default=0)
     with _Bars(unit="step") as bars:
         bars("replaying", trainer.step, last)  # shown before the first step, which may be slow
         show = lambda step, last, changed: bars("replaying", step, last, f"{changed} changed")

@@ -42,11 +42,12 @@ for _name in ("DEGGS_SECRET", "DEGGS_SECRET_FILE"):
     ENV.pop(_name, None)
 
 
-def deggs(*args, log, env=None, **kwargs):
-    """A deggs command in the background, its output going to a log file."""
+def deggs(*args, log, env=None, runner=None, **kwargs):
+    """A deggs command in the background, its output going to a log file (runner: the
+    command to run it with instead of `python -m deggs`)."""
     with open(log, "w") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "deggs", *map(str, args)],
+            [*map(str, runner or [sys.executable, "-m", "deggs"]), *map(str, args)],
             env={**ENV, **(env or {})},
             stdout=out,
             stderr=subprocess.STDOUT,
@@ -147,14 +148,26 @@ class Cluster:
         proc.port = int(proc.port_match.group(1))
         return proc
 
-    def worker(self, port, with_config=True, env=None, extra=()):
+    def worker(self, port, with_config=True, env=None, extra=(), runner=None):
         args = ["worker", "127.0.0.1", "--port", port, "--data-dir", self.data, "--threads", 1]
         if with_config:
             args += ["--config", self.config]
         args += list(extra)
-        proc = deggs(*args, cwd=self.root, log=self._log("worker"), env=env)
+        proc = deggs(*args, cwd=self.root, log=self._log("worker"), env=env, runner=runner)
         self.procs.append(proc)
         return proc
+
+    def run(self, *args) -> subprocess.CompletedProcess:
+        """A deggs command run to its end (stdout and stderr together)."""
+        return subprocess.run(
+            [sys.executable, "-m", "deggs", *map(str, args)],
+            env=ENV,
+            cwd=self.root,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            timeout=TIMEOUT_S,
+        )
 
     def finish(self, coordinator, code=0):
         assert coordinator.wait(timeout=TIMEOUT_S) == code, log_of(coordinator)

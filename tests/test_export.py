@@ -390,7 +390,9 @@ def test_the_commands_refuse_bad_input_in_one_line(run, tmp_path):
     cases = [
         (generate_main, ["--load-dir", save_dir, "--model", model], "either --load-dir or --model"),
         (generate_main, [], "either --load-dir or --model"),
-        (generate_main, ["--model", model, "--from", model], "--from needs --load-dir"),
+        (generate_main, ["--model", model, "--from", model], "--from and --step need --load-dir"),
+        (generate_main, ["--model", model, "--step", "1"], "--from and --step need --load-dir"),
+        (export_main, ["--load-dir", save_dir, "--out", tmp_path / "y", "--step", "99"], "ends at"),
         (generate_main, ["--model", bad], "truncated"),
         (generate_main, ["--load-dir", other, "--from", model, "--prompt", "ab"], "another config"),
         (

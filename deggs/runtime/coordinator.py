@@ -676,12 +676,19 @@ class Coordinator:
                 _fitness_from_disk, self.history_dirs, step, self.config.training.n_pairs
             )
         if fitness is None:
+            snapshot = self.replicas.newest
+            pruned = (
+                f"; the history before the snapshot of step {snapshot.step} was pruned: a "
+                "deggs worker starts from that snapshot, a reference worker cannot"
+                if snapshot is not None and step < snapshot.step
+                else ""
+            )
             raise self._refusal(
                 peer,
                 Reason.HISTORY_GONE,
                 f"the fitness of step {step} is no longer kept (neither in memory nor in a "
                 f"checkpoint), so a worker at step {step} cannot catch up to step "
-                f"{self.state.step}",
+                f"{self.state.step}{pruned}",
             )
         return JobResponse(self.state.seed, step + 1, 0, fitness).encode()
 

@@ -68,9 +68,9 @@ class DigestBook:
         reports[who] = digest
         while len(self.pending) > MAX_PENDING_STEPS:
             del self.pending[min(self.pending)]
-        if step == self.split_step:
+        if step == self.split_step and len(reports) >= 2:
             verdict = self._majority(step, reports)
-            if verdict.agreed is not None and len(reports) >= 2:
+            if verdict.agreed is not None:
                 self.split_step = None
                 del self.pending[step]
                 verdict.resolved = True

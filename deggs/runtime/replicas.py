@@ -81,7 +81,8 @@ class Replicas:
         """Find the newest good snapshot at or before `at_most` (a resumed run's step);
         runs on the disk thread at start."""
         for directory in directories:
-            found = snapshots.newest_valid(directory, self.cfg, at_most)
+            newest = snapshots.newest_valid(directory, self.cfg, at_most)
+            found = newest[1] if newest is not None else None
             if found is not None and (self.newest is None or found.step > self.newest.step):
                 path = snapshots.snapshot_path(directory, found.step)
                 self.newest = Stored(found.step, found.seed, found.digest, len(found.data), path)

@@ -137,27 +137,25 @@ def write_snapshot(directory: str | Path, step: int, data: bytes) -> Path:
     return path
 
 
-def read_snapshot(path: str | Path, cfg: Config) -> Snapshot:
-    """A snapshot file, checked (load_model's checks, the config's fingerprint, and the
-    digest it records); ExportError names the file."""
-    data = _read_bytes(path)
+def read_snapshot(path: str | Path, cfg: Config) -> tuple[Model, Snapshot]:
+    """A snapshot file, checked (load_model's checks, the config's fingerprint, the
+    digest it records, the step its name says); ExportError names the file."""
+    try:
+        data = Path(path).read_bytes()
+    except OSError as e:
+        raise ExportError(f"{path}: cannot read: {e.strerror or e}") from None
     model = model_from_bytes(data, str(path))
     if model.cfg.fingerprint() != cfg.fingerprint():
         raise ExportError(f"{path}: a model of another config than the run's")
     match = _NAME.fullmatch(Path(path).name)
     if match and int(match.group(1)) != model.step:
         raise ExportError(f"{path}: holds the model of step {model.step}")
-    return Snapshot.of(model, data)
+    return model, Snapshot.of(model, data)
 
 
-def _read_bytes(path: str | Path) -> bytes:
-    try:
-        return Path(path).read_bytes()
-    except OSError as e:
-        raise ExportError(f"{path}: cannot read: {e.strerror or e}") from None
-
-
-def newest_valid(directory: str | Path, cfg: Config, at_most: int | None = None) -> Snapshot | None:
+def newest_valid(
+    directory: str | Path, cfg: Config, at_most: int | None = None
+) -> tuple[Model, Snapshot] | None:
     """The newest snapshot in a directory (at or before `at_most`) that passes its checks;
     a bad one is logged and passed over: an older snapshot is only a longer replay."""
     for step, path in sorted(list_snapshots(directory).items(), reverse=True):
