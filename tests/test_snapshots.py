@@ -5,6 +5,7 @@ training a tiny model, whose every step's loss must equal an undisturbed run's h
 the model reached a worker (a snapshot, a pruned history, a resync after a fault).
 """
 
+import json
 import os
 import re
 import socket
@@ -30,6 +31,7 @@ from deggs.runtime.protocol import (
     SnapshotPart,
     SnapshotRequest,
     decode_message,
+    snapshot_frames,
 )
 
 EVERY = 5  # snapshot and digest interval of the runs here
@@ -281,3 +283,75 @@ def test_a_flipped_weight_is_found_named_and_resynced(tmp_path):
     assert out.count("drifted:") == 1  # it agrees at step 15
     assert records[15]["digest_reports"] == 3 and "drifted" not in records[15]
     assert os.path.exists(snapshots.snapshot_path(tmp_path / "run" / "save", 15))
+
+
+def test_an_upload_that_breaks_the_rules_closes_only_that_connection(tmp_path, caplog):
+    """At a snapshot step the first worker whose digest agreed is asked for its model; one
+    that announces an impossible size is closed, the next one is asked, and its upload,
+    checked against the agreed digest, becomes the snapshot file."""
+    import asyncio
+
+    import test_coordinator as tcoord
+    from sync import async_wait_until
+
+    from deggs.numerics.model import init_overlays, init_params
+    from deggs.numerics.state import OptimizerState
+    from deggs.runtime.export import Model, encode_model
+
+    cfg = tcoord.SMALL.replace(
+        model=tc.TINY_CFG.to_dict()["model"],
+        coordinator=dict(snapshot_every_steps=1, digest_every_steps=1),
+    )
+    seed = tcoord.seed_of(1)
+    model = Model(cfg, 1, seed, init_params(cfg), init_overlays(cfg), OptimizerState.zeros(cfg))
+    data, digest = encode_model(model), state_digest(model)
+
+    async def main():
+        async with tcoord.coordinator(cfg, save_dir=tmp_path) as coord:
+            a, b = await tcoord.Client.connect(coord), await tcoord.Client.connect(coord)
+            await a.hello(cfg)
+            await b.hello(cfg)
+            await tcoord.train_step(a, 0)
+            for client in (a, b):  # in this order: a is asked first
+                await client.send(Digest(1, digest))
+                await async_wait_until(
+                    lambda c=client: (
+                        f"127.0.0.1:{c.port}" in coord.replicas.book.pending.get(1, {})
+                    ),
+                    5,
+                    "the digest to be taken",
+                )
+            await tcoord.train_step(a, 1, last=True)
+            assert await a.recv() == SnapshotRequest(1)
+            await a.send(SnapshotHeader(1, seed, 1 << 40, digest))
+            assert await a.closed()
+            assert await b.recv() == SnapshotRequest(1)
+            for frame in snapshot_frames(SnapshotHeader(1, seed, len(data), digest), data):
+                await b.send(frame)
+            path = snapshots.snapshot_path(tmp_path, 1)
+            await async_wait_until(path.exists, 10, "the snapshot file")
+            assert path.read_bytes() == data
+            assert coord.replicas.newest.step == 1
+            assert (await b.request(2)).data_position == 0  # b trains on: a chunk of step 2
+
+    caplog.set_level("INFO", logger="deggs")
+    asyncio.run(asyncio.wait_for(main(), 30))
+    assert "announces a snapshot of 1099511627776 bytes" in caplog.text
+    assert "snapshot of step 1 written" in caplog.text
+
+
+def test_rejoin_script_times_a_join_from_a_snapshot(tmp_path):
+    config = tmp_path / "tiny.toml"
+    config.write_text(toml_of(tc.TINY_CFG))
+    script = Path(__file__).parents[1] / "scripts" / "rejoin.py"
+    result = tc.subprocess.run(
+        [sys.executable, script, "--config", config, "--every", "5", "--tail", "2", "10"],
+        capture_output=True,
+        text=True,
+        env=tc.ENV,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    row = json.loads(result.stdout.splitlines()[-1])
+    assert row["step"] == 12 and row["snapshot"] == 10 and row["first_chunk_s"] > 0
+    assert "loaded the snapshot of step 10" in row["loaded"]
