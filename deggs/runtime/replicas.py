@@ -72,7 +72,6 @@ class Replicas:
         self.book = DigestBook()
         self.newest: Stored | None = None
         self.upload: Upload | None = None
-        self.storing = False  # an upload is being checked and written
         self.alone_said = False  # "one worker: nothing to compare" is logged once
 
     # --- the save directory ----------------------------------------------------------
@@ -118,7 +117,7 @@ class Replicas:
         record: dict = {"digest_reports": verdict.reports}
         if verdict.agreed is not None:
             record["digest"] = verdict.agreed.hex()
-            if snapshots.snapshot_due(self.cfg, step):
+            if snapshots.snapshot_due(self.cfg, step) and self.coord.save_dir is not None:
                 self._ask_for(step, verdict.agreed)
         return record
 
@@ -206,7 +205,6 @@ class Replicas:
         if upload.assembly.add(part):
             data = bytes(upload.assembly.data)
             upload.peer = upload.assembly = None
-            self.storing = True
             self.coord.spawn(self._store(upload, peer.name, data))
 
     async def _store(self, upload: Upload, who: str, data: bytes):
@@ -216,7 +214,6 @@ class Replicas:
             stored = await self.coord.on_disk(self._check_and_write, upload, who, data)
         except ExportError as e:
             log.error("snapshot upload refused: %s; asking another worker", e)
-            self.storing = False
             self._ask_next()
             return
         except OSError as e:
@@ -228,27 +225,23 @@ class Replicas:
                 e.strerror or e,
                 self.newest.step if self.newest else "none",
             )
-            self.storing = False
             self.upload = None
             return
-        self.storing = False
         self.upload = None
-        if stored is not None:
-            self.newest = stored
-            log.info(
-                "snapshot of step %d written (%.1f MiB, from %s): %s",
-                stored.step,
-                stored.size / 2**20,
-                who,
-                stored.path,
-            )
+        self.newest = stored
+        log.info(
+            "snapshot of step %d written (%.1f MiB, from %s): %s",
+            stored.step,
+            stored.size / 2**20,
+            who,
+            stored.path,
+        )
 
-    def _check_and_write(self, upload: Upload, who: str, data: bytes) -> Stored | None:
+    def _check_and_write(self, upload: Upload, who: str, data: bytes) -> Stored:
         name = f"the snapshot of step {upload.step} from {who}"
         model = snapshots.check(data, self.cfg, name, upload.step, upload.digest)
         directory = self.coord.save_dir
-        if directory is None:
-            return None
+        assert directory is not None  # nothing is asked for without a save directory
         path = snapshots.write_snapshot(directory, upload.step, data)
         k = self.cfg.coordinator
         snapshots.prune(directory, k.keep_snapshots, k.prune_history)
