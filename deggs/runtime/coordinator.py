@@ -463,7 +463,7 @@ class Coordinator:
         """A drifted worker's chunks go back to the queue; its RESULTs for them are ignored."""
         if peer.step == self.state.step:
             self._requeue(peer, "drifted")
-            peer.revoked |= peer.chunks
+            peer.revoked |= {(peer.step, chunk) for chunk in peer.chunks}
             peer.chunks = set()
 
     def _requeue(self, peer: Peer, why: str):
@@ -731,7 +731,7 @@ class Coordinator:
                 f"packs into {self.chunk_bytes}"
             )
         chunk = res.data_position // self.chunk_size
-        if res.last_step == s.step and chunk in peer.revoked:
+        if (res.last_step, chunk) in peer.revoked:
             log.info("ignoring %s's RESULT for chunk %d: it drifted", peer.name, chunk)
             return
         if res.last_step != s.step:
@@ -970,7 +970,7 @@ class Peer(asyncio.Protocol):
         self.welcomed = False  # a deggs worker that passed the handshake
         self.step: int | None = None  # the step it last asked for a chunk of
         self.chunks: set[int] = set()  # chunks handed to this connection in that step
-        self.revoked: set[int] = set()  # chunks taken back from it when it drifted
+        self.revoked: set[tuple[int, int]] = set()  # (step, chunk) taken back: it drifted
         self.drifted = False  # its state digest disagreed: it resyncs before more work
         self._writable = asyncio.Event()  # set while its replies do not pile up
         self._writable.set()

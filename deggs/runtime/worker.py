@@ -614,6 +614,7 @@ class Worker:
         trainer = training.trainer
         if header.step == 0 and header.size == 0:
             trainer.restart()
+            self._reported = -1  # its digests are due again on the way back
             self.log("[worker] starting over from the initial weights, as the coordinator asks")
             return
         started = time.perf_counter()
