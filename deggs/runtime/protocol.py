@@ -501,8 +501,23 @@ class Health:
         return cls(step, tuple(entries))
 
 
+class _Fixed:
+    """A message that is its dataclass fields packed as `_FIELDS`, nothing more."""
+
+    OPCODE: ClassVar[int]
+    _FIELDS: ClassVar[struct.Struct]
+
+    def encode(self) -> bytes:
+        return frame(self.OPCODE, self._FIELDS.pack(*vars(self).values()))
+
+    @classmethod
+    def decode(cls, payload: bytes):
+        _need(payload, cls._FIELDS.size, OPCODE_NAMES[cls.OPCODE])
+        return cast(Any, cls)(*cls._FIELDS.unpack_from(payload))  # a dataclass's constructor
+
+
 @dataclass(frozen=True)
-class Digest:
+class Digest(_Fixed):
     """A worker's state digest (export.state_digest) when its model reached `step`."""
 
     step: int
@@ -511,33 +526,20 @@ class Digest:
     OPCODE: ClassVar[int] = DIGEST
     _FIELDS: ClassVar[struct.Struct] = struct.Struct(f">Q{DIGEST_SIZE}s")
 
-    def encode(self) -> bytes:
-        return frame(self.OPCODE, self._FIELDS.pack(self.step, _sized(self.digest, DIGEST_SIZE)))
-
-    @classmethod
-    def decode(cls, payload: bytes) -> Digest:
-        _need(payload, cls._FIELDS.size, "DIGEST")
-        return cls(*cls._FIELDS.unpack_from(payload))
+    def __post_init__(self):
+        _sized(self.digest, DIGEST_SIZE)
 
 
 @dataclass(frozen=True)
-class SnapshotRequest:
+class SnapshotRequest(_Fixed):
     step: int
 
     OPCODE: ClassVar[int] = SNAPSHOT_REQUEST
     _FIELDS: ClassVar[struct.Struct] = struct.Struct(">Q")
 
-    def encode(self) -> bytes:
-        return frame(self.OPCODE, self._FIELDS.pack(self.step))
-
-    @classmethod
-    def decode(cls, payload: bytes) -> SnapshotRequest:
-        _need(payload, cls._FIELDS.size, "SNAPSHOT_REQUEST")
-        return cls(*cls._FIELDS.unpack_from(payload))
-
 
 @dataclass(frozen=True)
-class SnapshotHeader:
+class SnapshotHeader(_Fixed):
     """A model file of `size` bytes follows in SNAPSHOT_PARTs (none when size is 0)."""
 
     step: int
@@ -548,16 +550,8 @@ class SnapshotHeader:
     OPCODE: ClassVar[int] = SNAPSHOT
     _FIELDS: ClassVar[struct.Struct] = struct.Struct(f">QQQ{DIGEST_SIZE}s")
 
-    def encode(self) -> bytes:
-        fields = self._FIELDS.pack(
-            self.step, self.seed, self.size, _sized(self.digest, DIGEST_SIZE)
-        )
-        return frame(self.OPCODE, fields)
-
-    @classmethod
-    def decode(cls, payload: bytes) -> SnapshotHeader:
-        _need(payload, cls._FIELDS.size, "SNAPSHOT")
-        return cls(*cls._FIELDS.unpack_from(payload))
+    def __post_init__(self):
+        _sized(self.digest, DIGEST_SIZE)
 
 
 @dataclass(frozen=True)
