@@ -383,8 +383,9 @@ def load_config(path: str | Path | None = None) -> Config:
             return Config.from_dict(tomllib.loads(entry.read_text()))
         except ConfigError as e:  # (a packaged config is tested; this names it all the same)
             raise ConfigError(f"the packaged config {path}: {e}") from None
+    data = _read_toml(Path(path))
     try:
-        return Config.from_dict(_read_toml(Path(path)))
+        return Config.from_dict(data)
     except ConfigError as e:
         raise ConfigError(f"{path}: {e}") from None
 
