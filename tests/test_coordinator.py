@@ -1027,6 +1027,7 @@ def blocking_step(port: int, step: int):
         recv_frame(sock, ANY_FRAME)  # WAIT, the next step or the end: all results were read
 
 
+@pytest.mark.slow  # it stays up retry_max_s + 2 s for reconnecting workers, as it should
 def test_cli_runs_max_steps_and_exits(tmp_path):
     cli = CliProcess(tmp_path, "--max-steps", "1")
     port = int(cli.wait_for(r"listening on 127\.0\.0\.1:(\d+)").group(1))

@@ -383,6 +383,7 @@ def test_the_divisor_by_a_multiply_is_c_division():
 WIDE = {"qkv_rope_sm90", "o_terms_sm90", "down_terms_sm90"}
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc on this machine")
 @pytest.mark.parametrize("program", ["main", "sm90"])
 def test_the_sources_compile_without_warnings_at_the_largest_shifts(program, tmp_path):
@@ -406,6 +407,7 @@ def test_the_sources_compile_without_warnings_at_the_largest_shifts(program, tmp
     assert "warning" not in run.stderr.lower(), run.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc on this machine")
 @pytest.mark.parametrize(
     "model",

@@ -17,6 +17,8 @@ import pytest
 import deggs
 from deggs.numerics.gpu import KERNEL_FILES, SM90_FILES, kernel_source
 
+pytestmark = pytest.mark.slow  # real processes, builds and installs
+
 ROOT = Path(__file__).resolve().parents[1]
 COMMANDS = ["coordinator", "worker", "prepare", "generate", "export", "plot", "print-arch"]
 FUNCTIONS = {
@@ -218,7 +220,6 @@ def own_text(size: int) -> str:
     return "\n".join(parts)
 
 
-@pytest.mark.slow
 def test_a_newcomer_trains_on_own_text_from_a_regular_install(site, tmp_path):
     """The README's by-hand path, as a user takes it: an empty directory outside the
     checkout, umask 022, their own text with --vocab-size 512, the coordinator on the

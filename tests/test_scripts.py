@@ -218,6 +218,7 @@ def test_run_workers_help_exits_0_and_no_host_exits_2():
     assert bare.returncode == 2 and "usage:" in bare.stderr
 
 
+@pytest.mark.slow
 def test_scaling_runs_one_and_two_workers_with_equal_losses(tmp_path):
     """scripts/scaling.sh: a coordinator and N workers (here CPU workers on loopback) for
     each N, then scripts/scaling.py's table, every step's loss equal across the runs."""
