@@ -178,7 +178,8 @@ async def _run_coordinator(coordinator: Coordinator) -> int:
         stop.set()
 
     for sig in END_SIGNALS + AWAY_SIGNALS:
-        loop.add_signal_handler(sig, on_signal, sig)
+        if signal.getsignal(sig) is not signal.SIG_IGN:  # nohup's SIGHUP stays ignored
+            loop.add_signal_handler(sig, on_signal, sig)
     await coordinator.start()
     waiters = [asyncio.create_task(stop.wait()), asyncio.create_task(coordinator.ended.wait())]
     await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
@@ -249,8 +250,10 @@ def coordinator_main(
     """Run the d-eggs coordinator.
 
     Workers must prove the shared secret in DEGGS_SECRET (or the file DEGGS_SECRET_FILE)
-    when one is set. Exit codes: 0 finished or stopped, 2 bad input, 3 a step could not be
-    saved (the save directory stays consistent: resume it with --load-dir).
+    when one is set. Ctrl-C or SIGTERM ends the run, its workers too; SIGUSR1 (or SIGHUP)
+    stops it for a restart with --load-dir, and the workers wait. Exit codes: 0 finished
+    or stopped, 2 bad input, 3 a step could not be saved (the save directory stays
+    consistent: resume it with --load-dir).
     """
     _setup_logging()
     try:
@@ -370,7 +373,8 @@ def worker_main(host, port, config_path, data_dir, backend, threads, assignments
     When the coordinator requires a shared secret, put it in DEGGS_SECRET or in a file
     named by DEGGS_SECRET_FILE (never on the command line, where other users see it).
     The worker reconnects whenever the coordinator goes away. Exit codes: 0 the run is
-    finished (or stopped by SIGINT/SIGTERM), 2 bad input or a refusal that retrying
+    finished or its coordinator was stopped (or this worker was, by SIGINT/SIGTERM:
+    within a batch of the chunk under way), 2 bad input or a refusal that retrying
     cannot fix (another config or secret, a coordinator that lost this worker's history).
     """
     from .data import DataError
@@ -707,7 +711,9 @@ def main():
     """deggs: distributed EGGROLL, gradient-free training of int8 transformers.
 
     Each COMMAND is also installed as its own script, deggs-COMMAND (deggs-coordinator,
-    deggs-worker, ...), and runs as python -m deggs COMMAND too. COMMAND -h shows its options.
+    deggs-worker, deggs-prepare, deggs-generate, deggs-export, deggs-plot,
+    deggs-print-arch), and runs as python -m deggs COMMAND too. COMMAND -h shows its
+    options.
     """
 
 

@@ -1632,3 +1632,32 @@ def test_cli_signals_tell_the_workers_whether_the_run_ends(tmp_path, sig, reason
     assert isinstance(goodbye, Goodbye) and goodbye.reason == reason, goodbye
     assert cli.finish() == 0, cli.output
     assert any(sig.name in line for line in cli.output), cli.output
+
+
+def test_cli_keeps_an_ignored_sighup_ignored(tmp_path):
+    """Under nohup a closed terminal's SIGHUP is ignored: the coordinator keeps running."""
+    code = (
+        "import signal, sys; signal.signal(signal.SIGHUP, signal.SIG_IGN); "
+        "from deggs.cli import coordinator_main; coordinator_main()"
+    )
+    (tmp_path / "small.toml").write_text(SMALL_TOML)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, "--config", str(tmp_path / "small.toml")]
+        + ["--host", "127.0.0.1", "--port", "0", "--save-dir", str(tmp_path / "run")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=CLI_ENV,
+    )
+    try:
+        for line in proc.stdout:
+            if "listening on" in line:
+                break
+        proc.send_signal(signal.SIGHUP)
+        proc.send_signal(signal.SIGTERM)  # signals arrive in order: SIGHUP was seen first
+        output = proc.communicate(timeout=30)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, output
+    assert "SIGTERM: the run ends here" in output and "SIGHUP" not in output, output
