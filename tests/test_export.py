@@ -439,3 +439,40 @@ def test_the_commands_refuse_bad_input_in_one_line(run, tmp_path):
         assert message in result.stderr and result.stderr.count("\n") == 1, result.stderr
         assert result.stderr.startswith(("deggs-generate: error: ", "deggs-export: error: "))
     assert not (tmp_path / "x").exists()
+
+
+def test_an_export_with_its_tokenizer_samples_from_a_prompt_with_nothing_else(tmp_path):
+    """deggs-export --data-dir puts the BPE vocabulary and tokenizer in the file;
+    deggs-generate --model FILE --prompt TEXT then needs no data directory."""
+    import contextlib
+
+    from deggs.prepare import default_corpus, prepare
+
+    cfg = tiny_config(model={"vocab_size": 300})
+    prepare(default_corpus()[:100_000], 300, tmp_path / "data", cfg=cfg)
+    (tmp_path / "run").mkdir()
+    save_config(tmp_path / "run", cfg)  # a run at step 0: nothing to replay
+    out = tmp_path / "model.safetensors"
+    exported = invoke(
+        export_main, "--load-dir", tmp_path / "run", "--data-dir", tmp_path / "data",
+        "--out", out, "--backend", "cpu",
+    )  # fmt: skip
+    assert exported.exit_code == 0, exported.output
+    assert set(load_model(out).files) == {"decoding.bin", "tokenizer.json"}
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    with contextlib.chdir(elsewhere):
+        sample = invoke(generate_main, "--model", out, "--prompt", "def ", "--backend", "cpu")
+    assert sample.exit_code == 0, sample.output
+    head, text = sample.stdout.splitlines()[:2]
+    assert head.startswith("step 0: the prompt, >>>, then the model's")
+    assert text.startswith("def  >>> ")  # the prompt's text, decoded by the carried vocabulary
+
+    without = tmp_path / "bare.safetensors"
+    assert invoke(export_main, "--load-dir", tmp_path / "run", "--out", without).exit_code == 0
+    with contextlib.chdir(elsewhere):
+        bare = invoke(generate_main, "--model", without, "--prompt", "def ", "--backend", "cpu")
+    assert bare.exit_code == 2
+    assert "tokenizer.json not found" in bare.output and "export the model with --data-dir" in (
+        bare.output
+    )

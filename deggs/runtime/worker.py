@@ -472,8 +472,8 @@ class Worker:
         wait = min(w.reply_timeout_s, FIRST_REPLY_S) if first else w.reply_timeout_s
         try:
             item = protocol.recv_frame(sock, self._limits(), wait, w.frame_timeout_s)
-        except (protocol.NoFrame, TimeoutError) as e:
-            if first and isinstance(e, protocol.NoFrame):
+        except TimeoutError as e:
+            if first and isinstance(e, protocol.NoFrame):  # not one byte since HELLO
                 self._silent += 1
                 what = (
                     f"{self.address} accepted the connection but sent nothing in "
