@@ -454,9 +454,16 @@ def test_an_export_with_its_tokenizer_samples_from_a_prompt_with_nothing_else(tm
     save_config(tmp_path / "run", cfg)  # a run at step 0: nothing to replay
     out = tmp_path / "model.safetensors"
     exported = invoke(
-        export_main, "--load-dir", tmp_path / "run", "--data-dir", tmp_path / "data",
-        "--out", out, "--backend", "cpu",
-    )  # fmt: skip
+        export_main,
+        "--load-dir",
+        tmp_path / "run",
+        "--data-dir",
+        tmp_path / "data",
+        "--out",
+        out,
+        "--backend",
+        "cpu",
+    )
     assert exported.exit_code == 0, exported.output
     assert set(load_model(out).files) == {"decoding.bin", "tokenizer.json"}
     elsewhere = tmp_path / "elsewhere"
