@@ -3,15 +3,26 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
+import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 import click
 from tqdm import tqdm
 
-from .config import ConfigError, CoordinatorConfig, load_config, override
+from .config import (
+    ConfigError,
+    CoordinatorConfig,
+    is_named_config,
+    load_config,
+    named_configs,
+    override,
+    sets_key,
+)
 from .numerics.backend import NAMES as BACKEND_NAMES
 from .plot import plot_main
 from .runtime.auth import SecretError, load_secret
@@ -28,15 +39,63 @@ EXIT_BAD_INPUT = 2  # a user's mistake, or a refusal that retrying cannot fix
 EXIT_DISK_FAILURE = 3  # the coordinator could not make a step durable
 
 
+def _config_path(config_path):
+    """--config (a file, or a packaged config's name), else ./config.toml if present."""
+    if config_path is None and DEFAULT_CONFIG.exists():
+        return DEFAULT_CONFIG
+    return config_path
+
+
 def _load_optional_config(config_path, assignments=()):
     """--config, else ./config.toml if present, else the built-in defaults; then the
     --set assignments. Says which it used, with the fingerprint."""
-    if config_path is None and DEFAULT_CONFIG.exists():
-        config_path = DEFAULT_CONFIG
+    config_path = _config_path(config_path)
     config = override(load_config(config_path), assignments)
-    source = str(config_path) if config_path is not None else "the built-in defaults"
+    if config_path is None:
+        source = "the built-in defaults"
+    elif is_named_config(config_path):
+        source = f"{config_path} (packaged)"
+    else:
+        source = str(config_path)
     sets = f" with {len(assignments)} --set" if assignments else ""
     click.echo(f"config: {source}{sets}, fingerprint {config.fingerprint().hex()}")
+    return config
+
+
+def _vocab_from_data(config, config_path, assignments, data_dir):
+    """--data-dir: the vocabulary (and so the token type) that deggs-prepare recorded in
+    DATA_DIR/meta.json, unless the user's file or a --set names another one."""
+    from .data import META_FILE, check_meta, dtype_name, read_meta
+
+    meta_path = Path(data_dir) / META_FILE
+    meta = read_meta(data_dir)
+    if meta is None:
+        raise ConfigError(
+            f"{meta_path} not found: --data-dir takes the vocabulary from the meta.json "
+            "that deggs-prepare writes beside input.bin"
+        )
+    vocab = meta["vocab_size"]
+    if meta["token_dtype"] != dtype_name(vocab):
+        raise ConfigError(
+            f"{meta_path}: token_dtype {meta['token_dtype']} does not go with vocab_size {vocab}"
+        )
+    config_path = _config_path(config_path)
+    said = [f"--set {a}" for a in assignments if a.partition("=")[0].strip() == "model.vocab_size"]
+    if not said and sets_key(config_path, "model", "vocab_size"):
+        said = [f"{config_path}"]
+    if said and config.model.vocab_size != vocab:
+        raise ConfigError(
+            f"{meta_path} says vocab_size {vocab}, {said[-1]} sets model.vocab_size = "
+            f"{config.model.vocab_size}: say it once (leave it out of the config, or "
+            "prepare the data again with --vocab-size)"
+        )
+    if config.model.vocab_size != vocab:
+        config = config.replace(model={"vocab_size": vocab})
+    check_meta(data_dir, config)  # the files there are the ones meta.json describes
+    click.echo(
+        f"vocab_size {vocab} ({meta['token_dtype']} tokens) from {meta_path}, "
+        f"fingerprint {config.fingerprint().hex()}"
+    )
     return config
 
 
@@ -101,27 +160,47 @@ def _setup_logging():
     root.propagate = False
 
 
+# Signals that stop the coordinator: the first set ends the run (its workers exit too);
+# the second means "back soon" (a restart with --load-dir), and its workers keep waiting.
+END_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+AWAY_SIGNALS = (signal.SIGUSR1, signal.SIGHUP)
+
+
 async def _run_coordinator(coordinator: Coordinator) -> int:
-    """Serve until --max-steps, a disk failure or SIGINT/SIGTERM; then tell the workers,
-    flush, stop, and return the exit code."""
+    """Serve until --max-steps, a disk failure or a signal; then tell the workers, flush,
+    stop, and return the exit code."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+    received: list[signal.Signals] = []
+
+    def on_signal(sig: signal.Signals):
+        received.append(sig)
+        stop.set()
+
+    for sig in END_SIGNALS + AWAY_SIGNALS:
+        if signal.getsignal(sig) is not signal.SIG_IGN:  # nohup's SIGHUP stays ignored
+            loop.add_signal_handler(sig, on_signal, sig)
     await coordinator.start()
     waiters = [asyncio.create_task(stop.wait()), asyncio.create_task(coordinator.ended.wait())]
     await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
     for w in waiters:
         w.cancel()
+    log = logging.getLogger("deggs")
     if coordinator.failure is not None:
         await coordinator.stop(Reason.DISK_FAILURE)
         return EXIT_DISK_FAILURE
     if coordinator.finished.is_set():
         await coordinator.tell_latecomers(interrupted=stop)
         await coordinator.stop(Reason.FINISHED)
-    else:
-        logging.getLogger("deggs").info("signal received, shutting down")
+    elif received[0] in AWAY_SIGNALS:
+        log.info(
+            "%s: going away for now; the workers wait for a coordinator resumed with --load-dir",
+            received[0].name,
+        )
         await coordinator.stop(Reason.SHUTTING_DOWN)
+    else:
+        log.info("%s: the run ends here, and its workers are told to exit", received[0].name)
+        await coordinator.stop(Reason.STOPPED)
     return EXIT_OK
 
 
@@ -130,7 +209,13 @@ async def _run_coordinator(coordinator: Coordinator) -> int:
     "--config",
     "config_path",
     type=click.Path(dir_okay=False),
-    help="config.toml (default: ./config.toml if present, else built-in defaults)",
+    help=f"config file, or a packaged config: {', '.join(sorted(named_configs()))} "
+    "(default: ./config.toml if present, else built-in defaults)",
+)
+@click.option(
+    "--data-dir",
+    type=click.Path(file_okay=False),
+    help="the data the workers train on: its meta.json gives model.vocab_size",
 )
 @click.option("--host", help="address to listen on (default: [coordinator] host)")
 @click.option(
@@ -160,17 +245,21 @@ async def _run_coordinator(coordinator: Coordinator) -> int:
 )
 @_set_option
 def coordinator_main(
-    config_path, host, port, save_dir, load_dir, max_steps, tensorboard_dir, assignments
+    config_path, data_dir, host, port, save_dir, load_dir, max_steps, tensorboard_dir, assignments
 ):
     """Run the d-eggs coordinator.
 
     Workers must prove the shared secret in DEGGS_SECRET (or the file DEGGS_SECRET_FILE)
-    when one is set. Exit codes: 0 finished or stopped, 2 bad input, 3 a step could not be
-    saved (the save directory stays consistent: resume it with --load-dir).
+    when one is set. Ctrl-C or SIGTERM ends the run, its workers too; SIGUSR1 (or SIGHUP)
+    stops it for a restart with --load-dir, and the workers wait. Exit codes: 0 finished
+    or stopped, 2 bad input, 3 a step could not be saved (the save directory stays
+    consistent: resume it with --load-dir).
     """
     _setup_logging()
     try:
         config = _load_optional_config(config_path, assignments)
+        if data_dir is not None:
+            config = _vocab_from_data(config, config_path, assignments, data_dir)
         coordinator = Coordinator(
             config,
             save_dir=save_dir,
@@ -182,12 +271,22 @@ def coordinator_main(
             tensorboard_dir=tensorboard_dir,
         )
         code = asyncio.run(_run_coordinator(coordinator))
-    except (ConfigError, CheckpointError, SecretError, TensorBoardError, OSError) as e:
+    except (ConfigError, CheckpointError, SecretError, TensorBoardError, ValueError) as e:
         click.echo(f"deggs-coordinator: error: {e}", err=True)
+        sys.exit(EXIT_BAD_INPUT)
+    except OSError as e:
+        click.echo(f"deggs-coordinator: error: {_os_error(e)}", err=True)
         sys.exit(EXIT_BAD_INPUT)
     if code == EXIT_DISK_FAILURE:
         click.echo(f"deggs-coordinator: error: {coordinator.failure}", err=True)
     sys.exit(code)
+
+
+def _os_error(e: OSError) -> str:
+    """An OSError in one line, with the way out where there is a common one."""
+    if e.errno == errno.EADDRINUSE:
+        return f"{e} (another program listens there: --port 0 picks a free port)"
+    return str(e)
 
 
 # --- the worker side ---------------------------------------------------------------------
@@ -198,14 +297,26 @@ def _fail(command: str, error: Exception):
     sys.exit(EXIT_BAD_INPUT)
 
 
+def _stamped(text: str) -> None:
+    """A worker's line, with the time as the coordinator's log lines have it."""
+    click.echo(f"{time.strftime('%H:%M:%S')} {text}")
+
+
 class _StopOnSignal:
-    """Turns SIGINT/SIGTERM into StopWorker, so a worker unwinds and exits cleanly."""
+    """SIGINT/SIGTERM: said at once, then the worker stops (StopWorker) as soon as it can:
+    at once, or at the next batch of a chunk it is scoring; a second signal, at once."""
+
+    def __init__(self, worker):
+        self.worker = worker
 
     def __enter__(self):
-        from .runtime.worker import StopWorker
-
         def handler(signum, frame):
-            raise StopWorker(signal.Signals(signum).name)
+            name = signal.Signals(signum).name
+            # os.write: the handler may have interrupted a print to the same stream
+            now = time.strftime("%H:%M:%S")
+            line = f"{now} [worker] {name}: stopping at step {self.worker.step}\n"
+            os.write(sys.stdout.fileno(), line.encode())
+            self.worker.stop(name)
 
         self.previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
         return self
@@ -238,7 +349,8 @@ def _backend_option(what: str):
     "--config",
     "config_path",
     type=click.Path(dir_okay=False),
-    help="config.toml; without it (and without ./config.toml) the worker adopts "
+    help="config file or packaged config name; without it (and without ./config.toml) "
+    "the worker adopts "
     "the coordinator's config",
 )
 @click.option(
@@ -261,7 +373,8 @@ def worker_main(host, port, config_path, data_dir, backend, threads, assignments
     When the coordinator requires a shared secret, put it in DEGGS_SECRET or in a file
     named by DEGGS_SECRET_FILE (never on the command line, where other users see it).
     The worker reconnects whenever the coordinator goes away. Exit codes: 0 the run is
-    finished (or stopped by SIGINT/SIGTERM), 2 bad input or a refusal that retrying
+    finished or its coordinator was stopped (or this worker was, by SIGINT/SIGTERM:
+    within a batch of the chunk under way), 2 bad input or a refusal that retrying
     cannot fix (another config or secret, a coordinator that lost this worker's history).
     """
     from .data import DataError
@@ -284,13 +397,13 @@ def worker_main(host, port, config_path, data_dir, backend, threads, assignments
             data_dir,
             backend,
             threads,
-            log=lambda text: click.echo(text),
+            log=_stamped,
             secret=secret,
         )
-        with _StopOnSignal():
-            worker.run()  # returns when the coordinator says the run is finished
+        with _StopOnSignal(worker):
+            worker.run()  # returns when the coordinator says the run is over
     except StopWorker as e:
-        click.echo(f"[worker] {e}: stopping at step {worker.step}")
+        _stamped(f"[worker] {e}: stopped at step {worker.step}")
     except (ConfigError, DataError, SecretError, WorkerError) as e:
         _fail("deggs-worker", e)
     sys.exit(EXIT_OK)
@@ -307,8 +420,9 @@ def worker_main(host, port, config_path, data_dir, backend, threads, assignments
     "--config",
     "config_path",
     type=click.Path(dir_okay=False),
-    help="config.toml: its vocab_size, and its seq_len that input.bin and val.bin must "
-    "exceed (default: ./config.toml if present, else built-in defaults)",
+    help="config file or packaged config name: its vocab_size, and its seq_len that "
+    "input.bin and val.bin must exceed (default: ./config.toml if present, else built-in "
+    "defaults)",
 )
 @click.option("--out", type=click.Path(file_okay=False), default=".", show_default=True)
 @click.option(
@@ -384,7 +498,8 @@ def prepare_main(text, vocab_size, config_path, out, val_fraction, errors, assig
     type=click.Path(file_okay=False),
     default=".",
     show_default=True,
-    help="input.bin (default prompt), decoding.bin and tokenizer.json",
+    help="input.bin (default prompt), decoding.bin and tokenizer.json (an export that "
+    "carries the last two needs only --prompt)",
 )
 @click.option(
     "--step",
@@ -398,7 +513,7 @@ def prepare_main(text, vocab_size, config_path, out, val_fraction, errors, assig
 def generate_main(load_dir, model_file, from_file, data_dir, step, prompt, n_tokens, seed, backend):
     """Sample from a model: the one trained in --load-dir (rebuilt by replaying its steps)
     or an export (--model)."""
-    from .data import DataError, detokenize, load_decoding, load_tokens
+    from .data import DataError, detokenize, load_decoding, load_tokens, parse_decoding
     from .numerics.sampling import prompt_window
     from .prepare import encode_prompt
     from .runtime.export import load_model, trainer_from_model
@@ -411,16 +526,26 @@ def generate_main(load_dir, model_file, from_file, data_dir, step, prompt, n_tok
         model = load_model(model_file) if model_file is not None else None
         cfg = model.cfg if model is not None else _saved_run_config(load_dir)
         # the data and the prompt first: a replay can take a while
+        carried = model.files if model is not None else {}  # an export's own vocabulary
         decoding = Path(data_dir) / "decoding.bin"
-        pieces = (
-            load_decoding(decoding, cfg.model.vocab_size)
-            if not cfg.model.byte_tokens and decoding.exists()
-            else None
-        )
+        pieces = None
+        if cfg.model.byte_tokens:
+            pass
+        elif "decoding.bin" in carried:
+            pieces = parse_decoding(carried["decoding.bin"], model_file, cfg.model.vocab_size)
+        elif decoding.exists():
+            pieces = load_decoding(decoding, cfg.model.vocab_size)
         if prompt is None:
+            if not (Path(data_dir) / "input.bin").exists():
+                raise DataError(
+                    f"{Path(data_dir) / 'input.bin'} not found: give --prompt TEXT, or "
+                    "--data-dir with the training data (its window of the step is the prompt)"
+                )
             tokens = load_tokens(Path(data_dir) / "input.bin", cfg)
         else:
-            ids = encode_prompt(prompt, cfg.model.vocab_size, data_dir)
+            ids = encode_prompt(
+                prompt, cfg.model.vocab_size, data_dir, carried.get("tokenizer.json")
+            )
             if len(ids) == 0:
                 raise ValueError("the prompt is empty")
         if model is not None:
@@ -434,9 +559,11 @@ def generate_main(load_dir, model_file, from_file, data_dir, step, prompt, n_tok
     except (ConfigError, CheckpointError, DataError, ValueError, OSError) as e:
         _fail("deggs-generate", e)
     n = len(ids)
-    click.echo(f"step {step}:")
+    click.echo(f"step {step}: the prompt, >>>, then the model's {len(out) - n} tokens")
     click.echo(
-        detokenize(out[:n], cfg, pieces) + click.style(detokenize(out[n:], cfg, pieces), fg="cyan")
+        detokenize(out[:n], cfg, pieces)
+        + click.style(" >>> ", bold=True)
+        + click.style(detokenize(out[n:], cfg, pieces), fg="cyan")
     )
 
 
@@ -462,8 +589,14 @@ def generate_main(load_dir, model_file, from_file, data_dir, step, prompt, n_tok
 @click.option(
     "--step", type=click.IntRange(min=0), help="the model at this step (default: the newest)"
 )
+@click.option(
+    "--data-dir",
+    type=click.Path(exists=True, file_okay=False),
+    help="the training data: its decoding.bin and tokenizer.json go into OUT, so that "
+    "deggs-generate --model OUT --prompt TEXT needs nothing else",
+)
 @_backend_option("where the steps are replayed")
-def export_main(load_dir, out, from_file, step, backend):
+def export_main(load_dir, out, from_file, step, data_dir, backend):
     """Rebuild the model trained in LOAD_DIR and write it to OUT as a safetensors file:
     its weights, overlays and optimizer state at the newest step (or --step), which
     deggs-generate --model samples from and --from resumes a replay from. The replay
@@ -474,13 +607,36 @@ def export_main(load_dir, out, from_file, step, backend):
         if not Path(out).resolve().parent.is_dir():
             raise ValueError(f"{Path(out).parent} is not a directory")
         cfg = _saved_run_config(load_dir)
+        files = _vocabulary_files(data_dir, cfg) if data_dir is not None else {}
         trainer = _replay_run(load_dir, from_file, cfg, backend, step)
         with _Bars(unit="B", unit_scale=True, unit_divisor=1024) as bars:
-            save_model(out, trainer, lambda done, total: bars(f"writing {out}", done, total))
+            save_model(out, trainer, lambda done, total: bars(f"writing {out}", done, total), files)
     except (ConfigError, CheckpointError, ValueError, OSError) as e:
         _fail("deggs-export", e)
+    if not cfg.model.byte_tokens and not files:
+        click.echo(
+            "note: no --data-dir, so the model file carries no tokenizer: deggs-generate "
+            "--model will need --data-dir for the prompt and the text"
+        )
     size = Path(out).stat().st_size
     click.echo(f"step {trainer.step}: wrote {out} ({size / 2**20:.1f} MiB)")
+
+
+def _vocabulary_files(data_dir, cfg) -> dict[str, bytes]:
+    """decoding.bin and tokenizer.json of the run's data (none for a byte vocabulary),
+    checked against the config and the data's meta.json."""
+    from .data import TOKENIZER_FILE, check_meta, load_decoding
+
+    if cfg.model.byte_tokens:
+        return {}
+    check_meta(data_dir, cfg)  # the tokenizer is the one the data was made with
+    decoding = Path(data_dir) / "decoding.bin"
+    load_decoding(decoding, cfg.model.vocab_size)  # whole, and of this vocabulary
+    files = {"decoding.bin": decoding.read_bytes()}
+    tokenizer = Path(data_dir) / TOKENIZER_FILE
+    if tokenizer.exists():
+        files["tokenizer.json"] = tokenizer.read_bytes()
+    return files
 
 
 def _saved_run_config(load_dir):
@@ -524,7 +680,13 @@ def _replay_run(load_dir, from_file, cfg, backend, step=None):
 
 
 @click.command()
-@click.option("--config", "config_path", type=click.Path(dir_okay=False))
+@click.option(
+    "--config",
+    "config_path",
+    type=click.Path(dir_okay=False),
+    help="config file or packaged config name (default: ./config.toml if present, else "
+    "built-in defaults)",
+)
 @_set_option
 def print_arch_main(config_path, assignments):
     """Print the model's parameter table."""
@@ -570,7 +732,9 @@ def main():
     """deggs: distributed EGGROLL, gradient-free training of int8 transformers.
 
     Each COMMAND is also installed as its own script, deggs-COMMAND (deggs-coordinator,
-    deggs-worker, ...), and runs as python -m deggs COMMAND too. COMMAND -h shows its options.
+    deggs-worker, deggs-prepare, deggs-generate, deggs-export, deggs-plot,
+    deggs-print-arch), and runs as python -m deggs COMMAND too. COMMAND -h shows its
+    options.
     """
 
 

@@ -9,11 +9,13 @@ config is built, with errors that name the offending key.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import hashlib
 import json
 import math
 import tomllib
 from dataclasses import dataclass, field, fields
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -212,7 +214,7 @@ class Config:
         known = {f.name: f for f in fields(cls)}
         for name, table in data.items():
             if name not in known:
-                raise ConfigError(f"unknown table [{name}] (known: {', '.join(known)})")
+                raise ConfigError(f"unknown table [{name}]{_did_you_mean(name, known)}")
             if not isinstance(table, dict):
                 raise ConfigError(f"[{name}] must be a table")
             section_cls = known[name].default_factory
@@ -242,7 +244,7 @@ class Config:
         data = self.to_dict()
         for name, changes in sections.items():
             if name not in data:
-                raise ConfigError(f"unknown table [{name}]")
+                raise ConfigError(f"unknown table [{name}]{_did_you_mean(name, data)}")
             data[name].update(changes)
         return Config.from_dict(data)
 
@@ -362,22 +364,70 @@ def override(config: Config, assignments) -> Config:
         raise ConfigError(f"--set: {e}") from None
 
 
+def named_configs() -> dict[str, Any]:
+    """The configs shipped in the package (deggs/configs/NAME.toml), by NAME."""
+    folder = resources.files("deggs") / "configs"
+    return {
+        entry.name.removesuffix(".toml"): entry
+        for entry in folder.iterdir()
+        if entry.name.endswith(".toml")
+    }
+
+
+def is_named_config(name: str | Path | None) -> bool:
+    """Whether --config NAME means a packaged config: NAME is not a file but a name of one."""
+    return name is not None and not Path(name).exists() and str(name) in named_configs()
+
+
 def load_config(path: str | Path | None = None) -> Config:
-    """Read a config.toml; None gives the reference defaults."""
+    """Read a config.toml, or a packaged config by name (`small`) when no such file is
+    there; None gives the reference defaults."""
     if path is None:
         return Config()
-    path = Path(path)
-    try:
-        with open(path, "rb") as f:
-            data = tomllib.load(f)
-    except FileNotFoundError:
-        raise ConfigError(f"config file not found: {path}") from None
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{path}: not valid TOML: {e}") from None
+    if is_named_config(path):
+        entry = named_configs()[str(path)]
+        try:
+            return Config.from_dict(tomllib.loads(entry.read_text()))
+        except ConfigError as e:  # (a packaged config is tested; this names it all the same)
+            raise ConfigError(f"the packaged config {path}: {e}") from None
+    data = _read_toml(Path(path))
     try:
         return Config.from_dict(data)
     except ConfigError as e:
         raise ConfigError(f"{path}: {e}") from None
+
+
+def _read_toml(path: Path) -> dict:
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except FileNotFoundError:
+        names = sorted(named_configs())
+        close = difflib.get_close_matches(str(path), names, n=1)
+        hint = f"did you mean {close[0]}?" if close else f"packaged configs: {', '.join(names)}"
+        raise ConfigError(f"config file not found: {path} ({hint})") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{path} is a directory, not a config file") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: not valid TOML: {e}") from None
+    return data
+
+
+def sets_key(path: str | Path | None, table: str, key: str) -> bool:
+    """Whether the user's config file at PATH sets table.key itself (a packaged config,
+    or none, does not: its values are defaults, which the data's meta.json may replace)."""
+    if path is None or is_named_config(path):
+        return False
+    section = _read_toml(Path(path)).get(table)
+    return isinstance(section, dict) and key in section
+
+
+def _did_you_mean(word: str, known) -> str:
+    """' (did you mean X?)' for the closest known name, else the list of them."""
+    close = difflib.get_close_matches(word, list(known), n=1, cutoff=0.6)
+    if close:
+        return f" (did you mean {close[0]}?)"
+    return f" (known: {', '.join(known)})"
 
 
 # --- validation -------------------------------------------------------------------
@@ -388,7 +438,7 @@ def _build_section(name: str, cls, table: dict):
     values = {}
     for key, value in table.items():
         if key not in known:
-            raise ConfigError(f"unknown key {name}.{key} (known: {', '.join(known)})")
+            raise ConfigError(f"unknown key {name}.{key}{_did_you_mean(key, known)}")
         default = known[key].default
         values[key] = _coerce(f"{name}.{key}", value, default)
     return cls(**values)

@@ -103,6 +103,11 @@ def load_decoding(path: str | Path, vocab_size: int | None = None) -> list[bytes
         raise DataError(f"{path}: not found") from None
     except OSError as e:
         raise _unreadable(path, e) from None
+    return parse_decoding(raw, str(path), vocab_size)
+
+
+def parse_decoding(raw: bytes, path: str, vocab_size: int | None = None) -> list[bytes]:
+    """load_decoding of decoding.bin's bytes (from a file, or an export); path names them."""
     if len(raw) < 4:
         raise DataError(f"{path}: too short for its token count ({len(raw)} bytes)")
     count = int.from_bytes(raw[:4], "little")

@@ -2,10 +2,12 @@
 
 Panels, each drawn only when some record has the data for it:
 
-- loss against tokens: the training loss, and the validation loss (val_loss, written on
-  some steps only) as markers;
+- loss against tokens: the training and the validation loss in bits per token where the
+  records have them (bits_per_token, val_bits_per_token), else the integer loss (loss,
+  val_loss); validation, written on some steps only, as markers;
 - tokens/s against step;
-- weights changed per step (updates_max) against step;
+- weights changed per step (updates_max) against step, but not at a resumed step (its
+  workers reported that update before the restart);
 - learning rate (lr) against step;
 - saturation share per matrix against step, from the records' "health" dict;
 - bit entropy per matrix against step, from the same dict.
@@ -13,7 +15,8 @@ Panels, each drawn only when some record has the data for it:
 A record's "health" maps a matrix name to either its saturation share (a number) or a
 dict of figures in which the share is the first of SATURATION_KEYS present and the bit
 entropy is "entropy". Keys that are absent, null, or not finite numbers are skipped
-record by record, so older and newer metrics files both plot.
+record by record, so older and newer metrics files both plot. A series of a few points
+(the health of a short run: once every 50 steps) is drawn with markers, so it shows.
 
 Matplotlib is optional (pip install 'deggs[plot]'); it is imported only when plotting, and
 drawn through the Agg canvas directly, so pyplot's global state and the interactive
@@ -42,6 +45,7 @@ INSTALL_HINT = "pip install 'deggs[plot]'"
 # Where a matrix's health entry is a dict: the first of these that holds a number.
 SATURATION_KEYS = ("saturation", "saturation_share", "saturated", "saturated_share", "sat")
 MAX_LEGEND = 12  # matrices named in the health panel's legend (the most saturated ones)
+FEW_POINTS = 20  # a series this short gets markers: a line through one point shows nothing
 EXIT_BAD_INPUT = 2  # as deggs.cli: a user's mistake, or a refusal that retrying cannot fix
 
 
@@ -125,14 +129,21 @@ def _health_series(records: Iterable[Mapping[str, Any]], figure=saturation_share
 
 def collect_panels(records: list[dict]) -> list[Panel]:
     """The panels that RECORDS have data for, in drawing order; pure (no matplotlib)."""
+    bits = any(_number(r.get("bits_per_token")) is not None for r in records)
+    train, val, unit = (
+        ("bits_per_token", "val_bits_per_token", "bits per token")
+        if bits
+        else ("loss", "val_loss", "loss (1/16 units)")
+    )
+    updated = [r for r in records if not r.get("resumed")]
     panels = [
         Panel(
             "loss",
             "tokens",
-            "loss",
+            unit,
             [
-                _series(records, "tokens", "loss", "training"),
-                _series(records, "tokens", "val_loss", "validation", style="markers"),
+                _series(records, "tokens", train, "training (mean of the perturbed members)"),
+                _series(records, "tokens", val, "validation (unperturbed)", style="markers"),
             ],
         ),
         Panel("throughput", "step", "tokens/s", [_series(records, "step", "tokens_per_s", "")]),
@@ -140,7 +151,7 @@ def collect_panels(records: list[dict]) -> list[Panel]:
             "weights changed per step",
             "step",
             "updates (max over workers)",
-            [_series(records, "step", "updates_max", "")],
+            [_series(updated, "step", "updates_max", "")],
             ymin=0,
         ),
         Panel("learning rate", "step", "lr", [_series(records, "step", "lr", "")]),
@@ -194,7 +205,9 @@ def _draw_panel(ax: Any, panel: Panel) -> None:
         if s.style == "markers":
             ax.plot(s.xs, s.ys, "o", markersize=4, label=label)
         else:
-            ax.plot(s.xs, s.ys, linewidth=0.9 if len(series) > 2 else 1.2, label=label)
+            marker = "o" if len(s.xs) <= FEW_POINTS else None
+            width = 0.9 if len(series) > 2 else 1.2
+            ax.plot(s.xs, s.ys, marker=marker, markersize=3, linewidth=width, label=label)
     if panel.ymin is not None:
         ax.set_ylim(bottom=panel.ymin)
     if panel.legend and any(s.label for s in series):

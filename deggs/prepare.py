@@ -343,13 +343,29 @@ def _split(train: Path, val: Path, at: int) -> None:
         src.truncate(at)
 
 
-def encode_prompt(text: str, vocab_size: int, data_dir: str | Path) -> np.ndarray:
-    """Token ids of a prompt: its bytes, or the saved tokenizer's encoding."""
+def encode_prompt(
+    text: str, vocab_size: int, data_dir: str | Path, tokenizer_json: bytes | None = None
+) -> np.ndarray:
+    """Token ids of a prompt: its bytes, or the tokenizer's encoding (tokenizer_json, an
+    export's copy, else tokenizer.json in data_dir)."""
     if vocab_size == 256:
         return np.frombuffer(text.encode("utf-8"), np.uint8).astype(np.int64)
-    path = Path(data_dir) / TOKENIZER_FILE
-    if not path.exists():
-        raise FileNotFoundError(f"{path} not found: deggs-prepare writes it next to input.bin")
     from tokenizers import Tokenizer
 
-    return np.array(Tokenizer.from_file(str(path)).encode(text).ids, np.int64)
+    if tokenizer_json is not None:
+        try:
+            tokenizer = Tokenizer.from_str(tokenizer_json.decode("utf-8"))
+        except Exception as e:  # the library raises its own exception type
+            raise DataError(f"the model file's tokenizer.json cannot be read: {e}") from None
+    else:
+        path = Path(data_dir) / TOKENIZER_FILE
+        if not path.exists():
+            raise FileNotFoundError(
+                f"{path} not found: deggs-prepare writes it next to input.bin "
+                "(or export the model with --data-dir, and it carries it)"
+            )
+        tokenizer = Tokenizer.from_file(str(path))
+    ids = np.array(tokenizer.encode(text).ids, np.int64)
+    if len(ids) and ids.max() >= vocab_size:
+        raise DataError(f"the tokenizer gives token {ids.max()}, not below vocab_size {vocab_size}")
+    return ids

@@ -15,19 +15,19 @@ fi
 # Every time: a .venv left from an older checkout would run that checkout's code.
 .venv/bin/python -m pip install --quiet . ||   # a regular install, as users make it
     { echo "quickstart: installing deggs into .venv failed (pip's message is above)" >&2; exit 1; }
-bin=.venv/bin
+bin="$PWD/.venv/bin"
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1
 
 rm -rf "$run"
 mkdir -p "$run"
-$bin/deggs-prepare --config scripts/quickstart.toml --out "$run/data"
-$bin/deggs-print-arch --config scripts/quickstart.toml | tail -n 2
+$bin/deggs-prepare --config small --out "$run/data"
+$bin/deggs-print-arch --config small | tail -n 2
 
 workers=()
 cleanup() { kill -TERM "${workers[@]}" 2>/dev/null || true; wait 2>/dev/null || true; }
 trap cleanup EXIT INT TERM
 
-$bin/deggs-coordinator --config scripts/quickstart.toml --port 0 --save-dir "$run/checkpoints" \
+$bin/deggs-coordinator --config small --data-dir "$run/data" --port 0 --save-dir "$run/checkpoints" \
     --max-steps "$steps" > >(tee "$run/coordinator.log") 2>&1 &
 coordinator=$!
 port=""
@@ -38,10 +38,11 @@ for _ in $(seq 100); do
 done
 [[ -n "$port" ]] || { echo "the coordinator did not start" >&2; exit 1; }
 
+# No --config: the workers adopt the coordinator's. They run in $run, away from the
+# checkout's ./config.toml, which a worker would read otherwise.
 for i in 1 2; do
-    $bin/deggs-worker 127.0.0.1 --port "$port" --config scripts/quickstart.toml \
-        --data-dir "$run/data" --backend cpu --threads 1 \
-        > "$run/worker$i.log" 2>&1 &
+    (cd "$run" && exec "$bin/deggs-worker" 127.0.0.1 --port "$port" \
+        --data-dir data --backend cpu --threads 1 > "worker$i.log" 2>&1) &
     workers+=($!)
 done
 while kill -0 "$coordinator" 2>/dev/null; do

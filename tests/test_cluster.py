@@ -27,6 +27,8 @@ from deggs.ternary import pack_trits
 from golden import golden_config
 from golden import tokens as golden_tokens
 
+pytestmark = pytest.mark.slow  # real processes, builds and installs
+
 TINY_CFG = tiny_config(
     training=dict(population_size=64, chunk_size=16),
     coordinator=dict(straggler_timeout_s=2, disk_retry_s=1),

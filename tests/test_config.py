@@ -122,3 +122,51 @@ def test_set_overrides_are_typed_by_the_key_and_validated():
     ]:
         with pytest.raises(ConfigError, match=re.escape(message)):
             override(Config(), [item])
+
+
+def test_packaged_configs_load_by_name_and_a_file_of_that_name_wins(tmp_path, monkeypatch):
+    assert load_config("default") == Config()  # the very file config.toml links to
+    small = load_config("small")
+    assert (small.model.hidden_dim, small.training.population_size) == (64, 1024)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "small").write_text("[model]\nn_layers = 3\n")
+    assert load_config("small").model.n_layers == 3  # a file is a file
+
+
+@pytest.mark.parametrize(
+    "name, message",
+    [
+        ("smal", "config file not found: smal (did you mean small?)"),
+        ("nothing.toml", "config file not found: nothing.toml (packaged configs: default, small)"),
+    ],
+)
+def test_a_config_that_is_neither_a_file_nor_a_name_says_which_there_are(
+    tmp_path, monkeypatch, name, message
+):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError) as err:
+        load_config(name)
+    assert str(err.value) == message
+
+
+@pytest.mark.parametrize(
+    "toml, message",
+    [
+        ("[model]\nhiden_dim = 256\n", "unknown key model.hiden_dim (did you mean hidden_dim?)"),
+        ("[modle]\n", "unknown table [modle] (did you mean model?)"),
+        ("[model]\nzzz = 1\n", "unknown key model.zzz (known: hidden_dim, head_dim, n_layers,"),
+    ],
+)
+def test_unknown_names_get_the_closest_known_one(tmp_path, toml, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(write(tmp_path, toml))
+
+
+def test_sets_key_reads_only_the_users_own_file(tmp_path):
+    from deggs.config import sets_key
+
+    path = write(tmp_path, "[model]\nvocab_size = 512\n")
+    assert sets_key(path, "model", "vocab_size")
+    assert not sets_key(path, "model", "seq_len")
+    assert not sets_key("small", "model", "vocab_size")  # a packaged config's are defaults
+    assert not sets_key(None, "model", "vocab_size")

@@ -23,6 +23,7 @@ def after_steps(path, part):
         }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", TINY)
 def test_tiny_configs_are_bit_exact_for_every_step(
     name, golden_path, golden_decoding, conformance, capsys

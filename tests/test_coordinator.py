@@ -4,6 +4,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import os
 import queue
 import re
@@ -251,7 +252,7 @@ def test_whole_steps(info_logs):
     assert len(lines) == 2
     # sum_loss is 1+2+3+4 = 10 per step; loss = 10 / (40 * 64 * 16)
     assert lines[0].startswith("Step 0 | Tokens: 2.56 K | Loss: 0.0002 | Time: ")
-    assert "Updates: 28 (n=4, min=7, max=7)" in lines[0] and "LR: 0.500" in lines[0]
+    assert "Updates: 28 (n=4, max=7)" in lines[0] and "LR: 0.500" in lines[0]
 
 
 def test_catch_up_replays_every_step():
@@ -1026,6 +1027,7 @@ def blocking_step(port: int, step: int):
         recv_frame(sock, ANY_FRAME)  # WAIT, the next step or the end: all results were read
 
 
+@pytest.mark.slow  # it stays up retry_max_s + 2 s for reconnecting workers, as it should
 def test_cli_runs_max_steps_and_exits(tmp_path):
     cli = CliProcess(tmp_path, "--max-steps", "1")
     port = int(cli.wait_for(r"listening on 127\.0\.0\.1:(\d+)").group(1))
@@ -1553,3 +1555,109 @@ def test_cli_without_tensorboardx_says_which_extra_to_install(tmp_path):
     (line,) = proc.stderr.strip().splitlines()
     assert line.startswith("deggs-coordinator: error: --tensorboard needs the tensorboardX ")
     assert line.endswith("): pip install 'deggs[tensorboard]'")
+
+
+def test_the_training_loss_is_put_in_bits_by_the_latest_validation(tmp_path, info_logs):
+    async def go():
+        async with coordinator(save_dir=tmp_path) as coord:
+            await train_with_health(coord)
+
+    run(go())
+    first, second = ckpt.read_metrics(tmp_path)
+    # the validation: 1024 / 16 units over 128 tokens = 0.5, and 300 nats over 128 tokens
+    per_unit = 300.0 / 128 / math.log(2) / 0.5
+    for r in (first, second):  # the second step has no validation: the first one's scale
+        assert r["bits_per_token"] == pytest.approx(r["loss"] * per_unit)
+        assert r["bits_per_byte"] == pytest.approx(r["bits_per_token"])  # a byte a token
+    assert "val_loss" not in second
+    lines = [r.getMessage() for r in info_logs.records if r.getMessage().startswith("Step ")]
+    assert f"Train: {first['bits_per_token']:.3f} bits/token (mean of 40 perturbed" in lines[0]
+    assert f"Val: {first['val_bits_per_token']:.3f} bits/token (unperturbed model)" in lines[0]
+    assert "Val:" not in lines[1]
+
+
+def test_without_a_validation_the_loss_stays_in_its_own_units(tmp_path, info_logs):
+    async def go():
+        async with coordinator(save_dir=tmp_path) as coord:
+            a = await Client.connect(coord)
+            await train_step(a, 0, last=True)
+            await settle(coord, 1)
+
+    run(go())
+    (record,) = ckpt.read_metrics(tmp_path)
+    assert "bits_per_token" not in record and "bits_per_byte" not in record
+    (line,) = [r.getMessage() for r in info_logs.records if r.getMessage().startswith("Step ")]
+    assert "| Loss: " in line and "bits/token" not in line
+
+
+def test_a_resumed_step_is_marked_and_keeps_the_bits_scale(tmp_path):
+    async def first():
+        async with coordinator(save_dir=tmp_path) as coord:
+            await train_with_health(coord)
+
+    async def second():
+        async with coordinator(save_dir=tmp_path, load_dir=tmp_path) as coord:
+            assert coord.state.step == 2
+            a = await Client.connect(coord)
+            await train_step(a, 2)
+            await train_step(a, 3, last=True)
+            await settle(coord, 4)
+
+    run(first())
+    run(second())
+    records = ckpt.read_metrics(tmp_path)
+    assert [r.get("resumed", False) for r in records] == [False, False, True, False]
+    per_unit = records[0]["val_bits_per_token"] / records[0]["val_loss"]
+    assert records[3]["bits_per_token"] == pytest.approx(records[3]["loss"] * per_unit)
+
+
+@pytest.mark.parametrize(
+    "sig, reason",
+    [
+        (signal.SIGINT, Reason.STOPPED),  # Ctrl-C: the run ends, and its workers with it
+        (signal.SIGTERM, Reason.STOPPED),
+        (signal.SIGUSR1, Reason.SHUTTING_DOWN),  # back soon: the workers keep waiting
+        (signal.SIGHUP, Reason.SHUTTING_DOWN),
+    ],
+)
+def test_cli_signals_tell_the_workers_whether_the_run_ends(tmp_path, sig, reason):
+    cli = CliProcess(tmp_path)
+    port = int(cli.wait_for(r"listening on 127\.0\.0\.1:(\d+)").group(1))
+    config = Config().replace(training={"population_size": 40, "chunk_size": 10})
+    with socket.create_connection(("127.0.0.1", port), timeout=20) as sock:
+        send_frame(sock, Hello(config.fingerprint(), config.to_json(), auth.new_nonce()).encode())
+        assert isinstance(decode_message(*recv_frame(sock, ANY_FRAME, 20, 20)), HelloReply)
+        cli.proc.send_signal(sig)
+        goodbye = decode_message(*recv_frame(sock, ANY_FRAME, 20, 20))
+    assert isinstance(goodbye, Goodbye) and goodbye.reason == reason, goodbye
+    assert cli.finish() == 0, cli.output
+    assert any(sig.name in line for line in cli.output), cli.output
+
+
+def test_cli_keeps_an_ignored_sighup_ignored(tmp_path):
+    """Under nohup a closed terminal's SIGHUP is ignored: the coordinator keeps running."""
+    code = (
+        "import signal, sys; signal.signal(signal.SIGHUP, signal.SIG_IGN); "
+        "from deggs.cli import coordinator_main; coordinator_main()"
+    )
+    (tmp_path / "small.toml").write_text(SMALL_TOML)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, "--config", str(tmp_path / "small.toml")]
+        + ["--host", "127.0.0.1", "--port", "0", "--save-dir", str(tmp_path / "run")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=CLI_ENV,
+    )
+    try:
+        for line in proc.stdout:
+            if "listening on" in line:
+                break
+        proc.send_signal(signal.SIGHUP)
+        proc.send_signal(signal.SIGTERM)  # signals arrive in order: SIGHUP was seen first
+        output = proc.communicate(timeout=30)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, output
+    assert "SIGTERM: the run ends here" in output and "SIGHUP" not in output, output

@@ -99,6 +99,32 @@ def test_an_export_round_trips(run, tmp_path):
     assert path.stat().st_size == 8 + length + sum(sizes.values())
 
 
+def test_an_export_carries_the_vocabulary_files_it_is_given(run, tmp_path):
+    trainer = trainer_from_model(run[1][1], "cpu")
+    files = {"decoding.bin": b"\x02\0\0\0\1\0\0\0a\1\0\0\0b", "tokenizer.json": b"{}"}
+    path = save_model(tmp_path / "m.safetensors", trainer, files=files)
+    loaded = load_model(path)
+    assert loaded.files == files
+    assert_same(loaded, run[1][1])
+    import safetensors.numpy  # any reader sees them as byte tensors
+
+    tensors = safetensors.numpy.load_file(str(path))
+    assert tensors["data/tokenizer.json"].tobytes() == b"{}"
+    with pytest.raises(ExportError, match="cannot carry 'input.bin'"):
+        save_model(tmp_path / "n.safetensors", trainer, files={"input.bin": b"x"})
+
+
+def test_a_data_tensor_of_another_shape_is_refused(run, tmp_path):
+    trainer = trainer_from_model(run[1][1], "cpu")
+    path = save_model(tmp_path / "m.safetensors", trainer, files={"tokenizer.json": b"{}"})
+    raw = path.read_bytes()
+    bad = raw.replace(b'"shape":[2]', b'"shape":[2,1]')
+    assert bad != raw
+    (tmp_path / "bad.safetensors").write_bytes(bad)
+    with pytest.raises(ExportError, match=r"data/tokenizer.json has shape \[2, 1\]"):
+        load_model(tmp_path / "bad.safetensors")
+
+
 def test_save_reports_the_bytes_written(run, tmp_path):
     seen: list[tuple[int, int]] = []
     trainer = trainer_from_model(run[1][1], "cpu")
@@ -365,7 +391,13 @@ def test_export_then_generate_from_it_samples_as_the_replay_does(run, tmp_path):
     # the text is the model's own sample
     trainer = trainer_from_model(models[STEPS], "cpu")
     prompt = prompt_window(CFG, DATA, STEPS)
-    assert lines == [f"step {STEPS}:", detokenize(trainer.sample(prompt, 16), CFG, None)]
+    sample = trainer.sample(prompt, 16)
+    assert lines == [
+        f"step {STEPS}: the prompt, >>>, then the model's 16 tokens",
+        detokenize(sample[: len(prompt)], CFG, None)
+        + " >>> "
+        + detokenize(sample[len(prompt) :], CFG, None),
+    ]
 
     # a replay started from an earlier export gets there too
     early = tmp_path / "step1.safetensors"
@@ -409,3 +441,47 @@ def test_the_commands_refuse_bad_input_in_one_line(run, tmp_path):
         assert message in result.stderr and result.stderr.count("\n") == 1, result.stderr
         assert result.stderr.startswith(("deggs-generate: error: ", "deggs-export: error: "))
     assert not (tmp_path / "x").exists()
+
+
+def test_an_export_with_its_tokenizer_samples_from_a_prompt_with_nothing_else(tmp_path):
+    """deggs-export --data-dir puts the BPE vocabulary and tokenizer in the file;
+    deggs-generate --model FILE --prompt TEXT then needs no data directory."""
+    import contextlib
+
+    from deggs.prepare import default_corpus, prepare
+
+    cfg = tiny_config(model={"vocab_size": 300})
+    prepare(default_corpus()[:100_000], 300, tmp_path / "data", cfg=cfg)
+    (tmp_path / "run").mkdir()
+    save_config(tmp_path / "run", cfg)  # a run at step 0: nothing to replay
+    out = tmp_path / "model.safetensors"
+    exported = invoke(
+        export_main,
+        "--load-dir",
+        tmp_path / "run",
+        "--data-dir",
+        tmp_path / "data",
+        "--out",
+        out,
+        "--backend",
+        "cpu",
+    )
+    assert exported.exit_code == 0, exported.output
+    assert set(load_model(out).files) == {"decoding.bin", "tokenizer.json"}
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    with contextlib.chdir(elsewhere):
+        sample = invoke(generate_main, "--model", out, "--prompt", "def ", "--backend", "cpu")
+    assert sample.exit_code == 0, sample.output
+    head, text = sample.stdout.splitlines()[:2]
+    assert head.startswith("step 0: the prompt, >>>, then the model's")
+    assert text.startswith("def  >>> ")  # the prompt's text, decoded by the carried vocabulary
+
+    without = tmp_path / "bare.safetensors"
+    assert invoke(export_main, "--load-dir", tmp_path / "run", "--out", without).exit_code == 0
+    with contextlib.chdir(elsewhere):
+        bare = invoke(generate_main, "--model", without, "--prompt", "def ", "--backend", "cpu")
+    assert bare.exit_code == 2
+    assert "tokenizer.json not found" in bare.output and "export the model with --data-dir" in (
+        bare.output
+    )

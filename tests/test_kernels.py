@@ -301,6 +301,8 @@ def test_the_exp_table_head_loss_keeps_gives_every_lookup_the_same_entry(softmax
 
 
 def test_the_sm90a_program_is_compiled_once_and_a_damaged_copy_again(tmp_path):
+    from deggs.runtime.checkpoint import file_mode
+
     compiles = []
 
     def compile_program(payload=b"\x7fELF cubin of key a"):
@@ -312,6 +314,7 @@ def test_the_sm90a_program_is_compiled_once_and_a_damaged_copy_again(tmp_path):
     assert cached_cubin(folder, "key a", compile_program) == b"\x7fELF cubin of key a"
     assert len(compiles) == 1  # the second start read the file
     (cached,) = folder.iterdir()  # one whole file, no partial one left beside it
+    assert cached.stat().st_mode & 0o777 == file_mode()  # the umask's, not 0600
     for damage in (cached.read_bytes()[:-3], cached.read_bytes()[:-1] + b"?", b""):
         cached.write_bytes(damage)  # cut short, a byte changed, empty
         assert cached_cubin(folder, "key a", compile_program) == b"\x7fELF cubin of key a"
@@ -383,6 +386,7 @@ def test_the_divisor_by_a_multiply_is_c_division():
 WIDE = {"qkv_rope_sm90", "o_terms_sm90", "down_terms_sm90"}
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc on this machine")
 @pytest.mark.parametrize("program", ["main", "sm90"])
 def test_the_sources_compile_without_warnings_at_the_largest_shifts(program, tmp_path):
@@ -406,6 +410,7 @@ def test_the_sources_compile_without_warnings_at_the_largest_shifts(program, tmp
     assert "warning" not in run.stderr.lower(), run.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc on this machine")
 @pytest.mark.parametrize(
     "model",

@@ -1,10 +1,14 @@
 """The built wheel: what it contains, and that an installed (non-editable) copy works
 on its own, command-line tools included."""
 
+import json
 import os
+import re
 import shutil
+import stat
 import subprocess
 import sys
+import sysconfig
 import zipfile
 from pathlib import Path
 
@@ -12,6 +16,8 @@ import pytest
 
 import deggs
 from deggs.numerics.gpu import KERNEL_FILES, SM90_FILES, kernel_source
+
+pytestmark = pytest.mark.slow  # real processes, builds and installs
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMANDS = ["coordinator", "worker", "prepare", "generate", "export", "plot", "print-arch"]
@@ -83,17 +89,27 @@ def site(wheel, tmp_path_factory) -> Path:
     return target
 
 
-def run_installed(site: Path, cwd: Path, *args: str) -> subprocess.CompletedProcess:
-    """The interpreter with only the installed copy importable: PYTHONPATH is SITE, and the
-    working directory is not the repository."""
+def installed_env(site: Path) -> dict[str, str]:
     env = {
         k: v
         for k, v in os.environ.items()
         if k not in ("PYTHONPATH", "PYTHONHOME", "PYTHONSAFEPATH")
     }
     env["PYTHONPATH"] = str(site)
+    return env
+
+
+def run_installed(site: Path, cwd: Path, *args: str, timeout=300) -> subprocess.CompletedProcess:
+    """The interpreter with only the installed copy importable: PYTHONPATH is SITE, and the
+    working directory is not the repository."""
     return subprocess.run(
-        [sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, *args],
+        cwd=cwd,
+        env=installed_env(site),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        umask=0o022,
     )
 
 
@@ -116,6 +132,15 @@ def test_the_wheel_holds_the_subpackages_the_kernels_and_the_license(wheel):
     assert "deggs = deggs.cli:main" in entry_points
     for command in COMMANDS:
         assert f"deggs-{command} = deggs.cli:{FUNCTIONS[command]}" in entry_points
+
+
+def test_the_packaged_default_config_is_the_top_level_config_toml(wheel):
+    """One file: config.toml at the top links to the package's default.toml, and the wheel
+    carries it (and small.toml) as regular files."""
+    assert (ROOT / "config.toml").resolve() == (ROOT / "deggs" / "configs" / "default.toml")
+    with zipfile.ZipFile(wheel) as zf:
+        assert zf.read("deggs/configs/default.toml") == (ROOT / "config.toml").read_bytes()
+        assert zf.read("deggs/configs/small.toml").startswith(b"# small:")
 
 
 def test_the_installed_copy_is_used_and_finds_its_kernels(site, tmp_path):
@@ -172,3 +197,104 @@ def test_help_does_not_load_the_numerics(site, tmp_path, command):
     assert result.returncode == 0, result.stderr
     assert f"Usage: deggs {command}" in result.stdout
     assert "numba loaded: False" in result.stdout, "importing deggs.cli for --help loads numba"
+
+
+def readable_by_all(root: Path) -> list[str]:
+    """Files and directories under ROOT that others cannot read."""
+    return [
+        f"{path.relative_to(root)} {stat.filemode(path.stat().st_mode)}"
+        for path in [root, *root.rglob("*")]
+        if not path.stat().st_mode & stat.S_IROTH
+    ]
+
+
+def own_text(size: int) -> str:
+    """A few hundred KB of text a user might have: Python's own library sources."""
+    parts, total = [], 0
+    for path in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
+        text = path.read_text(encoding="utf-8", errors="replace")
+        parts.append(text)
+        total += len(text)
+        if total >= size:
+            break
+    return "\n".join(parts)
+
+
+def test_a_newcomer_trains_on_own_text_from_a_regular_install(site, tmp_path):
+    """The README's by-hand path, as a user takes it: an empty directory outside the
+    checkout, umask 022, their own text with --vocab-size 512, the coordinator on the
+    packaged small config taking the vocabulary from the data, a worker with no config,
+    three steps, an export, and a sample of it from another directory."""
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "my.txt").write_text(own_text(300_000))
+    prepared = run_installed(
+        site, work, "-m", "deggs", "prepare", "my.txt", "--vocab-size", "512", "--out", "data"
+    )
+    assert prepared.returncode == 0, prepared.stdout + prepared.stderr
+    meta = json.loads((work / "data" / "meta.json").read_text())
+    assert (meta["vocab_size"], meta["token_dtype"]) == (512, "uint32")
+
+    coordinator = subprocess.Popen(
+        [sys.executable, "-m", "deggs", "coordinator", "--config", "small", "--data-dir", "data"]
+        + ["--port", "0", "--save-dir", "run", "--max-steps", "3"],
+        cwd=work,
+        env=installed_env(site),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        umask=0o022,
+    )
+    try:
+        seen = []
+        for line in coordinator.stdout:
+            seen.append(line)
+            if match := re.search(r"listening on [0-9.]+:(\d+)", line):
+                break
+        assert match, "".join(seen)
+        assert any("vocab_size 512 (uint32 tokens) from data/meta.json" in x for x in seen), seen
+        worker = run_installed(
+            site,
+            work,
+            *("-m", "deggs", "worker", "127.0.0.1", "--port", match.group(1)),
+            *("--data-dir", "data", "--backend", "cpu", "--threads", "2"),
+            timeout=900,
+        )
+        assert worker.returncode == 0, worker.stdout + worker.stderr
+        assert "using the coordinator's config" in worker.stdout
+        assert re.search(r"^\d\d:\d\d:\d\d \[worker\]", worker.stdout, re.M)  # a time a line
+        rest, _ = coordinator.communicate(timeout=120)
+    finally:
+        if coordinator.poll() is None:
+            coordinator.kill()
+            coordinator.communicate()
+    assert coordinator.returncode == 0, "".join(seen) + rest
+    assert "Train: " in rest and " bits/token" in rest, rest
+
+    records = [
+        json.loads(line) for line in (work / "run" / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert [r["step"] for r in records] == [0, 1, 2]
+    assert all(r["bits_per_token"] > 0 and r["bits_per_byte"] > 0 for r in records), records
+
+    exported = run_installed(
+        site,
+        work,
+        *("-m", "deggs", "export", "--load-dir", "run", "--out", "model.safetensors"),
+        *("--data-dir", "data", "--backend", "cpu"),
+        timeout=600,
+    )
+    assert exported.returncode == 0, exported.stdout + exported.stderr
+    assert readable_by_all(work) == []
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    sample = run_installed(
+        site,
+        elsewhere,
+        *("-m", "deggs", "generate", "--model", str(work / "model.safetensors")),
+        *("--prompt", "def main(", "--tokens", "16", "--backend", "cpu"),
+        timeout=600,
+    )
+    assert sample.returncode == 0, sample.stdout + sample.stderr
+    assert "step 3:" in sample.stdout and "def main( >>> " in sample.stdout, sample.stdout

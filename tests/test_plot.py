@@ -335,3 +335,40 @@ def test_command_missing_matplotlib(tmp_path, monkeypatch):
     (line,) = result.output.splitlines()
     assert line.startswith("deggs-plot: error: plotting needs matplotlib")
     assert line.endswith("pip install 'deggs[plot]'")
+
+
+def test_bits_per_token_is_the_loss_axis_when_the_records_have_it():
+    records = [record(s, bits_per_token=8.0 - s, val_bits_per_token=7.5) for s in range(3)]
+    loss = collect_panels(records)[0]
+    assert loss.ylabel == "bits per token"
+    assert [s.ys for s in loss.series] == [[8.0, 7.0, 6.0], [7.5, 7.5, 7.5]]
+    old = collect_panels([record(s) for s in range(3)])[0]  # older files: the integer loss
+    assert old.ylabel == "loss (1/16 units)" and old.series[0].ys == [5.0, 4.9, 4.8]
+
+
+def test_a_resumed_step_has_no_weights_changed_point():
+    records = [record(0), record(1), record(2, resumed=True, updates_max=0), record(3)]
+    (updates,) = [p for p in collect_panels(records) if p.title == "weights changed per step"]
+    assert updates.series[0].xs == [0, 1, 3]
+
+
+def test_a_health_series_of_one_point_is_drawn_with_a_marker(tmp_path, monkeypatch):
+    """A run under 50 steps has its health at step 0 only: one point, which a line alone
+    would not show."""
+    drawn = []
+    figure_cls, canvas_cls = plotting._import_matplotlib()
+    from matplotlib.axes import Axes
+
+    real = Axes.plot
+
+    def spy(self, *args, **kwargs):
+        drawn.append((self.get_title(), kwargs.get("marker")))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Axes, "plot", spy)
+    records = [record(0, health={"embedding": {"saturation": 0.0, "entropy": 5.0}})]
+    records += [record(s) for s in range(1, 30)]
+    assert_png(plot(write_metrics(tmp_path, records)))
+    assert ("saturation share per matrix", "o") in drawn
+    assert ("bit entropy per matrix", "o") in drawn
+    assert ("throughput", None) in drawn  # 30 points: a line

@@ -218,6 +218,7 @@ def test_run_workers_help_exits_0_and_no_host_exits_2():
     assert bare.returncode == 2 and "usage:" in bare.stderr
 
 
+@pytest.mark.slow
 def test_scaling_runs_one_and_two_workers_with_equal_losses(tmp_path):
     """scripts/scaling.sh: a coordinator and N workers (here CPU workers on loopback) for
     each N, then scripts/scaling.py's table, every step's loss equal across the runs."""
@@ -329,3 +330,86 @@ def test_bench_refuses_gpu_options_for_the_cpu_backend(choice):
     result = CliRunner().invoke(bench.main, ["--config", str(ROOT / "config.toml"), *choice])
     assert result.exit_code == 2
     assert "--head, --qkv and --timeline are for --backend gpu" in result.output
+
+
+# --- the vocabulary said once, modes, and a port in use ----------------------------------
+
+
+@pytest.fixture(scope="module")
+def bpe_data(tmp_path_factory):
+    """Data prepared with --vocab-size 300 (a byte-level BPE), as deggs-prepare writes it."""
+    from deggs.config import load_config
+    from deggs.prepare import default_corpus, prepare
+
+    out = tmp_path_factory.mktemp("bpe")
+    prepare(default_corpus()[:200_000], 300, out, cfg=load_config("small"))
+    return out
+
+
+def coordinator_cli(*args, cwd):
+    """deggs-coordinator's command line in this process, stopped before it would serve."""
+    from click.testing import CliRunner
+
+    from deggs.cli import coordinator_main
+
+    # --max-steps 0 ends it at once; a short retry_max_s, its wait for reconnecting workers
+    tail = ["--max-steps", "0", "--set", "worker.retry_max_s=0.1"]
+    with contextlib.chdir(cwd):
+        return CliRunner().invoke(coordinator_main, [*map(str, args), *tail])
+
+
+def test_the_coordinator_takes_the_vocabulary_from_the_data(bpe_data, tmp_path):
+    result = coordinator_cli(
+        "--config", "small", "--data-dir", bpe_data, "--port", 0, "--save-dir", "run", cwd=tmp_path
+    )
+    assert result.exit_code == 0, result.output
+    assert f"vocab_size 300 (uint32 tokens) from {bpe_data / 'meta.json'}" in result.output
+    from deggs.runtime.checkpoint import saved_config
+
+    assert saved_config(tmp_path / "run").model.vocab_size == 300
+
+
+@pytest.mark.parametrize(
+    "source, said",
+    [("file", "{file} sets model.vocab_size = 512"), ("set", "--set model.vocab_size=512 sets")],
+)
+def test_a_vocabulary_said_twice_and_differently_is_an_error_naming_both(
+    bpe_data, tmp_path, source, said
+):
+    file = tmp_path / "mine.toml"
+    file.write_text("[model]\nvocab_size = 512\n")
+    args = ["--config", file] if source == "file" else ["--set", "model.vocab_size=512"]
+    result = coordinator_cli(*args, "--data-dir", bpe_data, "--port", 0, cwd=tmp_path)
+    assert result.exit_code == 2, result.output
+    message = result.output.strip().splitlines()[-1]
+    assert message.startswith(f"deggs-coordinator: error: {bpe_data / 'meta.json'} says ")
+    assert "vocab_size 300" in message and said.format(file=file) in message
+
+
+def test_a_data_dir_without_meta_json_is_an_error(tmp_path):
+    result = coordinator_cli("--config", "small", "--data-dir", tmp_path, cwd=tmp_path)
+    assert result.exit_code == 2
+    assert f"{tmp_path / 'meta.json'} not found: --data-dir takes" in result.output
+
+
+def test_a_port_in_use_suggests_port_0(tmp_path):
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        result = coordinator_cli(
+            "--config", "small", "--host", "127.0.0.1", "--port", port, cwd=tmp_path
+        )
+    assert result.exit_code == 2, result.output
+    assert "--port 0 picks a free port" in result.output.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o027, 0o640), (0o077, 0o600)])
+def test_atomic_writes_follow_the_umask(tmp_path, umask, mode):
+    code = (
+        "import os, sys; from deggs.runtime.checkpoint import write_atomic; "
+        f"os.umask({umask}); write_atomic(sys.argv[1], b'x')"
+    )
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "f")], timeout=60)
+    assert done.returncode == 0
+    assert (tmp_path / "f").stat().st_mode & 0o777 == mode

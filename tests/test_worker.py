@@ -664,3 +664,85 @@ def test_threads_limit_numpys_blas_pool_too(tmp_path, monkeypatch):
     assert result.exit_code == 0, result.output
     assert any(pool["user_api"] == "blas" for pool in pools)
     assert [pool["num_threads"] for pool in pools] == [1] * len(pools)
+
+
+# --- the end of a job, and peers that are not coordinators ---------------------------------
+
+
+def test_goodbye_stopped_ends_the_worker_as_finished_does(data_dir):
+    def script(peer):
+        peer.welcome()
+        peer.send(Goodbye(Reason.STOPPED, "the coordinator was stopped at step 0"))
+        peer.drain()
+
+    fake = FakeCoordinator(script)
+    worker = make_worker(fake.port, data_dir)
+    run_worker(worker)  # returns: no retry, no error
+    fake.check()
+    assert "[coordinator] STOPPED: the coordinator was stopped at step 0" in worker.lines
+    assert worker.lines[-1].startswith(
+        "[worker] the coordinator was stopped, so this worker stops too; this worker's model"
+    )
+
+
+def test_a_stop_asked_for_during_a_chunk_ends_it_at_the_next_batch(data_dir, monkeypatch):
+    batches = []
+
+    def script(peer):
+        peer.welcome()
+        peer.send(JobResponse(SEED, 0, CFG.training.chunk_size))  # chunk 1: no generation
+        assert peer.drain() == []  # no RESULT: the worker left within the chunk
+
+    fake = FakeCoordinator(script)
+    worker = make_worker(fake.port, data_dir)
+    worker.training.trainer.backend.batch = 2  # eight batches in a chunk of 16
+
+    def progress(self, done, total):  # after each batch; the signal comes after the first
+        batches.append(done)
+        if done == 2:
+            worker.stop("SIGINT")  # while scoring: noted, not raised here
+
+    monkeypatch.setattr(worker_module.ChunkProgress, "__call__", progress)
+    with pytest.raises(worker_module.StopWorker, match="SIGINT"):
+        run_worker(worker)
+    fake.check()
+    assert batches == [2]  # the next batch's check stopped it
+
+
+def test_a_second_stop_or_one_between_chunks_is_at_once(data_dir):
+    worker = make_worker(1, data_dir)
+    with pytest.raises(worker_module.StopWorker, match="SIGTERM"):
+        worker.stop("SIGTERM")  # not scoring: at once
+    worker.stop_requested, worker.scoring = None, True
+    worker.stop("SIGINT")  # scoring: noted
+    with pytest.raises(worker_module.StopWorker, match="SIGINT"):
+        worker.stop("SIGINT")  # asked again: at once
+
+
+def test_a_peer_that_says_nothing_is_named_after_three_silent_connections(
+    data_dir, pauses, monkeypatch
+):
+    monkeypatch.setattr(worker_module, "FIRST_REPLY_S", 0.2)
+
+    def silent(peer):  # an HTTP server waiting for a request line that never comes
+        peer.expect(Hello)
+        peer.drain()
+
+    fake = FakeCoordinator(silent, silent, silent)
+    worker = make_worker(fake.port, data_dir)
+    with pytest.raises(WorkerError, match=r"sent nothing in 0.2 s.*3 connections in a row: not a"):
+        run_worker(worker)
+    fake.check()
+    assert len(pauses) == 2  # retried twice, saying why
+    assert sum("sent nothing in 0.2 s" in line for line in worker.lines) == 2
+
+
+def test_a_few_bytes_that_are_not_the_magic_are_refused_at_once(data_dir):
+    def http_server(peer):  # three bytes, then it waits: not ten, but already not JOBS
+        peer.send(b"HTT")
+        peer.drain()
+
+    fake = FakeCoordinator(http_server)
+    with pytest.raises(WorkerError, match=r"not a d-eggs coordinator: bad magic b'HTT'"):
+        run_worker(make_worker(fake.port, data_dir))
+    fake.check()

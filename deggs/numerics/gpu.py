@@ -56,6 +56,7 @@ from pathlib import Path
 import numpy as np
 
 from ..config import Config
+from ..runtime.checkpoint import file_mode
 from ..seeds import member_sign, pair_seed
 from . import launch
 from .model import init_overlays, init_params, make_tables, member_tokens, window_starts
@@ -474,6 +475,7 @@ def cached_cubin(folder: Path, key: str, compile_program: Callable[[], bytes]) -
         folder.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=folder, prefix=path.name, delete=False) as f:
             part = Path(f.name)
+            os.fchmod(f.fileno(), file_mode())  # as any new file: NamedTemporaryFile's is 0600
             f.write(CUBIN_MAGIC + hashlib.sha256(payload).digest() + payload)
         os.replace(part, path)  # whole or not there, for the starts beside this one
     except OSError as e:

@@ -111,13 +111,35 @@ def decode_checkpoint(data: bytes, name: str, n_pairs: int | None = None) -> Che
     return Checkpoint(step, seed, fitness)
 
 
+def current_umask() -> int:
+    """The process's umask, read without changing it where Linux tells it (os.umask can
+    only be read by setting it, which would race with the disk thread's files)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def file_mode() -> int:
+    """The mode open() gives a new file: 0644 under umask 022."""
+    return 0o666 & ~current_umask()
+
+
 @contextmanager
 def atomic_file(path: str | Path) -> Iterator[BinaryIO]:
     """A file to write that replaces `path` when the block ends: whole and fsynced, or,
-    on a crash or an error, not at all (and no temporary file is left behind)."""
+    on a crash or an error, not at all (and no temporary file is left behind). Its mode
+    follows the umask like any other new file's (mkstemp's own is 0600)."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.fchmod(fd, file_mode())
         with os.fdopen(fd, "wb") as f:
             yield f
             f.flush()

@@ -295,7 +295,11 @@ class Coordinator:
         self._server: asyncio.Server | None = None
         self._tasks: set[asyncio.Task] = set()
         self._prev_loss: float | None = None
+        # The latest validation's exact bits per unit of integer loss, and its bits per
+        # byte over bits per token: they put the training loss in bits (see bits_of).
+        self._calibration: tuple[float, float] | None = None
         self._last_lost = -float("inf")  # when a worker last lost its connection (see below)
+        self._resumed_at: int | None = None  # the step a resumed run starts at
         self._over_limit = _Burst(log, "refused {n} connection(s) over the limit of {limit}")
         self.state = self._initial_state()
         self.replicas = Replicas(self)  # snapshots and state digests
@@ -311,6 +315,7 @@ class Coordinator:
                 log.info("no checkpoint in %s: starting at step 0", self.load_dir)
             else:
                 step, seed = latest.step, latest.seed
+                self._resumed_at = step
                 if step > 0:
                     self._remember(step - 1, latest.fitness)
                 log.info(
@@ -326,6 +331,10 @@ class Coordinator:
         if self.save_dir is not None:
             ckpt.prepare_save_dir(self.save_dir, self.config, self.state.step)
             ckpt.tidy_metrics(self.save_dir, self.state.step)
+            for record in reversed(ckpt.read_metrics(self.save_dir)):
+                self._calibration = calibration(record)
+                if self._calibration is not None:
+                    break
             if self.load_dir is not None and self.load_dir.resolve() != self.save_dir.resolve():
                 await self.on_disk(ckpt.copy_history, self.load_dir, self.save_dir)
                 await self.on_disk(snapshots.copy_snapshots, self.load_dir, self.save_dir)
@@ -375,6 +384,8 @@ class Coordinator:
             task.cancel()
         if reason == Reason.FINISHED:
             text = f"the run reached step {self.state.step}"
+        elif reason == Reason.STOPPED:
+            text = f"the coordinator was stopped at step {self.state.step}: the run ends here"
         else:
             text = self.failure or "the coordinator is shutting down"
         goodbye = Goodbye(reason, text).encode()
@@ -782,6 +793,7 @@ class Coordinator:
         if ev.step != s.step or s.evaluation is not None:
             return
         s.evaluation = ev
+        self._calibration = calibration(self._validation(s)) or self._calibration
         log.info(
             "validation at step %d: loss %.4f, %.4f bits/token, %.4f bits/byte (%d windows, "
             "from %s)",
@@ -851,7 +863,7 @@ class Coordinator:
                     f"--load-dir {self.save_dir} resumes it once the disk is fixed"
                 )
                 return
-        log.info(format_step_line(record, self._prev_loss))
+        log.info(format_step_line(record, self._prev_loss, self.config.training.population_size))
         log.info(format_workers_line(record["workers"]))
         self._prev_loss = record["loss"]
         if self.tensorboard is not None:  # in order after the step's own files; never fails
@@ -906,8 +918,12 @@ class Coordinator:
             "bytes_received": s.bytes_received,
             "time": time.time(),
             **self._validation(s),
+            **bits_of(s.sum_loss / (step_tokens * LOSS_SCALE), self._calibration),
             **self._health(s),
             **({"drifted": s.drifted} if s.drifted else {}),
+            # Its workers reported the update before the restart, to the lost step: its
+            # updates_* say nothing of the weights changed (deggs-plot leaves them out).
+            **({"resumed": True} if s.step == self._resumed_at else {}),
             "workers": {
                 name: figures.record(now, t.chunk_size * m.seq_len)
                 for name, figures in s.workers.items()
@@ -1209,19 +1225,52 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-def format_step_line(r: dict, prev_loss: float | None = None) -> str:
-    """The human summary of a finished step, after the reference's."""
+def calibration(record: dict) -> tuple[float, float] | None:
+    """(bits per unit of integer loss, bits per byte / bits per token) of a validation
+    record (the val_ keys of a metrics line), or None without one.
+
+    The integer loss has no exact conversion to bits: it floors the log-sum-exp to a
+    power of two and counts the logit gap at 1/8 bit a unit, where softmax(logit /
+    exp_scale) counts it at 1 / (exp_scale ln 2). The validation measures both on the
+    same windows, so their ratio puts any integer loss on the validation's scale."""
+    figures = [record.get(k) for k in ("val_loss", "val_bits_per_token", "val_bits_per_byte")]
+    if not all(isinstance(v, int | float) and math.isfinite(v) and v > 0 for v in figures):
+        return None
+    loss, bits, per_byte = (float(v) for v in figures)  # type: ignore[arg-type]
+    return bits / loss, per_byte / bits
+
+
+def bits_of(loss: float, calibration: tuple[float, float] | None) -> dict:
+    """The training loss in bits per token and per byte, on the latest validation's scale."""
+    if calibration is None:
+        return {}
+    per_unit, bytes_ratio = calibration
+    return {"bits_per_token": loss * per_unit, "bits_per_byte": loss * per_unit * bytes_ratio}
+
+
+def format_step_line(r: dict, prev_loss: float | None = None, population: int = 0) -> str:
+    """The human summary of a finished step, after the reference's: the training loss
+    (the mean over the step's perturbed members) and, on a validation step, the
+    validation's (the unperturbed model's) in bits per token when there is a validation
+    to convert it with, else the integer loss alone."""
     trend = (
         ""
         if prev_loss is None
         else (" v" if r["loss"] < prev_loss else " ^" if r["loss"] > prev_loss else " =")
     )
+    members = f"mean of {population:,} perturbed members, " if population else ""
+    if "bits_per_token" in r:
+        loss = f"Train: {r['bits_per_token']:.3f} bits/token{trend} ({members}loss {r['loss']:.4f})"
+    else:
+        loss = f"Loss: {r['loss']:.4f}{trend}"
+    if "val_bits_per_token" in r:
+        loss += f" | Val: {r['val_bits_per_token']:.3f} bits/token (unperturbed model)"
     net = (r["bytes_sent"] + r["bytes_received"]) / r["step_time_s"] / 2**20
     return (
         f"Step {r['step']} | Tokens: {_humanize(r['tokens'], 1000, ['', ' K', ' M', ' B'])}"
-        f" | Loss: {r['loss']:.4f}{trend} | Time: {r['step_time_s'] * 1000:.2f} ms"
-        f" | Updates: {r['updates_total']} (n={r['transmissions']}, min={r['updates_min']},"
-        f" max={r['updates_max']}) | Speed: {r['tokens_per_s']:.2f} tok/s"
+        f" | {loss} | Time: {r['step_time_s'] * 1000:.2f} ms"
+        f" | Updates: {r['updates_total']} (n={r['transmissions']}, max={r['updates_max']})"
+        f" | Speed: {r['tokens_per_s']:.2f} tok/s"
         f" | LR: {r['lr']:.3f} | Net: {net:.2f} MB/s"
         f" (Tx: {_humanize(r['bytes_sent'], 1024, [' B', ' KB', ' MB', ' GB'])},"
         f" Rx: {_humanize(r['bytes_received'], 1024, [' B', ' KB', ' MB', ' GB'])})"

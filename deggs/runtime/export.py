@@ -24,6 +24,11 @@ Tensors: `param/<name>` (I8, the logical layout of params.param_shapes),
 Trainer holds, so that training resumes from it bit for bit. The float tensors come
 first, so every one of them starts at a multiple of 4 bytes.
 
+Optional, last: `data/decoding.bin` and `data/tokenizer.json` (U8, one dimension), the
+bytes of those files of the training data (deggs-export --data-dir), so that sampling
+needs nothing but the model file: the vocabulary to show tokens as text, the tokenizer
+to encode a prompt. A file without them still loads.
+
 The file is never trusted: load_model bounds the header, parses it strictly and checks
 every tensor against the config the file names (present, dtype, shape, offsets that
 tile the data exactly) and the state for NaN and infinities; any problem raises
@@ -59,7 +64,13 @@ FORMAT = "deggs-model-1"
 MAX_HEADER_BYTES = 16 << 20  # the JSON header; a default model's is about 10 KiB
 MAX_STEP = 2**63 - 1
 _LENGTH = struct.Struct("<Q")
-_DTYPES: dict[str, np.dtype] = {"I8": np.dtype("i1"), "F32": np.dtype("<f4")}
+_DTYPES: dict[str, np.dtype] = {
+    "I8": np.dtype("i1"),
+    "F32": np.dtype("<f4"),
+    "U8": np.dtype("u1"),
+}
+DATA_FILES = ("decoding.bin", "tokenizer.json")  # carried as data/<name>, when given
+MAX_DATA_FILE = 64 << 20  # bytes of one of them (a 65,536-token tokenizer.json: ~4 MiB)
 _STATE_PREFIXES = ("adam_m", "adam_v", "adam_acc")  # OptimizerState's m, v, acc
 _METADATA_KEYS = ("format", "config", "fingerprint", "step", "seed")
 DIGEST_SIZE = 32  # SHA-256
@@ -79,6 +90,7 @@ class Model(NamedTuple):
     params: dict[str, np.ndarray]
     overlays: dict[str, np.ndarray]
     state: OptimizerState
+    files: dict[str, bytes] = {}  # data/<name> tensors: DATA_FILES it carries (never mutated)
 
 
 def expected_tensors(cfg: Config) -> dict[str, tuple[str, tuple[int, ...]]]:
@@ -129,6 +141,11 @@ def _layout(model: Model, name: str) -> tuple[bytes, list[np.ndarray]]:
     """The header bytes (length prefix included) and the arrays in file order."""
     expected = expected_tensors(model.cfg)
     tensors = _tensors(model)
+    for file, raw in model.files.items():
+        if file not in DATA_FILES or len(raw) > MAX_DATA_FILE:
+            raise ExportError(f"{name}: cannot carry {file!r} ({len(raw)} bytes)")
+        expected[f"data/{file}"] = ("U8", (len(raw),))
+        tensors[f"data/{file}"] = np.frombuffer(raw, np.uint8)
     if set(tensors) != set(expected):
         missing = sorted(set(expected) - set(tensors))
         extra = sorted(set(tensors) - set(expected))
@@ -176,12 +193,17 @@ def save_model(
     path: str | Path,
     trainer: Trainer | Model,
     progress: Callable[[int, int], None] | None = None,
+    files: dict[str, bytes] | None = None,
 ) -> Path:
     """Write the trainer's model (or a Model) to `path` atomically; returns the path.
 
-    progress(bytes written, bytes in all) is called after the header and each tensor."""
+    progress(bytes written, bytes in all) is called after the header and each tensor.
+    files: the training data's DATA_FILES to carry, by name (their bytes)."""
     path = Path(path)
-    head, arrays = _layout(trainer if isinstance(trainer, Model) else model_of(trainer), str(path))
+    model = trainer if isinstance(trainer, Model) else model_of(trainer)
+    if files:
+        model = model._replace(files=dict(files))
+    head, arrays = _layout(model, str(path))
     size = len(head) + sum(array.nbytes for array in arrays)
     report = progress or (lambda done, total: None)
     with atomic_file(path) as f:
@@ -280,12 +302,25 @@ def _read_metadata(header: dict, name: str) -> tuple[Config, int, int, bytes | N
 
 def _check_entries(
     header: dict, expected: dict[str, tuple[str, tuple[int, ...]]], name: str, data_size: int
-) -> dict[str, tuple[int, int]]:
-    """Each tensor's (begin, end), checked: dtype, shape, offsets tiling the data."""
+) -> tuple[dict[str, tuple[int, int]], dict[str, tuple[str, tuple[int, ...]]]]:
+    """Each tensor's (begin, end), checked: dtype, shape, offsets tiling the data; and
+    the expected tensors with the optional data/ ones the file has."""
     missing = [k for k in expected if k not in header]
     if missing:
         more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
         raise ExportError(f"{name}: missing tensor {', '.join(missing[:3])}{more}")
+    for file in DATA_FILES:  # optional: their shape is their length
+        entry = header.get(f"data/{file}")
+        if entry is not None:
+            shape = entry.get("shape") if isinstance(entry, dict) else None
+            if not (
+                isinstance(shape, list)
+                and len(shape) == 1
+                and type(shape[0]) is int
+                and 0 <= shape[0] <= MAX_DATA_FILE
+            ):
+                raise ExportError(f"{name}: data/{file} has shape {shape}, expected [bytes]")
+            expected = {**expected, f"data/{file}": ("U8", (shape[0],))}
     extra = [k for k in header if k not in expected]
     if extra:
         raise ExportError(f"{name}: unexpected tensor {extra[0]!r} for this config")
@@ -329,7 +364,7 @@ def _check_entries(
         raise ExportError(
             f"{name}: {data_size - position} bytes after the last tensor (truncated or padded)"
         )
-    return spans
+    return spans, expected
 
 
 def load_model(path: str | Path) -> Model:
@@ -351,8 +386,7 @@ def model_from_bytes(data: bytes, name: str) -> Model:
 def _read_model(f: io.BufferedIOBase, name: str, size: int) -> Model:
     header, start = _read_header(f, name, size)
     cfg, step, seed, digest = _read_metadata(header, name)
-    expected = expected_tensors(cfg)
-    spans = _check_entries(header, expected, name, size - start)
+    spans, expected = _check_entries(header, expected_tensors(cfg), name, size - start)
     arrays = {}
     for key, (dtype, shape) in expected.items():
         begin, end = spans[key]
@@ -371,7 +405,8 @@ def _read_model(f: io.BufferedIOBase, name: str, size: int) -> Model:
         k.split("/", 1)[1]: v for k, v in arrays.items() if k.startswith(prefix + "/")
     }
     state = OptimizerState(table("adam_m"), table("adam_v"), table("adam_acc"))
-    model = Model(cfg, step, seed, table("param"), table("overlay"), state)
+    files = {k: v.tobytes() for k, v in table("data").items()}
+    model = Model(cfg, step, seed, table("param"), table("overlay"), state, files)
     if digest is not None and state_digest(model) != digest:
         raise ExportError(
             f"{name}: the tensors' digest is not the one the file records: a corrupt or edited file"

@@ -119,12 +119,17 @@ class NotOurProtocol(ProtocolError):
     (an SSH or web server answering on the port), so retrying cannot help."""
 
 
+class NoFrame(TimeoutError):
+    """Not one byte of a frame arrived within the wait (recv_frame's wait_s)."""
+
+
 class Reason(IntEnum):
     """Why the coordinator says GOODBYE. Codes from 16 up are refusals for good."""
 
     FINISHED = 0  # the run reached --max-steps: a worker's work is done
     SHUTTING_DOWN = 1  # stopped by its operator; it may come back (--load-dir)
     DISK_FAILURE = 2  # it cannot make its history durable and exits; it may come back
+    STOPPED = 3  # stopped by its operator (Ctrl-C, SIGTERM): the run ends, workers exit too
     CONFIG_MISMATCH = 16
     PROTOCOL_MISMATCH = 17
     HISTORY_GONE = 18  # the fitness a worker needs to catch up is no longer kept
@@ -755,9 +760,14 @@ def recv_frame(
     frame, not per recv, so a peer dripping a byte at a time cannot hold the reader.
     """
     sock.settimeout(wait_s)
-    first = sock.recv(HEADER_SIZE)
+    try:
+        first = sock.recv(HEADER_SIZE)
+    except TimeoutError:
+        raise NoFrame(f"nothing in {wait_s:g} s") from None
     if not first:
         return None
+    if not MAGIC.startswith(first[: len(MAGIC)]):  # say so now, not after ten bytes
+        raise NotOurProtocol(f"bad magic {bytes(first[: len(MAGIC)])!r} (expected {MAGIC!r})")
     deadline = None if frame_s is None else time.monotonic() + frame_s
     header = _recv_exact(sock, HEADER_SIZE, "header", deadline, first)
     opcode, length = parse_header(header)

@@ -21,7 +21,16 @@ from typing import Any
 log = logging.getLogger("deggs.runtime.tensorboard")
 
 INSTALL_HINT = "pip install 'deggs[tensorboard]'"
-SCALARS = ("loss", "val_loss", "val_bits_per_token", "val_bits_per_byte", "tokens_per_s", "lr")
+SCALARS = (
+    "loss",
+    "bits_per_token",
+    "bits_per_byte",
+    "val_loss",
+    "val_bits_per_token",
+    "val_bits_per_byte",
+    "tokens_per_s",
+    "lr",
+)
 HEALTH_FIGURES = ("saturation", "entropy")
 
 

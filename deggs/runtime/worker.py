@@ -81,6 +81,11 @@ CONNECT_TIMEOUT_S = 10.0
 HEALTH_WINDOWS = 4  # validation windows the activations' health is measured on
 PROGRESS_EVERY_S = 10.0  # a line this often while a long chunk is scored
 SLOW_CHUNK_S = 300.0  # a chunk estimated to take longer is warned about at start
+# A deggs coordinator answers HELLO at once (the reference, the JOB_REQUEST sent with it):
+# silence this long after connecting is news, and on SILENT_TRIES connections in a row,
+# something else listens there (an HTTP server waiting for its request, say).
+FIRST_REPLY_S = 10.0
+SILENT_TRIES = 3
 
 
 class WorkerError(Exception):
@@ -92,7 +97,7 @@ class StopWorker(Exception):
 
 
 class Finished(Exception):
-    """The coordinator says the run is over (GOODBYE FINISHED): run() returns."""
+    """The coordinator says the run is over (GOODBYE FINISHED or STOPPED): run() returns."""
 
 
 class CoordinatorAway(Exception):
@@ -178,6 +183,9 @@ class Worker:
         self._digest = b""  # a DIGEST frame to send with the next request
         self._reported = -1  # the last step whose digest we reported (once a step)
         self.held: snapshots.Snapshot | None = None  # our model at the last snapshot step
+        self._silent = 0  # connections in a row that answered nothing
+        self.scoring = False  # inside a chunk's member losses (a stop waits for the batch)
+        self.stop_requested: str | None = None  # why we were asked to stop
         if cfg is not None:
             self._prepare(cfg)
 
@@ -227,6 +235,18 @@ class Worker:
                 "config is sized for a GPU (--backend gpu on one), or make training.chunk_size "
                 f"or the model smaller; progress is logged every {PROGRESS_EVERY_S:g} s"
             )
+
+    def stop(self, why: str) -> None:
+        """Asked to stop (a signal handler calls this): StopWorker now, or, while a chunk
+        is scored, after its current batch (asked twice: now)."""
+        again = self.stop_requested is not None
+        self.stop_requested = why
+        if again or not self.scoring:
+            raise StopWorker(why)
+
+    def _stop_if_asked(self) -> None:
+        if self.stop_requested is not None:
+            raise StopWorker(self.stop_requested)
 
     @property
     def step(self) -> int:
@@ -280,10 +300,10 @@ class Worker:
             try:
                 with sock:
                     self._serve(sock, max_steps)
-            except Finished:
+            except Finished as e:
                 # self.step is our model's: the run's last update is never handed out.
                 self.log(
-                    f"[worker] the run is finished; this worker's model is at step "
+                    f"[worker] {e}; this worker's model is at step "
                     f"{self.step} (the last step's update is kept in the checkpoints)"
                 )
                 return
@@ -476,9 +496,22 @@ class Worker:
     def _read_frame(self, sock: socket.socket, hint: str) -> tuple[int, bytes]:
         w = self.settings
         first, self._heard = not self._heard, True
+        wait = min(w.reply_timeout_s, FIRST_REPLY_S) if first else w.reply_timeout_s
         try:
-            item = protocol.recv_frame(sock, self._limits(), w.reply_timeout_s, w.frame_timeout_s)
+            item = protocol.recv_frame(sock, self._limits(), wait, w.frame_timeout_s)
         except TimeoutError as e:
+            if first and isinstance(e, protocol.NoFrame):  # not one byte since HELLO
+                self._silent += 1
+                what = (
+                    f"{self.address} accepted the connection but sent nothing in "
+                    f"{wait:g} s; a deggs coordinator answers at once{hint}"
+                )
+                if self._silent >= SILENT_TRIES:
+                    raise WorkerError(
+                        f"{what}; {self._silent} connections in a row: not a d-eggs "
+                        "coordinator (another service on that port?)"
+                    ) from None
+                raise TimeoutError(what) from None
             raise TimeoutError(
                 f"no complete message from the coordinator in time ({e}; "
                 f"worker.reply_timeout_s = {w.reply_timeout_s:g}, "
@@ -490,6 +523,7 @@ class Worker:
             raise
         if item is None:
             raise ConnectionError("the coordinator closed the connection")
+        self._silent = 0
         return item
 
     def _goodbye(self, goodbye: Goodbye):
@@ -500,7 +534,9 @@ class Worker:
             )
         self._show(f"[coordinator] {reason.name}:", goodbye.text)
         if reason == Reason.FINISHED:
-            raise Finished(goodbye.text)
+            raise Finished("the run is finished")
+        if reason == Reason.STOPPED:
+            raise Finished("the coordinator was stopped, so this worker stops too")
         raise CoordinatorAway(f"the coordinator said goodbye ({reason.name})")
 
     def _show(self, prefix: str, text: str):
@@ -656,7 +692,17 @@ class Worker:
             self._send_health(sock, trainer)
         started = time.perf_counter()
         progress = ChunkProgress(self.log, f"step {trainer.step} chunk {chunk}", cfg.model.seq_len)
-        result = trainer.score_chunk(training.tokens, chunk, progress)
+
+        def between_batches(done: int, total: int):
+            self._stop_if_asked()
+            progress(done, total)
+
+        self.scoring = True
+        try:
+            self._stop_if_asked()  # a signal that came while we were not scoring
+            result = trainer.score_chunk(training.tokens, chunk, between_batches)
+        finally:
+            self.scoring = False
         frame = Result(
             trainer.seed, trainer.step, start, self.last_updates, result.sum_loss, result.packed
         ).encode()
