@@ -118,9 +118,14 @@ def test_a_data_tensor_of_another_shape_is_refused(run, tmp_path):
     trainer = trainer_from_model(run[1][1], "cpu")
     path = save_model(tmp_path / "m.safetensors", trainer, files={"tokenizer.json": b"{}"})
     raw = path.read_bytes()
-    bad = raw.replace(b'"shape":[2]', b'"shape":[2,1]')
-    assert bad != raw
-    (tmp_path / "bad.safetensors").write_bytes(bad)
+    (length,) = struct.unpack_from("<Q", raw)
+    header = json.loads(raw[8 : 8 + length])
+    header["data/tokenizer.json"]["shape"] = [2, 1]
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)  # the header re-laid, the tensors' bytes unchanged
+    (tmp_path / "bad.safetensors").write_bytes(
+        struct.pack("<Q", len(text)) + text + raw[8 + length :]
+    )
     with pytest.raises(ExportError, match=r"data/tokenizer.json has shape \[2, 1\]"):
         load_model(tmp_path / "bad.safetensors")
 
