@@ -6,15 +6,9 @@ import numpy as np
 import pytest
 
 from deggs.config import Config
-from deggs.numerics.health import (
-    ACTIVATIONS,
-    Stats,
-    activation_health,
-    entry_count,
-    int8_stats,
-    weight_health,
-)
+from deggs.numerics.health import Stats, activation_health, int8_stats, weight_health
 from deggs.numerics.model import init_overlays, init_params
+from deggs.numerics.params import HEALTH_ACTIVATIONS, health_entries
 
 CFG = Config().replace(model=dict(hidden_dim=32, head_dim=32, n_layers=2, vocab_size=256))
 
@@ -58,7 +52,12 @@ def test_each_layers_copy_of_a_parameter_is_its_own_entry():
     assert names[:2] == ["embedding", "emb_bias"]
     assert names[8:10] == ["layers.0.ln_1", "layers.0.ln_1_bias"]
     assert names[-2:] == ["ln_f", "ln_f_bias"]
-    assert len(names) == len(set(names)) == entry_count(CFG) - len(ACTIVATIONS) == 8 + 2 * 12 + 2
+    assert (
+        len(names)
+        == len(set(names))
+        == health_entries(CFG) - len(HEALTH_ACTIVATIONS)
+        == 8 + 2 * 12 + 2
+    )
     assert health["layers.1.w_up"] == Stats(127.0, 0.0, 1.0, 0.0)
     assert health["layers.0.w_up"] == int8_stats(params["w_up"][0])
     assert health["layers.0.w_up"].saturation == 0 and health["layers.0.w_up"].entropy > 3
@@ -69,7 +68,7 @@ def test_activations_of_the_unperturbed_model():
     params, overlays = init_params(CFG), init_overlays(CFG)
     tokens = np.random.default_rng(0).integers(0, 256, (3, CFG.model.seq_len))
     health = activation_health(CFG, params, overlays, tokens)
-    assert list(health) == list(ACTIVATIONS) == ["act.embedding", "act.final_norm"]
+    assert list(health) == list(HEALTH_ACTIVATIONS) == ["act.embedding", "act.final_norm"]
     embedded = params["embedding"].T[tokens]  # the embedding bias starts at zero
     assert health["act.embedding"] == int8_stats(embedded)
     final = health["act.final_norm"]

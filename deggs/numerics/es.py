@@ -20,6 +20,7 @@ chunks.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -30,10 +31,13 @@ from ..seeds import next_step_seed
 from ..ternary import pack_trits
 from .backend import Backend
 from .fitness import chunk_fitness
+from .health import Stats, activation_health, weight_health
 from .model import init_overlays, init_params, make_tables, sequence_loss
+from .sampling import prompt_window
 from .state import OptimizerState
 
 GENERATION_SEED = 999  # a step's sample is drawn with the step seed + 999, as the reference
+HEALTH_WINDOWS = 4  # validation windows the activations' health is measured on
 
 
 @dataclass(frozen=True)
@@ -158,6 +162,35 @@ class Trainer:
         results = self.score_population(data)
         self.apply(np.concatenate([r.fitness for r in results]))
         return results
+
+    def prompt(self, data: np.ndarray) -> np.ndarray:
+        """The prompt a worker samples from at this step: a window of the data."""
+        return prompt_window(self.cfg, data, self.step)
+
+    def health(self, windows: np.ndarray) -> dict[str, Stats]:
+        """The unperturbed model's figures: every weight slice, and the activations on up
+        to HEALTH_WINDOWS of the validation windows (none without any)."""
+        params = self.backend.params  # one copy: the GPU backend fetches it from the device
+        stats = weight_health(self.cfg, params)
+        if len(windows):
+            spread = np.linspace(0, len(windows) - 1, min(HEALTH_WINDOWS, len(windows)))
+            few = windows[spread.astype(np.int64)][:, :-1]
+            stats |= activation_health(self.cfg, params, self.backend.overlays, few)
+        return stats
+
+    def chunk_estimate_s(self, data: np.ndarray) -> tuple[float, int] | None:
+        """How long this replica would take to score a chunk, and how many members the
+        estimate timed (one round of the CPU backend's threads, after a pair that loads
+        numba's compiled code); None on a backend that is not the CPU's."""
+        backend = self.backend
+        if backend.name != "cpu":
+            return None
+        c = self.cfg.training.chunk_size
+        probe = np.arange(min(c, getattr(backend, "members_at_once", c)))
+        backend.losses(data, self.step, self.seed, probe[:2])
+        started = time.perf_counter()
+        backend.losses(data, self.step, self.seed, probe)
+        return (time.perf_counter() - started) * c / len(probe), len(probe)
 
     def sample(
         self, prompt: np.ndarray, n_tokens: int | None = None, seed: int | None = None

@@ -19,10 +19,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..config import Config
-from .params import param_slices
+from .params import HEALTH_ACTIVATIONS, param_slices
 
 SATURATED = 127
-ACTIVATIONS = ("act.embedding", "act.final_norm")
 
 
 @dataclass(frozen=True)
@@ -58,11 +57,6 @@ def entry_name(name: str, layer: int | None) -> str:
     return name if layer is None else f"layers.{layer}.{name}"
 
 
-def entry_count(cfg: Config) -> int:
-    """How many entries a model's health has: what a coordinator accepts at most."""
-    return len(param_slices(cfg)) + len(ACTIVATIONS)
-
-
 def weight_health(cfg: Config, params: dict[str, np.ndarray]) -> dict[str, Stats]:
     """Every parameter slice's figures, in the reference's order (params.param_slices)."""
     return {
@@ -87,4 +81,4 @@ def activation_health(
     cache = KVCache.empty(cfg, windows, length)
     normed = forward(cfg, make_tables(cfg, length), weights, tokens, cache, positions)
     stats = (int8_stats(embed(cfg, weights, tokens)), int8_stats(normed))
-    return dict(zip(ACTIVATIONS, stats, strict=True))
+    return dict(zip(HEALTH_ACTIVATIONS, stats, strict=True))

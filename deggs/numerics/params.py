@@ -194,3 +194,13 @@ def parameter_table(cfg: Config) -> list[tuple[str, str, int]]:
         else:
             rows.append((p.title, dims, count))
     return rows
+
+
+# The activations whose health a worker reports beside every parameter slice (health.py).
+HEALTH_ACTIVATIONS = ("act.embedding", "act.final_norm")
+
+
+def health_entries(cfg: Config) -> int:
+    """How many entries a model's health report has (every slice of the table and the
+    activations): the most a coordinator accepts."""
+    return len(param_slices(cfg)) + len(HEALTH_ACTIVATIONS)

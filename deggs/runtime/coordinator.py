@@ -50,7 +50,7 @@ from pathlib import Path
 import numpy as np
 
 from ..config import Config, ConfigError
-from ..numerics import health
+from ..numerics.params import health_entries
 from ..seeds import next_step_seed
 from ..ternary import check_packed, pack_trits, packed_size, unpack_blocks
 from . import auth
@@ -280,7 +280,7 @@ class Coordinator:
         self.chunk_size = t.chunk_size
         self.chunk_pairs = t.chunk_size // 2
         self.chunk_bytes = packed_size(self.chunk_pairs)
-        self.health_entries = health.entry_count(config)
+        self.health_entries = health_entries(config)
         self.limits = limits_from_worker(self.chunk_bytes, self.health_entries)
         self.history_dirs = [d for d in (self.save_dir, self.load_dir) if d is not None]
         self.max_connections = k.max_connections

@@ -41,10 +41,7 @@ import numpy as np
 from ..config import Config, ConfigError, WorkerConfig
 from ..data import DataError, check_meta, detokenize, load_decoding, load_tokens
 from ..numerics.backend import BackendError, make_backend
-from ..numerics.cpu import CpuBackend
 from ..numerics.es import Trainer, evaluate, validation_windows
-from ..numerics.health import activation_health, weight_health
-from ..numerics.sampling import prompt_window
 from ..ternary import packed_size, unpack_trits
 from . import auth, protocol
 from . import snapshot as snapshots
@@ -78,7 +75,6 @@ from .protocol import (
 WAIT_S = 0.1  # the reference worker's pause after a WAIT
 FIRST_PAUSE_S = 0.5  # the first pause between reconnects; doubles to worker.retry_max_s
 CONNECT_TIMEOUT_S = 10.0
-HEALTH_WINDOWS = 4  # validation windows the activations' health is measured on
 PROGRESS_EVERY_S = 10.0  # a line this often while a long chunk is scored
 SLOW_CHUNK_S = 300.0  # a chunk estimated to take longer is warned about at start
 # A deggs coordinator answers HELLO at once (the reference, the JOB_REQUEST sent with it):
@@ -219,19 +215,15 @@ class Worker:
         for a GPU leaves a CPU worker silent for a long time otherwise. The estimate times
         one round of the backend's threads, after a pair that loads numba's compiled code."""
         trainer = training.trainer
-        backend = trainer.backend
-        if not isinstance(backend, CpuBackend):
+        estimate = trainer.chunk_estimate_s(training.tokens)
+        if estimate is None:
             return
+        seconds, probed = estimate
         c = trainer.cfg.training.chunk_size
-        probe = np.arange(min(c, backend.members_at_once))
-        backend.losses(training.tokens, trainer.step, trainer.seed, probe[:2])
-        started = time.perf_counter()
-        backend.losses(training.tokens, trainer.step, trainer.seed, probe)
-        estimate = (time.perf_counter() - started) * c / len(probe)
-        if estimate > SLOW_CHUNK_S:
+        if seconds > SLOW_CHUNK_S:
             self.log(
                 f"[worker] warning: a chunk of {c:,} members will take this CPU about "
-                f"{duration(estimate)} (an estimate from timing {len(probe)} members): this "
+                f"{duration(seconds)} (an estimate from timing {probed} members): this "
                 "config is sized for a GPU (--backend gpu on one), or make training.chunk_size "
                 f"or the model smaller; progress is logged every {PROGRESS_EVERY_S:g} s"
             )
@@ -749,14 +741,7 @@ class Worker:
     def _send_health(self, sock: socket.socket, trainer: Trainer):
         """Our model's health (the first chunk of every eval.health_every_steps-th step
         brings it): every weight slice, and activations on a few validation windows."""
-        cfg = trainer.cfg
-        params = trainer.backend.params  # one copy: the GPU backend fetches it from the device
-        stats = weight_health(cfg, params)
-        windows = self._validation_windows(cfg)
-        if len(windows):
-            spread = np.linspace(0, len(windows) - 1, min(HEALTH_WINDOWS, len(windows)))
-            few = windows[spread.astype(np.int64)]
-            stats |= activation_health(cfg, params, trainer.backend.overlays, few[:, :-1])
+        stats = trainer.health(self._validation_windows(trainer.cfg))
         entries = tuple(HealthEntry(name, *astuple(s)) for name, s in stats.items())
         self._send(sock, Health(trainer.step, entries).encode())
 
@@ -766,7 +751,7 @@ class Worker:
         training = self._ready()
         trainer = training.trainer
         cfg = trainer.cfg
-        prompt = prompt_window(cfg, training.tokens, trainer.step)
+        prompt = trainer.prompt(training.tokens)
         tokens = trainer.sample(prompt)
         n = len(prompt)
         return (
