@@ -3,7 +3,6 @@
 import re
 import shutil
 import subprocess
-from importlib import resources
 from pathlib import Path
 
 import numpy as np
@@ -11,10 +10,10 @@ import pytest
 
 from deggs.config import Config
 from deggs.numerics.gpu.compile import (
-    KERNEL_PACKAGE,
     cached_cubin,
     kernel_cache_folder,
     kernel_files,
+    kernel_folder,
     program_source,
     read_kernel_file,
     source,
@@ -425,7 +424,7 @@ CU_FILES = [name for name in kernel_files() if name.endswith(".cu")]
 def nvcc_alone(name: str, defines: dict, folder, *flags: str) -> subprocess.CompletedProcess:
     """nvcc on one installed .cu file as it is, its own #includes resolved beside it:
     for sm_90a where it is an sm90a program's file, else sm_90."""
-    path = Path(str(resources.files(KERNEL_PACKAGE).joinpath(name)))
+    path = Path(str(kernel_folder().joinpath(name)))
     arch = "sm_90a" if name in PROGRAMS["sm90a"] else "sm_90"
     return subprocess.run(
         ["nvcc", f"-arch={arch}", "-cubin", "-o", str(folder / f"{name}.cubin"), *flags]

@@ -126,13 +126,15 @@ def test_the_wheel_holds_the_subpackages_the_kernels_and_the_license(wheel):
 def test_the_installed_copy_is_used_and_finds_its_kernels(site, tmp_path):
     code = (
         "import deggs; from deggs.numerics.gpu import compile as c; print(deggs.__file__); "
+        "print(c.kernel_folder().joinpath('common.cuh')); "
         "print(c.kernel_files()); print(len(c.program_source('main'))); "
         "print(len(c.program_source('sm90a')))"
     )
     result = run_installed(site, tmp_path, "-c", code)
     assert result.returncode == 0, result.stderr
-    path, files, main, sm90a = result.stdout.splitlines()
+    path, folder, files, main, sm90a = result.stdout.splitlines()
     assert Path(path).resolve().is_relative_to(site.resolve())
+    assert Path(folder).resolve() == (site / "deggs" / "kernels" / "common.cuh").resolve()
     assert files == str(kernel_files())
     assert int(main) == len(program_source("main"))
     assert int(sm90a) == len(program_source("sm90a"))

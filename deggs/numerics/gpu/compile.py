@@ -1,5 +1,5 @@
-"""Compiling the kernels: the sources as installed (package data of deggs.kernels, the
-repository's kernels/ folder), one program a plan's program, and the compiled sm_90a
+"""Compiling the kernels: the sources (the repository's kernels/ folder, installed as the
+package data of deggs.kernels), one program a plan's program, and the compiled sm_90a
 program kept between starts.
 
 Each .cu file includes the headers it uses and compiles alone with nvcc (kernels/README.md).
@@ -17,6 +17,7 @@ import re
 import tempfile
 from collections.abc import Callable, Iterable, Mapping
 from importlib import resources
+from importlib.resources.abc import Traversable
 from pathlib import Path
 
 from .. import launch
@@ -29,15 +30,24 @@ INCLUDE = re.compile(r'^#include "([^"]+)"\s*$')
 OPTIONS = ("--std=c++17", "--fmad=false")  # every float rounds where the CPU's does
 
 
+def kernel_folder() -> Traversable:
+    """The CUDA sources of this copy of deggs: in a source checkout the kernels/ folder
+    beside its deggs/ (so that a script run from one checkout never compiles another's,
+    whatever the environment installed), else the installed package data."""
+    checkout = Path(__file__).resolve().parents[3] / "kernels"
+    if (checkout / "common.cuh").is_file():
+        return checkout
+    return resources.files(KERNEL_PACKAGE)
+
+
 def read_kernel_file(name: str) -> str:
-    """A kernel source file as installed with the package."""
-    return resources.files(KERNEL_PACKAGE).joinpath(name).read_text()
+    """A kernel source file of this copy of deggs."""
+    return kernel_folder().joinpath(name).read_text()
 
 
 def kernel_files() -> list[str]:
-    """Every CUDA source file installed (*.cu and *.cuh)."""
-    folder = resources.files(KERNEL_PACKAGE)
-    return sorted(p.name for p in folder.iterdir() if p.name.endswith((".cu", ".cuh")))
+    """Every CUDA source file (*.cu and *.cuh)."""
+    return sorted(p.name for p in kernel_folder().iterdir() if p.name.endswith((".cu", ".cuh")))
 
 
 def source(files: Iterable[str], read: Callable[[str], str] = read_kernel_file) -> str:
