@@ -171,7 +171,7 @@ class WorkerConfig:
 
 
 # Upper bounds of the model's shape: beyond them no backend has the memory (the GPU's own,
-# smaller limits are checked by deggs.numerics.gpu.supports).
+# smaller limits are checked by deggs.numerics.gpu.plan.supports).
 MODEL_LIMITS = {"hidden_dim": 2048, "n_layers": 256, "seq_len": 8192, "vocab_size": 1 << 20}
 
 # Tables that do not change the math, and so stay out of the fingerprint.

@@ -122,18 +122,21 @@ def main(
     if (head or qkv or timeline) and backend != "gpu":
         raise click.UsageError("--head, --qkv and --timeline are for --backend gpu")
     start = time.perf_counter()
-    engine = make_backend(cfg, backend)
-    if batch:
-        engine.batch = batch  # members per forward sub-batch
-    # a Hopper kernel only where the backend chose it (built, and its tiles fit)
-    if head == "head_loss_sm90" and engine.head_kernel != head:
-        raise click.UsageError("head_loss_sm90 does not run this config on this device")
-    if qkv == "qkv_rope_sm90" and not engine.fused_qkv:
-        raise click.UsageError("qkv_rope_sm90 does not run this config on this device")
-    if head:
-        engine.head_kernel = head
-    if qkv:
-        engine.fused_qkv = qkv == "qkv_rope_sm90"
+    if backend == "gpu":
+        from deggs.numerics.gpu import GpuBackend
+
+        # the choices made at construction; a Hopper kernel asked for that cannot run
+        # this config on this device is refused
+        try:
+            engine = GpuBackend(
+                cfg, batch=batch, head=head, qkv=None if qkv is None else qkv == "qkv_rope_sm90"
+            )
+        except ValueError as e:
+            raise click.UsageError(str(e)) from None
+    else:
+        engine = make_backend(cfg, backend)
+        if batch:
+            engine.batch = batch  # the CPU's members a batch
     trainer = Trainer(engine)
     init_s = time.perf_counter() - start
     rng = np.random.default_rng(0)
@@ -188,16 +191,15 @@ def main(
     if backend == "gpu":
         record.update(
             batch=min(engine.batch, n),  # members a sub-batch of the timed forward
-            head=engine.head_kernel if engine.fused else "cuBLAS + sequence_loss",
-            qkv="qkv_rope_sm90" if engine.fused_qkv else "cuBLAS + qkv_rope",
+            head=engine.plan.head if engine.plan.fused else "cuBLAS + sequence_loss",
+            qkv="qkv_rope_sm90" if engine.plan.fused_qkv else "cuBLAS + qkv_rope",
             graph=engine.graph is not None,
             graph_error=engine.graph_error,
         )
         if profile:
-            engine.profile = {}
+            engine.start_profile()
             engine.losses(data, 2, seed, batch_members)
             record["profile_ms"] = engine.profile_report()
-            engine.profile = None
         if timeline:
             record["timeline"] = step_timeline(engine, trainer, data)
     if replay_steps:

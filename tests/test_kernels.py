@@ -3,37 +3,48 @@
 import re
 import shutil
 import subprocess
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from deggs.config import Config
-from deggs.numerics.gpu import (
-    KERNEL_FILES,
-    SM90_FILES,
-    TILE_WARPS,
+from deggs.numerics.gpu.compile import (
     cached_cubin,
-    choose_token_threads,
+    kernel_cache_folder,
+    kernel_files,
+    kernel_folder,
+    program_source,
+    read_kernel_file,
+    source,
+)
+from deggs.numerics.gpu.cores import (
     core_pieces,
+    hidden_order,
+    in_hidden_order,
+    sliced_core_pieces,
+    up_order,
+)
+from deggs.numerics.gpu.forward import seeds_in_pairs
+from deggs.numerics.gpu.plan import (
+    H100,
+    KERNELS,
+    PROGRAMS,
+    TILE_WARPS,
+    choose_token_threads,
     exp_copies,
     exp_last,
     head_loss_layout,
     head_loss_shared,
     head_loss_sm90_shared,
-    hidden_order,
-    in_hidden_order,
-    kernel_cache_folder,
     kernel_defines,
-    kernel_source,
+    make_plan,
     projection_terms_fit,
     qkv_rope_sm90_shared,
-    seeds_in_pairs,
-    shared_memory,
-    sliced_core_pieces,
+    row_kernels_shared,
     supports,
     terms_sm90_shared,
     up_gelu_sm90_shared,
-    up_order,
 )
 from deggs.numerics.launch import Kernel, signatures
 from deggs.numerics.model import cdiv, f32, fma32, make_tables, trunc_i32
@@ -55,11 +66,15 @@ def test_the_default_and_the_size_limits_fit_an_h100():
 def test_what_does_not_fit_is_named():
     mode2 = Config().replace(model=dict(vocab_size=65536), adaptive_noise=dict(mode=2))
     (problem,) = supports(mode2, H100_OPTIN)  # mode 2's output noise needs 32 bits
-    assert problem.startswith("sequence_loss needs 263") and "allows 232448" in problem
+    assert problem.startswith("sequence_loss needs 262144 bytes of dynamic") and "232448" in problem
     problems = supports(config(seq_len=1024, head_dim=32, hidden_dim=64), H100_OPTIN)
     assert any("seq_len 1024 needs 2048 threads" in p for p in problems)
     small_device = supports(config(hidden_dim=2048, head_dim=128), 48 << 10)
     assert {p.split()[0] for p in small_device} == {"standard_norm", "residual_norm", "mlp_up"}
+    # after compiling, each kernel's static shared memory counts too
+    static = {"sequence_loss": 1280}
+    (problem,) = supports(mode2, H100_OPTIN, static)
+    assert problem.startswith("sequence_loss needs 263424 bytes of shared memory")
 
 
 @pytest.mark.parametrize("hidden, threads", [(64, 64), (1024, 1024), (1536, 768), (2048, 1024)])
@@ -67,16 +82,37 @@ def test_choose_token_plays_the_references_threads(hidden, threads):
     assert choose_token_threads(hidden) == threads and hidden % threads == 0
 
 
-def test_every_kernel_signature_is_read_from_the_shipped_sources():
-    source = kernel_source()
-    kernels = signatures(source)
-    assert set(kernels) == set(
-        re.findall(r'extern "C" __global__ void (?:__launch_bounds__\(.*?\)\s*)?(\w+)\(', source)
-    )
-    assert len(kernels) == 17 and set(shared_memory(Config())) <= set(kernels)
-    embed = {p.name: p for p in kernels["embed"]}
+def test_every_kernel_is_in_the_plan_and_in_the_file_the_plan_names():
+    """plan.KERNELS names each kernel's file; every `extern "C" __global__` of the shipped
+    sources is there, in that file, and each program holds its files' kernels."""
+    for name in kernel_files():
+        if name.endswith(".cu"):
+            found = set(signatures(source([name])))
+            assert found == {k for k, f in KERNELS.items() if f == name}, name
+    for program, files in PROGRAMS.items():
+        text = program_source(program)
+        kernels = signatures(text)
+        assert set(kernels) == {k for k, f in KERNELS.items() if f in files}, program
+        assert set(kernels) == set(
+            re.findall(r'extern "C" __global__ void (?:__launch_bounds__\(.*?\)\s*)?(\w+)\(', text)
+        )
+    assert set(row_kernels_shared(Config())) <= set(KERNELS)
+    embed = {p.name: p for p in signatures(program_source("main"))["embed"]}
     assert embed["tokens"].pointer and embed["tokens"].dtype is np.int32
     assert not embed["off_emb"].pointer and embed["off_emb"].dtype is np.uint32
+
+
+def test_a_program_is_its_files_with_each_header_once():
+    files = {
+        "a.cu": '#include "h.cuh"\nA',
+        "b.cu": '#include "h.cuh"\nB',
+        "h.cuh": "#pragma once\nH",
+    }
+    assert source(["a.cu", "b.cu"], files.__getitem__) == "H\nA\nB\n"
+    shipped = program_source("sm90a")
+    assert "#include" not in shipped and "#pragma once" not in shipped
+    assert shipped.count("#define TILE_M ") == 1  # tiles.cuh, included by every sm90a file
+    assert read_kernel_file("common.cuh").replace("#pragma once\n", "") in program_source("main")
 
 
 def test_launchers_check_every_argument_against_the_signature():
@@ -106,7 +142,7 @@ def test_launchers_check_every_argument_against_the_signature():
 
 
 def head_loss_bytes(cfg):
-    return head_loss_shared(cfg, kernel_defines(cfg, make_tables(cfg)))
+    return head_loss_shared(cfg, kernel_defines(cfg, H100))
 
 
 def test_head_loss_fits_two_blocks_an_sm_at_the_default_and_gives_way_when_too_big():
@@ -118,19 +154,19 @@ def test_head_loss_fits_two_blocks_an_sm_at_the_default_and_gives_way_when_too_b
 @pytest.mark.parametrize("mode", [0, 1, 2])
 def test_up_gelu_sm90_fits_three_blocks_an_sm_at_the_default(mode):
     cfg = Config().replace(adaptive_noise=dict(mode=mode))
-    defines = kernel_defines(cfg, make_tables(cfg))
+    defines = kernel_defines(cfg, H100)
     assert 3 * (up_gelu_sm90_shared(cfg, defines) + 1024) <= 233472  # each block reserves 1 KiB
     assert defines["UP_BLOCKS"] == 3
     # two (and the registers of two) where a warpgroup's rows span members or three
     # blocks do not fit
     for model in (dict(seq_len=80), dict(hidden_dim=512, seq_len=256)):
         wider = cfg.replace(model=model)
-        assert kernel_defines(wider, make_tables(wider))["UP_BLOCKS"] == 2
+        assert kernel_defines(wider, H100)["UP_BLOCKS"] == 2
 
 
 def test_the_terms_kernels_fit_an_h100_and_their_terms_16_bits_at_the_default():
     cfg = Config()
-    defines = kernel_defines(cfg, make_tables(cfg))
+    defines = kernel_defines(cfg, H100)
     assert terms_sm90_shared(cfg, defines) + 1024 <= 233472
     q = cfg.quantization
     assert projection_terms_fit(cfg, cfg.model.hidden_dim, q.shift_out)
@@ -224,7 +260,7 @@ def rows_to_cores(matrix, order):
 
 @pytest.mark.parametrize("k", [64, 256])
 def test_the_core_copies_hold_what_the_kernels_gathered(k):
-    """gpu.core_pieces: the copy an sm90 kernel now copies into shared memory as it is
+    """cores.core_pieces: the copy an sm90 kernel now copies into shared memory as it is
     holds the bytes its tiles gathered row by row before (rows_to_cores)."""
     rng = np.random.default_rng(k)
     matrix = rng.integers(-127, 128, (4 * k, k)).astype(np.int8)
@@ -258,7 +294,7 @@ def test_up_order_gives_each_up_gelu_sm90_thread_whole_groups(hidden):
 @pytest.mark.parametrize("hidden", [32, 256])
 def test_the_down_copies_take_their_inputs_in_hidden_order(hidden):
     """up_gelu_sm90 writes byte 4 G + sub of a hidden row for feature G + sub hidden;
-    the down matrix's copies (gpu.in_hidden_order) hold its inputs in that order, so the
+    the down matrix's copies (cores.in_hidden_order) hold its inputs in that order, so the
     products are the same."""
     k, n = 4 * hidden, hidden
     order = hidden_order(hidden)
@@ -288,7 +324,7 @@ def test_the_exp_table_head_loss_keeps_gives_every_lookup_the_same_entry(softmax
     exp = make_tables(cfg).exp
     last, d = exp_last(exp), np.arange(2 * len(exp) + 3)
     assert np.array_equal(exp[np.minimum(d, len(exp) - 1)], exp[np.minimum(d, last)])
-    copies = exp_copies(cfg, last)
+    copies = exp_copies(cfg, last, H100)
     assert copies & (copies - 1) == 0 and 1 <= copies <= 32
 
     def fits(n):  # two blocks an SM with n copies
@@ -384,34 +420,54 @@ def test_the_divisor_by_a_multiply_is_c_division():
 
 
 WIDE = {"qkv_rope_sm90", "o_terms_sm90", "down_terms_sm90"}
+NVCC = shutil.which("nvcc")
+CU_FILES = [name for name in kernel_files() if name.endswith(".cu")]
+
+
+def nvcc_alone(name: str, defines: dict, folder, *flags: str) -> subprocess.CompletedProcess:
+    """nvcc on one installed .cu file as it is, its own #includes resolved beside it:
+    for sm_90a where it is an sm90a program's file, else sm_90."""
+    path = Path(str(kernel_folder().joinpath(name)))
+    arch = "sm_90a" if name in PROGRAMS["sm90a"] else "sm_90"
+    return subprocess.run(
+        ["nvcc", f"-arch={arch}", "-cubin", "-o", str(folder / f"{name}.cubin"), *flags]
+        + ["--std=c++17", "--fmad=false", str(path)]
+        + [f"-D{k}={v}" for k, v in defines.items()],
+        capture_output=True,
+        text=True,
+    )
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc on this machine")
-@pytest.mark.parametrize("program", ["main", "sm90"])
-def test_the_sources_compile_without_warnings_at_the_largest_shifts(program, tmp_path):
-    """Every quantization shift at 30, the most config.py allows: MSHIFT = fixed_point
-    + sigma_shift is 60, and no kernel may shift an int by its width or more (undefined
+@pytest.mark.skipif(NVCC is None, reason="no nvcc on this machine")
+@pytest.mark.parametrize("name", CU_FILES)
+def test_each_kernel_file_compiles_alone_without_warnings_at_the_largest_shifts(name, tmp_path):
+    """Each .cu file is a unit: it compiles alone with the plan's defines. Every
+    quantization shift at 30, the most config.py allows: MSHIFT = fixed_point +
+    sigma_shift is 60, and no kernel may shift an int by its width or more (undefined
     in C++; nvcc warns and dropped head_loss_sm90's lookups where it did), nor may the
     preprocessor's overflow bounds themselves overflow."""
     shifts = {name: 30 for name in Config().quantization.__dataclass_fields__}
     cfg = Config().replace(quantization=shifts)
-    files, arch = (SM90_FILES, "sm_90a") if program == "sm90" else (KERNEL_FILES, "sm_90")
-    source = tmp_path / "all.cu"
-    source.write_text(kernel_source(files))
-    run = subprocess.run(
-        ["nvcc", f"-arch={arch}", "-cubin", "-o", str(tmp_path / "all.cubin")]
-        + ["--std=c++17", "--fmad=false", str(source)]
-        + [f"-D{k}={v}" for k, v in kernel_defines(cfg, make_tables(cfg)).items()],
-        capture_output=True,
-        text=True,
-    )
+    run = nvcc_alone(name, kernel_defines(cfg, H100), tmp_path)
     assert run.returncode == 0, run.stderr
     assert "warning" not in run.stderr.lower(), run.stderr
 
 
+def static_shared_by_nvcc(log: str) -> dict[str, int]:
+    """Each kernel's static shared memory as ptxas reports it (--resource-usage: "Used N
+    registers, used B barriers[, S bytes smem]")."""
+    found = {}
+    for entry in log.split("Compiling entry function '")[1:]:
+        name = entry.split("'")[0]
+        usage = re.search(r"Used \d+ registers[^\n]*", entry).group(0)
+        smem = re.search(r"(\d+) bytes smem", usage)
+        found[name] = int(smem.group(1)) if smem else 0
+    return found
+
+
 @pytest.mark.slow
-@pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc on this machine")
+@pytest.mark.skipif(NVCC is None, reason="no nvcc on this machine")
 @pytest.mark.parametrize(
     "model",
     [
@@ -430,31 +486,29 @@ def test_the_sources_compile_without_warnings_at_the_largest_shifts(program, tmp
     ],
 )
 def test_the_sources_compile_for_hopper_without_spills(model, tmp_path):
-    """nvcc compiles what NVRTC will (no GPU needed); the tensor-core kernels keep to
-    the registers their __launch_bounds__ allow (128, or 255 where a row's products stay
-    in registers: WIDE), with nothing spilled."""
+    """nvcc compiles what NVRTC will (no GPU needed), file by file; the tensor-core
+    kernels keep to the registers their __launch_bounds__ allow (128, or 255 where a
+    row's products stay in registers: WIDE), with nothing spilled; and the plan, made
+    with the static shared memory ptxas reports, runs on an H100 what fits there."""
     cfg = config(**model)
-    defines = kernel_defines(cfg, make_tables(cfg))
+    defines = kernel_defines(cfg, H100)
+    static: dict[str, int] = {}
 
-    def compile_checked(arch, files, kernels):
-        source = tmp_path / f"{arch}.cu"
-        source.write_text(kernel_source(files))
-        run = subprocess.run(
-            ["nvcc", f"-arch={arch}", "-cubin", "-o", str(tmp_path / f"{arch}.cubin")]
-            + ["--std=c++17", "--fmad=false", "--resource-usage", str(source)]
-            + [f"-D{k}={v}" for k, v in defines.items()],
-            capture_output=True,
-            text=True,
-        )
+    def compile_checked(name, kernels):
+        run = nvcc_alone(name, defines, tmp_path, "--resource-usage")
         assert run.returncode == 0, run.stderr
         for kernel in kernels:
             usage = run.stderr.split(f"Function properties for {kernel}")[1].splitlines()[1:3]
             assert "0 bytes spill stores" in usage[0], (kernel, usage)
             registers = int(re.search(r"Used (\d+) registers", usage[1]).group(1))
             assert registers <= (255 if kernel in WIDE else 128), (kernel, usage)
+        static.update(static_shared_by_nvcc(run.stderr))
         return run.stderr
 
-    compile_checked("sm_90", KERNEL_FILES, ["head_loss", "attention_mma"])
+    compile_checked("head_loss.cu", ["head_loss"])
+    compile_checked("attention.cu", ["attention_mma"])
+    for name in ("forward.cu", "generate.cu", "update.cu", "optimizer.cu"):
+        compile_checked(name, [])
     # Hopper's kernels, for sm_90a where their tiles fit: ptxas must neither serialise
     # the warpgroup MMAs nor inject a wait for them (C7517: it does where it cannot tell
     # which accumulators are in flight), or the products stop overlapping the epilogue
@@ -466,6 +520,13 @@ def test_the_sources_compile_for_hopper_without_spills(model, tmp_path):
         "down_terms_sm90": terms_sm90_shared(cfg, defines),
     }
     fits = [kernel for kernel, size in sizes.items() if size is not None and size <= H100_OPTIN]
-    if fits:
-        log = compile_checked("sm_90a", SM90_FILES, fits)
+    for name in PROGRAMS["sm90a"]:
+        mine = [k for k in fits if KERNELS[k] == name]
+        log = compile_checked(name, mine)
         assert "serialized" not in log and "C7517" not in log, log
+    assert set(static) == set(KERNELS)
+    plan = make_plan(cfg, H100, defines, static)
+    for kernel in fits:  # a fitting layout runs, unless its barriers leave no room
+        assert (kernel in plan.shared) == (sizes[kernel] + static[kernel] <= H100_OPTIN) or (
+            kernel in ("o_terms_sm90", "down_terms_sm90")  # also needs 16-bit terms
+        ), kernel

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 import deggs
-from deggs.numerics.gpu import KERNEL_FILES, SM90_FILES, kernel_source
+from deggs.numerics.gpu.compile import kernel_files, program_source
 
 pytestmark = pytest.mark.slow  # real processes, builds and installs
 
@@ -38,9 +38,10 @@ def wheel(tmp_path_factory) -> Path:
     src = tmp_path_factory.mktemp("src")
     for name in ("pyproject.toml", "README.md", "LICENSE"):
         shutil.copy2(ROOT / name, src / name)
-    shutil.copytree(
-        ROOT / "deggs", src / "deggs", ignore=shutil.ignore_patterns("__pycache__", "*.pyc")
-    )
+    for folder in ("deggs", "kernels"):  # kernels/: the CUDA sources, as deggs.kernels
+        shutil.copytree(
+            ROOT / folder, src / folder, ignore=shutil.ignore_patterns("__pycache__", "*.pyc")
+        )
     out = tmp_path_factory.mktemp("wheel")
     built = subprocess.run(
         [
@@ -116,9 +117,13 @@ def run_installed(site: Path, cwd: Path, *args: str, timeout=300) -> subprocess.
 def test_the_wheel_holds_the_subpackages_the_kernels_and_the_license(wheel):
     with zipfile.ZipFile(wheel) as zf:
         names = set(zf.namelist())
-    for name in {*KERNEL_FILES, *SM90_FILES}:
-        assert f"deggs/numerics/kernels/{name}" in names
-    for package in ("deggs", "deggs/runtime", "deggs/numerics"):
+    shipped = kernel_files()
+    assert {"common.cuh", "forward.cu", "head_loss_sm90.cu"} <= set(shipped)
+    for name in shipped:  # one copy each, inside the package
+        assert f"deggs/kernels/{name}" in names
+        assert sum(n.endswith(f"/{name}") for n in names) == 1, name
+    assert "deggs/kernels/README.md" in names
+    for package in ("deggs", "deggs/runtime", "deggs/numerics", "deggs/numerics/gpu"):
         expected = {p.relative_to(ROOT).as_posix() for p in (ROOT / package).glob("*.py")}
         assert expected and expected <= names, sorted(expected - names)
     dist_info = f"deggs-{deggs.__version__}.dist-info"
@@ -145,15 +150,19 @@ def test_the_packaged_default_config_is_the_top_level_config_toml(wheel):
 
 def test_the_installed_copy_is_used_and_finds_its_kernels(site, tmp_path):
     code = (
-        "import deggs, deggs.numerics.gpu as gpu; print(deggs.__file__); "
-        "src = gpu.kernel_source(); print(len(src)); print('__global__' in src)"
+        "import deggs; from deggs.numerics.gpu import compile as c; print(deggs.__file__); "
+        "print(c.kernel_folder().joinpath('common.cuh')); "
+        "print(c.kernel_files()); print(len(c.program_source('main'))); "
+        "print(len(c.program_source('sm90a')))"
     )
     result = run_installed(site, tmp_path, "-c", code)
     assert result.returncode == 0, result.stderr
-    path, length, has_kernel = result.stdout.split()
+    path, folder, files, main, sm90a = result.stdout.splitlines()
     assert Path(path).resolve().is_relative_to(site.resolve())
-    assert int(length) == len(kernel_source())
-    assert has_kernel == "True"
+    assert Path(folder).resolve() == (site / "deggs" / "kernels" / "common.cuh").resolve()
+    assert files == str(kernel_files())
+    assert int(main) == len(program_source("main"))
+    assert int(sm90a) == len(program_source("sm90a"))
 
 
 @pytest.mark.parametrize("flag", ["--help", "-h", "--version"])

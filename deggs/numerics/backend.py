@@ -4,12 +4,13 @@ A backend holds one model replica: the int8 weights, the adaptive-noise overlays
 optimizer state, in the CPU backend's logical layouts when read (`params`, `overlays`,
 `state`: the CPU backend's own arrays, copies fetched from the device on the GPU; write
 them with `load_state`). The CPU backend (cpu.py) is the readable specification; the GPU backend
-(gpu.py) computes the same bits with CUDA kernels. A new backend implements `Backend`
+(gpu/) computes the same bits with CUDA kernels. A new backend implements `Backend`
 and gets a row in `BACKENDS`.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
@@ -19,6 +20,8 @@ from ..config import Config
 
 if TYPE_CHECKING:  # the registry itself stays light: `deggs worker --help` reads NAMES
     from .state import OptimizerState
+
+log = logging.getLogger(__name__)
 
 
 class Backend(Protocol):
@@ -85,10 +88,11 @@ def _cpu(cfg: Config, threads: int | None) -> Backend:
 
 
 def _gpu(cfg: Config, threads: int | None) -> Backend:
-    from .gpu import GpuBackend, gpu_available
+    from .gpu import GpuBackend, why_no_gpu
 
-    if not gpu_available():
-        raise BackendError("backend 'gpu' needs CuPy and a CUDA device")
+    reason = why_no_gpu()
+    if reason:
+        raise BackendError(f"backend 'gpu' needs CuPy and a CUDA device: {reason}")
     try:
         return GpuBackend(cfg)
     except ValueError as e:  # a shape its kernels do not support
@@ -99,21 +103,31 @@ BACKENDS = {"cpu": _cpu, "gpu": _gpu}
 NAMES = ("auto", *BACKENDS)
 
 
+def why_no_gpu() -> str:
+    """Why the GPU backend cannot run here ("" where it can): deggs.numerics.gpu does not
+    import, or CuPy does not, or it sees no CUDA device."""
+    try:
+        from .gpu import why_no_gpu as reason
+    except ImportError as e:
+        return f"deggs.numerics.gpu does not import ({e})"
+    return reason()
+
+
 def gpu_present() -> bool:
     """CuPy imports and sees a CUDA device (without building a backend)."""
-    try:
-        from .gpu import gpu_available
-    except ImportError:
-        return False
-    return gpu_available()
+    return not why_no_gpu()
 
 
 def make_backend(cfg: Config, name: str = "auto", threads: int | None = None) -> Backend:
-    """A backend by name; 'auto' is the GPU where CuPy sees one, else the CPU.
+    """A backend by name; 'auto' is the GPU where CuPy sees one, else the CPU (and the
+    log says why not the GPU).
 
     threads: how many CPU threads the CPU backend uses (default: every core)."""
     if name == "auto":
-        name = "gpu" if gpu_present() else "cpu"
+        reason = why_no_gpu()
+        if reason:
+            log.info("backend auto: the CPU, since %s", reason)
+        name = "cpu" if reason else "gpu"
     if name not in BACKENDS:
         raise BackendError(f"unknown backend {name!r} (available: {', '.join(NAMES)})")
     return BACKENDS[name](cfg, threads)

@@ -3,10 +3,11 @@
 Every worker rebuilds the same update from the fitness alone, since it can regenerate
 every pair's noise. A weight's "vote" is the fitness-weighted sum of its noise over the
 pairs: for W[k, j], vote = sum_p fitness_p * a_p[j] * b_p[k], which is the matrix
-product B^T diag(fitness) A (exact in float64 BLAS). The vote drives a quantized AdamW:
-float32 moments and a fractional accumulator per weight, the int8 weight stepping by one
-whenever the accumulator crosses +-1. The float32 expressions follow the reference's
-order of operations, with the fused multiply-adds nvcc emits (see `fma32`).
+product B^T diag(fitness) A (exact in float64 BLAS). The vote drives the optimizer (the
+contract below; AdamW by default): float32 moments and a fractional accumulator per
+weight, the int8 weight stepping by one whenever the accumulator crosses +-1. The
+float32 expressions follow the reference's order of operations, with the fused
+multiply-adds nvcc emits (see `fma32`).
 
 Adaptive noise: after the update each overlay entry (a matrix row or column, a vector
 entry) grows by `inc` if any of its weights changed and shrinks by `dec` otherwise.
@@ -14,9 +15,13 @@ entry) grows by `inc` if any of its weights changed and shrinks by `dec` otherwi
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Protocol
+
 import numpy as np
 
-from ..config import Config
+from ..config import Config, OptimizerConfig
 from ..seeds import pair_seed
 from .model import MAX_VAL, fma32
 from .noise import noise_table
@@ -70,39 +75,93 @@ def vector_votes(cfg, fitness, step_seed, off_a, off_b, idx):
     return total.astype(np.int64)
 
 
-# --- the quantized optimizer step ---------------------------------------------------
+# --- the optimizers ------------------------------------------------------------------
+#
+# The contract: an optimizer takes one whole parameter slice (a matrix W[in, out] or a
+# vector) with its vote and its state, and returns the new int8 weights, the new state
+# and which weights changed. apply_update walks the parameters and calls it; nothing else
+# knows which optimizer runs. An optimizer that needs the whole matrix (Muon) implements
+# `step` on the matrix and says elementwise = False; AdamW and threshold SGD are
+# elementwise: a direction per weight, then the quantized step (`quantize`).
 
 
-def adamw(o, g, wf, m, v):
-    """AdamW's step direction from the gradient g (the negated vote) and weights wf."""
-    f = np.float32
-    b1, b2 = f(o.beta1), f(o.beta2)
-    m = fma32(b1, m, (f(1) - b1) * g)
-    v = fma32(f(1) - b2, g * g, b2 * v)
-    return fma32(f(o.weight_decay), wf, m / (np.sqrt(v) + f(o.eps))), m, v
+@dataclass
+class Moments:
+    """One parameter's (or a region's) optimizer state: float32 arrays shaped like its
+    weights (AdamW's first and second moments, and the fractional accumulator)."""
+
+    m: np.ndarray
+    v: np.ndarray
+    acc: np.ndarray
 
 
-def threshold_sgd(o, g, wf, m, v):
+class Optimizer(Protocol):
+    # each weight's step reads its own vote and state alone, so that a region of a
+    # parameter updates as the whole parameter would (scripts/conformance.py's slices)
+    elementwise: bool
+
+    def step(
+        self, w: np.ndarray, vote: np.ndarray, state: Moments, lr: np.float32
+    ) -> tuple[np.ndarray, Moments, np.ndarray]:
+        """New int8 weights, new state and the changed-weight mask of one parameter from
+        its int8 weights, its integer vote (same shape) and its state."""
+        ...
+
+
+class Elementwise(ABC):
+    """An optimizer that moves each weight's float accumulator by -lr times a per-weight
+    step direction; the weight moves by one where the accumulator crosses +-1."""
+
+    elementwise = True
+
+    def __init__(self, o: OptimizerConfig):
+        self.o = o
+
+    @abstractmethod
+    def direction(self, g, wf, state: Moments):
+        """The step direction x from the gradient g (the negated vote) and the weights wf,
+        with the new moments (m, v)."""
+
+    def step(self, w, vote, state: Moments, lr):
+        g = -vote.astype(np.float32)
+        x, m, v = self.direction(g, w.astype(np.float32), state)
+        acc = fma32(-np.float32(lr), x, state.acc)
+        w, acc, changed = quantize(w, acc)
+        return w, Moments(m, v, acc), changed
+
+
+class AdamW(Elementwise):
+    """AdamW's step direction, in the reference's float32 order of operations."""
+
+    def direction(self, g, wf, state: Moments):
+        o, f = self.o, np.float32
+        b1, b2 = f(o.beta1), f(o.beta2)
+        m = fma32(b1, state.m, (f(1) - b1) * g)
+        v = fma32(f(1) - b2, g * g, b2 * state.v)
+        return fma32(f(o.weight_decay), wf, m / (np.sqrt(v) + f(o.eps))), m, v
+
+
+class ThresholdSgd(Elementwise):
     """A scaled vote and weight decay; no moments."""
-    f = np.float32
-    return fma32(f(o.weight_decay), wf, f(o.sgd_vote_scale) * g), m, v
+
+    def direction(self, g, wf, state: Moments):
+        o, f = self.o, np.float32
+        return fma32(f(o.weight_decay), wf, f(o.sgd_vote_scale) * g), state.m, state.v
 
 
-# optimizer.kind -> its step direction (x, m, v). The GPU kernel implements the same two.
-OPTIMIZERS = {"adamw": adamw, "sgd": threshold_sgd}
+# optimizer.kind -> its optimizer. The GPU's are in deggs/numerics/gpu/update.py.
+OPTIMIZERS: dict[str, type[Elementwise]] = {"adamw": AdamW, "sgd": ThresholdSgd}
+
+
+def make_optimizer(cfg: Config) -> Optimizer:
+    return OPTIMIZERS[cfg.optimizer.kind](cfg.optimizer)
 
 
 def optimizer_step(cfg: Config, w, m, v, acc, vote, lr):
-    """One optimizer step on int8 weights; returns (w, m, v, acc, changed).
-
-    The float accumulator moves by -lr times the step direction; the weight moves by one
-    where it crosses +-1.
-    """
-    g = -vote.astype(np.float32)
-    x, m, v = OPTIMIZERS[cfg.optimizer.kind](cfg.optimizer, g, w.astype(np.float32), m, v)
-    acc = fma32(-np.float32(lr), x, acc)
-    w, acc, changed = quantize(w, acc)
-    return w, m, v, acc, changed
+    """One step of the config's optimizer on an array of weights; returns (w, m, v, acc,
+    changed)."""
+    w, state, changed = make_optimizer(cfg).step(w, vote, Moments(m, v, acc), lr)
+    return w, state.m, state.v, state.acc, changed
 
 
 def quantize(w, acc):
@@ -138,10 +197,15 @@ def update_region(
     rows,
     cols=None,
 ):
-    """Update rows (x cols, for a matrix) of one parameter slice in place.
+    """Update rows (x cols, for a matrix) of one parameter slice in place: all of them
+    (apply_update), or a region where the optimizer is elementwise.
 
     Weights and optimizer state change there; returns the changed-weight mask.
     """
+    optimizer = make_optimizer(cfg)
+    whole = len(rows) == s.shape[0] and (cols is None or len(cols) == s.shape[1])
+    if not (whole or optimizer.elementwise):
+        raise ValueError(f"{cfg.optimizer.kind} updates whole parameters only")
     lr = np.float32(cfg.learning_rate(step))
     if s.param.bias_lr:
         lr = lr * np.float32(cfg.optimizer.bias_lr_scale)
@@ -153,8 +217,8 @@ def update_region(
         region = (rows,)
     arrays = [d[s.name][s.index] for d in (params, state.m, state.v, state.acc)]
     w, m, v, acc = (a[region] for a in arrays)
-    *new, changed = optimizer_step(cfg, w, m, v, acc, vote, lr)
-    for a, value in zip(arrays, new, strict=True):
+    w, moments, changed = optimizer.step(w, vote, Moments(m, v, acc), lr)
+    for a, value in zip(arrays, (w, moments.m, moments.v, moments.acc), strict=True):
         a[region] = value
     return changed
 

@@ -6,6 +6,10 @@
 // run a tile's epilogue; here the products of the next tile run during the epilogue.
 // A block of 256 rows reads the embedding table from L2 once per pass, as head_loss.
 
+#include "common.cuh"
+#include "tiles.cuh"
+#include "wgmma.cuh"
+
 // The warpgroup's rows as registers (wgmma's A fragments, HIDDEN / 8 a thread) where
 // they fit beside two tiles' accumulators; else read from shared memory by each product.
 #define HEAD_REGS_A (HIDDEN <= 256)

@@ -18,18 +18,22 @@
 // The input dot rounds in float over each group of four features j, j + HIDDEN,
 // j + 2 HIDDEN, j + 3 HIDDEN, in that order (mlp_up's), so a thread takes whole groups
 // over two tiles: in tiles 2 u + h, tile row 16 w + 8 s + g (warp w of the warpgroup,
-// g = lane / 4) is feature G + (2 h + s) HIDDEN of group G = 32 u + 8 w + g (gpu.py's
+// g = lane / 4) is feature G + (2 h + s) HIDDEN of group G = 32 u + 8 w + g (gpu/cores.py's
 // up_order), and thread (w, g) holds its features (the accumulator's rows g, g + 8) for
 // its rows 8 j + 2 tig + e (the columns; j < 4, e < 2). Tile 2 u + 1 finishes what
 // tile 2 u began.
 //
 // The hidden row is written group by group, byte 4 G + sub for feature G + sub HIDDEN
-// (gpu.py's hidden_order), a thread's four bytes at once: the down-projection reads it
-// with its matrix's inputs in the same order (gpu.py's copies of it).
+// (gpu/cores.py's hidden_order), a thread's four bytes at once: the down-projection reads it
+// with its matrix's inputs in the same order (gpu/state.py's copies of it).
 //
 // Integer sums are exact in any order; every other operation is mlp_up's, in its order:
 // the two agree bit for bit (scripts/kernels.py checks both against the CPU).
-// gpu.up_gelu_sm90_shared() sizes the dynamic shared memory from the layout below.
+// gpu/plan.py's up_gelu_sm90_shared() sizes the dynamic shared memory from the layout below.
+
+#include "common.cuh"
+#include "tiles.cuh"
+#include "wgmma.cuh"
 
 #define UP_THREADS (4 * UP_ROWS)  // a warpgroup of 128 threads for 32 rows
 // The GELU table's index clip8((out >> SHIFT_MLP_UP) + bias) + MAXV is
@@ -43,7 +47,7 @@
 #endif
 #define UP_Q (SHIFT_MLP_UP + MSHIFT)
 #define UP_MEMBERS MEMBERS_OF(UP_ROWS)
-// UP_BLOCKS (gpu.py: 3 where they fit, else 2) blocks an SM: three (80 registers a
+// UP_BLOCKS (gpu/plan.py: 3 where they fit, else 2) blocks an SM: three (80 registers a
 // thread) 6% faster than two (96 registers) at the default, and blocks of 128 rows,
 // one an SM, 16% slower (0.65, 0.69 and 0.81 ms at 8,192 members on an H100).
 

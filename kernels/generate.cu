@@ -1,6 +1,8 @@
 // Generation (deggs/numerics/sampling.py): the forward.cu row kernels run one
 // unperturbed sequence as a member of sign 0; these two replace attention_mix and
-// sequence_loss there. Compiled after common.cuh (gpu.kernel_source).
+// sequence_loss there.
+
+#include "common.cuh"
 
 // attention_mix of the rows at positions pos0 + t over the key/value cache (normalised
 // keys and values of positions 0.., [position, HIDDEN]). Block per (row, head);

@@ -1,15 +1,17 @@
 // The update (deggs/numerics/optimizer.py): every pair's noise as int8 matrices for the
-// vote GEMMs, vector votes, the optimizer step and the overlays. Compiled after
-// common.cuh (gpu.kernel_source).
+// vote GEMMs, vector votes and the overlays (the optimizers' steps: optimizer.cu); and
+// the sm90a kernels' copies of the weights, made again after each update.
+
+#include "common.cuh"
 
 // The noise seed of antithetic pair p at a step (deggs.seeds.pair_seed).
 __device__ __forceinline__ u32 pair_seed(u32 step_seed, int p) { return step_seed + (u32)p; }
 
 // out[j, p] = noise(step_seed + p + off, j) (* fitness[p]): one noise vector per pair,
-// pair-contiguous (pairs: a multiple of 4; GpuBackend pads it to 16). A thread takes four
+// pair-contiguous (pairs: a multiple of 4; UpdateBuffers pads it to 16). A thread takes four
 // pairs, their seeds and fitness once, and rows j = blockIdx.y + k gridDim.y, one 32-bit
 // store a row: with a thread a byte, the indexing, the fitness loads and the byte stores
-// took more time than the hashes (11.7 of the update's 22.6 ms at the default on an H100).
+// took more time than the hashes.
 extern "C" __global__ void noise_matrix(i8* out, const i8* fitness, const u32* step_seed, u32 off,
                                         int n, int pairs) {
     const int p = 4 * (blockIdx.x * blockDim.x + threadIdx.x);
@@ -28,9 +30,9 @@ extern "C" __global__ void noise_matrix(i8* out, const i8* fitness, const u32* s
 // vote[i] += sum_p fitness_p * a_p[i] * b_p[i] over this block's share of the pairs (vote
 // zeroed before; integer adds in any order). A thread an entry: a pair's fitness and seed
 // are the same across the warp, so pairs of fitness 0 are skipped by whole warps, and
-// the sum needs no reduction. The sum fits int32 (GpuBackend._update_buffers checks
-// n_pairs * bound^2 < 2^31). A block an entry over all pairs, summing in 64 bits, took
-// 7.8 ms a step at the default on an H100.
+// the sum needs no reduction. The sum fits int32 (gpu/update.py's UpdateBuffers checks
+// n_pairs * bound^2 < 2^31); a block an entry over all pairs, summing in 64 bits, was
+// slower.
 extern "C" __global__ void vector_votes(int* vote, const i8* fitness, const u32* step_seed,
                                         u32 off_a, u32 off_b, int n, int pairs_per_block, int pairs) {
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
@@ -48,54 +50,16 @@ extern "C" __global__ void vector_votes(int* vote, const i8* fitness, const u32*
     atomicAdd(&vote[i], s);
 }
 
-// One AdamW (or threshold-SGD) step and the quantisation of a parameter slice held as
-// [outer, inner]; counts changes per inner index (row_counts), per outer index
-// (col_counts, may be null) and in total.
-extern "C" __global__ void optimizer_step(i8* w, float* m, float* v, float* acc, const int* vote,
-                                          int n, int inner, const float* lr_buf, int lr_index,
-                                          int* row_counts, int* col_counts, u64* changes,
-                                          float b1, float omb1, float b2, float omb2, float eps,
-                                          float wd, float sgd_scale) {
-    const long e = (long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (e >= n) return;
-    const float g = -__int2float_rn(vote[e]);
-    const int wi = w[e];
-    const float wf = (float)wi;
-#if ADAMW
-    const float mm = __fmaf_rn(b1, m[e], __fmul_rn(omb1, g));
-    const float vv = __fmaf_rn(omb2, __fmul_rn(g, g), __fmul_rn(b2, v[e]));
-    m[e] = mm;
-    v[e] = vv;
-    const float xs = __fmaf_rn(wd, wf, __fdiv_rn(mm, __fadd_rn(__fsqrt_rn(vv), eps)));
-#else
-    const float xs = __fmaf_rn(wd, wf, __fmul_rn(sgd_scale, g));
-#endif
-    float a = __fmaf_rn(-lr_buf[lr_index], xs, acc[e]);
-    const bool up = a >= 1.0f, down = a <= -1.0f;
-    const bool cu = up && wi < MAXV, cd = down && wi > -MAXV;
-    if (cu) a = __fsub_rn(a, 1.0f);
-    else if (up) a = 1.0f;
-    if (cd) a = __fadd_rn(a, 1.0f);
-    else if (down) a = -1.0f;
-    acc[e] = a;
-    if (cu || cd) {
-        w[e] = (i8)(wi + (cu ? 1 : -1));
-        atomicAdd(changes, 1ull);
-        atomicAdd(&row_counts[e % inner], 1);
-        if (col_counts) atomicAdd(&col_counts[e / inner], 1);
-    }
-}
-
 // Piece i of out = piece index[i] of source, in 16-byte pieces, zeros where the index is
 // -1: the copies of matrices that the sm90 kernels keep in their shared memory's order
-// (gpu.py's CoreCopy). n pieces; both arrays 16-byte aligned.
+// (gpu/cores.py's CoreCopy). n pieces; both arrays 16-byte aligned.
 extern "C" __global__ void gather_pieces(const i8* source, const int* index, i8* out, int n) {
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) ((int4*)out)[i] = index[i] < 0 ? make_int4(0, 0, 0, 0) : ((const int4*)source)[index[i]];
 }
 
 // Byte i of out = byte index[i] of source: the copies whose matrix inputs are reordered
-// as well (gpu.py's in_hidden_order). n bytes.
+// as well (gpu/cores.py's in_hidden_order). n bytes.
 extern "C" __global__ void gather_bytes(const i8* source, const int* index, i8* out, int n) {
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) out[i] = source[index[i]];

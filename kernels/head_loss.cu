@@ -12,8 +12,11 @@
 // both against the CPU).
 //
 // Built on tiles.cuh; needs EXP_MAX (the exp table's largest entry), EXP_LAST and
-// EXP_COPIES (below); gpu.head_loss_shared() sizes the dynamic shared memory from the
+// EXP_COPIES (below); gpu/plan.py's head_loss_shared() sizes the dynamic shared memory from the
 // layout.
+
+#include "common.cuh"
+#include "tiles.cuh"
 
 // Two sweeps of the vocabulary:
 //   pass 1: the row's peak, max_j (g_j + term_j), shifted once at the end (an arithmetic

@@ -1,6 +1,7 @@
 // The forward pass of a batch of population members: epilogues of the cuBLAS GEMMs,
-// one thread block per member (attention: per member and head). Compiled after
-// common.cuh (gpu.kernel_source).
+// one thread block per member (attention: per member and head).
+
+#include "common.cuh"
 
 #define LPT ((VOCAB + NT - 1) / NT)  // logits per thread of sequence_loss
 
@@ -27,7 +28,7 @@ __device__ __forceinline__ int embed_term(embed_entry row, embed_entry col) {
 // Token embeddings plus the embedding bias, each with its perturbation. Block per member,
 // a thread four features of a row (one 32-bit load and store), the block's threads
 // over all of the member's rows at once: a thread a feature and the rows in turn waited
-// on each row's token, then its table row, 2.0 ms a chunk at the default on an H100.
+// on each row's token, then its table row.
 extern "C" __global__ void embed(const int* tokens, const u32* seeds, const int* signs,
                                  const i8* emb_t, const i8* emb_bias, const i8* ov_row,
                                  const i8* ov_col, const i8* ov_bias, u32 off_emb,
@@ -354,7 +355,7 @@ extern "C" __global__ void residual_norm(const int* g, const short* terms, const
                 off0, off1, off2);
     // Up to hidden 256, a row's loads (its products, x and input dot) are made while the
     // warp's previous row is normalised: the warp's memory traffic does not wait for
-    // its arithmetic (0.341 -> 0.326 ms at 8,192 members on an H100, 86% of the memory
+    // its arithmetic (scripts/kernels.py residual_norm times it against the memory
     // bandwidth). Wider rows would hold 2 FPL registers across it, at the cost of blocks
     // an SM (hidden 2048: 225 registers a thread), so they load each row at its turn.
     constexpr bool PREFETCH = FPL <= 8;

@@ -5,7 +5,7 @@
 // Unfused, cuBLAS writes rows x HIDDEN int32 products and residual_norm reads them back.
 // Here each product becomes its term of the residual,
 //     (g + rank-1 term) >> shift,
-// which gpu.projection_terms_fit() proves fits 16 bits for every input of the config,
+// which gpu/plan.py's projection_terms_fit() proves fits 16 bits for every input of the config,
 // and goes out as such: residual_norm reads half the bytes of a product in its place.
 //
 // A GEMM pipelined along K: the down-projection's 4 HIDDEN inputs do not fit shared
@@ -14,7 +14,7 @@
 // 128-row tile and all HIDDEN columns at once (HIDDEN / 64 accumulators, 128 registers
 // a thread at 256). A tile's K is taken in slices of SLICE bytes through SLICE_STAGES
 // buffers: the rows' slice (16-byte pieces copied by every thread with cp.async, in
-// wgmma's 128-byte swizzle) and the matrix's (one bulk copy from gpu.py's
+// wgmma's 128-byte swizzle) and the matrix's (one bulk copy from gpu/cores.py's
 // sliced_core_pieces copy, in the core-matrix layout, completing on the stage's
 // mbarrier). Slices are copied
 // SLICE_AHEAD ahead of the products, across tiles; a stage is refilled once both
@@ -25,9 +25,13 @@
 //
 // Integer sums are exact in any order, and these are integer sums only: the terms are
 // residual_norm's, bit for bit (scripts/kernels.py checks them against the CPU).
-// gpu.terms_sm90_shared() sizes the dynamic shared memory.
+// gpu/plan.py's terms_sm90_shared() sizes the dynamic shared memory.
 
-// SLICE, SLICE_STAGES, TERMS_ROWS (gpu.py: 128, rows a tile, two warpgroups of 64)
+#include "common.cuh"
+#include "tiles.cuh"
+#include "wgmma.cuh"
+
+// SLICE, SLICE_STAGES, TERMS_ROWS (gpu/plan.py: 128, rows a tile, two warpgroups of 64)
 #define SLICE_AHEAD (SLICE_STAGES - 2)  // slices copied ahead of the one multiplied
 #define SLICE_SBO (SLICE / 16 * 128)    // bytes between the matrix slice's 8-row groups
 #define TERMS_MEMBERS MEMBERS_OF(TERMS_ROWS)
@@ -204,7 +208,7 @@ __device__ __forceinline__ void projection_terms(const i8* a, const i8* w_cores,
         for (int s = 0; s < SLICE_STAGES; s++) barrier_inval(&full[s]);
 }
 
-#define TERMS_FIT (HIDDEN % SLICE == 0 && HIDDEN <= 256)  // else gpu.py never launches them
+#define TERMS_FIT (HIDDEN % SLICE == 0 && HIDDEN <= 256)  // else the plan never launches them
 
 // The o-projection's (K = HIDDEN): the inputs are attention's mixed rows
 extern "C" __global__ void __launch_bounds__(2 * TERMS_ROWS, 1)

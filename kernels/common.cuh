@@ -1,11 +1,10 @@
 // deggs GPU kernels, shared part: types, the noise and adaptive factors, C arithmetic,
-// block and warp reductions, row helpers. gpu.kernel_source() compiles it first, then
-// forward.cu, generate.cu and update.cu, as one CUDA program.
+// block and warp reductions, row helpers. Every kernel file includes it.
 //
 // The kernels are bit-exact with the CPU backend (deggs/numerics/model.py, optimizer.py,
-// sampling.py), whose function each is named after. They are compiled by
-// deggs/numerics/gpu.py through cupy.RawModule with the config and the constants of the
-// Python side (GATE_SEED, SAMPLE_STRIDE, NT) as -D defines and --fmad=false: every float
+// sampling.py), whose function each is named after. deggs/numerics/gpu/compile.py
+// compiles them through cupy.RawModule (NVRTC) with the config and the constants of the
+// kernel plan (gpu/plan.py's kernel_defines) as -D defines and --fmad=false: every float
 // expression rounds exactly where the CPU code rounds, and each fused multiply-add the
 // reference's nvcc emitted is written out (__fmaf_rn).
 //
@@ -17,10 +16,12 @@
 //
 // Required defines: HIDDEN HEAD_DIM SEQ VOCAB FIXED_POINT SIGMA_SHIFT SIGMA_SHIFT_VECTOR
 // SHIFT_ATTN SHIFT_LOGIT SHIFT_MLP_UP LUT_SIZE SCALE_BIT ROPE_SHIFT NOISE_MASK
-// THREE_SAMPLE ADAPTIVE_MODE ATTN_ACC_LL ADAMW GATE_SEED SAMPLE_STRIDE NT.
+// THREE_SAMPLE ADAPTIVE_MODE ATTN_ACC_LL GATE_SEED SAMPLE_STRIDE NT.
 //
 // A member's sign is +1 or -1 (its pair's +noise or -noise); sign 0 gives the
 // unperturbed model (generation): every noise term is multiplied by the sign.
+
+#pragma once
 
 typedef signed char i8;
 typedef unsigned int u32;

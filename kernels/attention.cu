@@ -18,7 +18,9 @@
 // they are, and the values are stored transposed with each key at that slot (key_slot).
 //
 // Needs HEAD_DIM % 32 == 0; defines ATT_WARPS (warps a block) and EXP_MAX;
-// gpu.attention_shared() sizes the dynamic shared memory from the layout below.
+// gpu/plan.py's attention_shared() sizes the dynamic shared memory from the layout below.
+
+#include "common.cuh"
 
 #define ATT_TILES ((SEQ + 15) / 16)      // 16-query tiles of a sequence
 #define ATT_KEYS ((SEQ + 31) / 32 * 32)  // keys, padded to whole 32-key chunks (zeros)

@@ -1,4 +1,4 @@
-// Warpgroup MMAs on Hopper (sm_90a only: gpu.py compiles SM90_FILES as a program of
+// Warpgroup MMAs on Hopper (sm_90a only: gpu/plan.py's PROGRAMS["sm90a"] is a program of
 // their own), for the kernels that fuse a GEMM with its epilogue: head_loss_sm90.cu,
 // up_gelu_sm90.cu, qkv_rope_sm90.cu, terms_sm90.cu.
 //
@@ -29,6 +29,10 @@
 // 8-column group: thread (warp w of the group, g = lane / 4, tig = lane % 4) holds rows
 // 16 w + g and 16 w + g + 8, columns 8 j + 2 tig and + 1, as d[4 j + 2 s + e].
 
+#pragma once
+#include "common.cuh"
+#include "tiles.cuh"
+
 #define CORE_LBO 128           // bytes from one core matrix to the next along K
 #define CORE_SBO (8 * HIDDEN)  // bytes from one row group (8 rows) to the next
 #define SM90_THREADS (2 * TILE_M)  // head_loss_sm90's: four warpgroups of 64 rows
@@ -36,7 +40,7 @@
 // Rows [first, first + n) of a K-contiguous int8 matrix into shared memory in the
 // core-matrix layout above, asynchronously; rows at or past `valid` are zeros. For the
 // activation rows only: the weights are kept on the device in that layout already, in
-// the order the kernel's tiles take their rows (gpu.py's CoreCopy), and copied whole by
+// the order the kernel's tiles take their rows (gpu/cores.py's CoreCopy), and copied whole by
 // bulk_copy below; gathering each piece from a row-major matrix took a third of
 // qkv_rope_sm90's warp samples.
 __device__ __forceinline__ void rows_to_cores(i8* to, const i8* from, int first, int n, int valid) {
@@ -197,7 +201,7 @@ __device__ __forceinline__ void barrier_wait(u64* bar, u32 parity) {
 }
 
 // One sweep over n tiles of a weight matrix kept in the order the sweep takes it
-// (tiles: tile t's BYTES at t BYTES, in the core-matrix layout; gpu.py's CoreCopy),
+// (tiles: tile t's BYTES at t BYTES, in the core-matrix layout; gpu/cores.py's CoreCopy),
 // through s_b's two buffers. product(d, tile) starts the warpgroup's products with the
 // tile in shared memory into its ACC accumulators d (tile_product_async, as one
 // committed group); epilogue(d, t) gets them for tile t. The block's rows (the operand product reads

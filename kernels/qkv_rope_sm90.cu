@@ -15,8 +15,12 @@
 // for one), so one's products run during the other's epilogue.
 //
 // Integer sums are exact in any order; every other operation is qkv_rope's, in its
-// order (scripts/kernels.py checks both against the CPU). gpu.qkv_rope_sm90_shared()
+// order (scripts/kernels.py checks both against the CPU). gpu/plan.py's qkv_rope_sm90_shared()
 // sizes the dynamic shared memory from the layout below.
+
+#include "common.cuh"
+#include "tiles.cuh"
+#include "wgmma.cuh"
 
 // A compile-time flag for a generic lambda: its code is built once with, once without.
 template <bool B>
@@ -24,7 +28,7 @@ struct Flag {
     static constexpr bool value = B;
 };
 
-// QKV_ROWS (gpu.py): rows a block, one warpgroup's
+// QKV_ROWS (gpu/plan.py): rows a block, one warpgroup's
 #define QKV_THREADS (2 * QKV_ROWS)
 #define QKV_TILES (HIDDEN / TILE_N)   // wgmma tiles of a matrix's columns
 #define QKV_MEMBERS MEMBERS_OF(QKV_ROWS)
@@ -35,7 +39,7 @@ extern "C" __global__ void __launch_bounds__(QKV_THREADS, 2)
 qkv_rope_sm90(const i8* y, const i8* w_cores, const int* sb, i8* out, const u32* seeds,
               const int* signs, const i8* ov_q, const i8* ov_k, const i8* ov_v, u32 q_a,
               u32 k_a, u32 v_a, const int* rope_tab, int rows) {
-#if HIDDEN % TILE_N == 0 && HIDDEN <= 256  // else gpu.py never launches it
+#if HIDDEN % TILE_N == 0 && HIDDEN <= 256  // else the plan never launches it
     static_assert(QKV_ROWS == 64, "a block is one warpgroup of 64 rows");
     extern __shared__ __align__(128) unsigned char qkv_rope_sm90_shared[];
     i8* s_a = (i8*)qkv_rope_sm90_shared;     // QKV_ROWS rows, core matrices

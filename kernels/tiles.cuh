@@ -6,6 +6,9 @@
 //
 // Needs HIDDEN % 32 == 0 and defines TILE_WARPS and TILE_N (64).
 
+#pragma once
+#include "common.cuh"
+
 #define TILE_M (32 * TILE_WARPS)            // rows of a block
 #define TILE_LD (HIDDEN + 16)               // bytes per row in shared memory: the padding
                                             // makes the fragment loads conflict-free

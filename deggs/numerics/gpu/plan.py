@@ -1,0 +1,452 @@
+"""The kernel plan: which kernels run a config on a device, compiled how, with how much
+shared memory. Pure functions of (config, device figures): no CuPy, no GPU, so that
+tests/test_plan.py checks every choice on a machine without one.
+
+Two steps, because one figure comes from the compiler:
+1. `kernel_defines(cfg, device)`: the -D values the sources are compiled with (the
+   config's shapes and constants, the launch constants below, and the few choices
+   sized against the device's shared memory: EXP_COPIES, UP_BLOCKS).
+2. `make_plan(cfg, device, defines, static, ...)`: after compiling, with each kernel's
+   static shared memory as the compiled function reports it (`static`), the kernel
+   choices and the dynamic shared memory each kernel is launched with.
+
+A kernel's dynamic shared memory (what its launch passes) is the layout function of
+its .cu file below (`head_loss_layout` for head_loss.cu, ...); its static shared memory
+is the compiler's figure, never mirrored here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ...config import Config
+from ..model import make_tables
+from ..params import GATE_SEED
+from ..sampling import SAMPLE_STRIDE
+
+# Every kernel and the file that defines it. The "main" program is compiled for the
+# device's own architecture; "sm90a" (Hopper's warpgroup MMAs) for sm_90a, on an H100 or
+# H200 only. A kernel's launcher calls it by this name (deggs/numerics/launch.py checks
+# the arguments against the signature in the file).
+KERNELS: dict[str, str] = {
+    "embed": "forward.cu",
+    "standard_norm": "forward.cu",
+    "qkv_rope": "forward.cu",
+    "attention_mix": "forward.cu",
+    "residual_norm": "forward.cu",
+    "mlp_up": "forward.cu",
+    "sequence_loss": "forward.cu",
+    "attention_mma": "attention.cu",
+    "head_loss": "head_loss.cu",
+    "cached_attention": "generate.cu",
+    "choose_token": "generate.cu",
+    "noise_matrix": "update.cu",
+    "vector_votes": "update.cu",
+    "update_overlay": "update.cu",
+    "gather_pieces": "update.cu",
+    "gather_bytes": "update.cu",
+    "adamw_step": "optimizer.cu",
+    "sgd_step": "optimizer.cu",
+    "head_loss_sm90": "head_loss_sm90.cu",
+    "up_gelu_sm90": "up_gelu_sm90.cu",
+    "qkv_rope_sm90": "qkv_rope_sm90.cu",
+    "o_terms_sm90": "terms_sm90.cu",
+    "down_terms_sm90": "terms_sm90.cu",
+}
+SM90_FILES = ("head_loss_sm90.cu", "up_gelu_sm90.cu", "qkv_rope_sm90.cu", "terms_sm90.cu")
+PROGRAMS: dict[str, tuple[str, ...]] = {
+    "main": tuple(dict.fromkeys(f for f in KERNELS.values() if f not in SM90_FILES)),
+    "sm90a": SM90_FILES,
+}
+
+NT = 256  # threads of the row kernels
+ATT_SPLIT = 2  # attention_mix: threads per query, each accumulating 1/ATT_SPLIT of a head
+ATT_WARPS = 4  # attention_mma: at most this many warps a block, 16 queries a warp at a time
+LOSS_REGISTER_LPT = 16  # sequence_loss keeps up to this many logits a thread in registers
+TILE_WARPS, TILE_N = 8, 64  # head_loss: 32 rows a warp, vocabulary tiles of 64 embedding rows
+UP_ROWS = 64  # up_gelu_sm90: rows a block, two warpgroups of 32
+QKV_ROWS = 64  # qkv_rope_sm90: rows a block, one warpgroup
+TERMS_ROWS = 128  # terms_sm90: rows a tile, two warpgroups of 64
+SLICE, SLICE_STAGES = 128, 4  # terms_sm90: bytes of K a pipeline stage holds, stages
+MAX_THREADS = 1024  # per block, on every CUDA device
+STATIC_SHARED = 48 << 10  # a kernel may use more shared memory only when it opts in
+
+
+@dataclass(frozen=True)
+class Device:
+    """What the plan needs of a device, read from it (cuda.device_figures)."""
+
+    shared_optin: int  # cudaDevAttrMaxSharedMemoryPerBlockOptin: one block's most
+    shared_per_sm: int  # cudaDevAttrMaxSharedMemoryPerMultiprocessor
+    reserved_per_block: int  # cudaDevAttrReservedSharedMemoryPerBlock
+    sms: int  # cudaDevAttrMultiProcessorCount
+    hopper: bool  # compute capability 9.0: sm_90a's warpgroup MMAs
+
+
+# An H100 SXM's figures (an H200's are the same but for its 132 SMs' memory), for
+# planning without a GPU: tests and docs.
+H100 = Device(
+    shared_optin=232448, shared_per_sm=233472, reserved_per_block=1024, sms=132, hopper=True
+)
+
+
+def choose_token_threads(hidden: int) -> int:
+    """Threads of choose_token: the reference's HIDDEN, or a divisor of it within a block."""
+    per = -(-hidden // MAX_THREADS)
+    while hidden % per:
+        per += 1
+    return hidden // per
+
+
+def av_bytes(cfg: Config) -> int:
+    """Bytes of common.cuh's av_t, the output noise held in shared memory: 32 bits in
+    adaptive mode 2 (its factor is unbounded), else 16."""
+    return 4 if cfg.adaptive_noise.mode == 2 else 2
+
+
+def row_kernels_shared(cfg: Config) -> dict[str, int]:
+    """Dynamic shared memory of the row kernels that take some (forward.cu, generate.cu's
+    choose_token), at training shapes: the sizes of their `extern __shared__` arrays."""
+    m = cfg.model
+    h, v = m.hidden_dim, m.vocab_size
+    return {
+        "standard_norm": 32 * h,  # s_norm: 8 HIDDEN words
+        "attention_mix": 2 * m.seq_len * m.head_dim,  # s_kv: a head's keys and values
+        "residual_norm": 32 * h,  # s_norm
+        "mlp_up": 16 * 4 * h,  # s_mlp: 4 UP words
+        "sequence_loss": av_bytes(cfg) * v,  # s_av_vocab: the vocabulary's output noise
+        "choose_token": 4 * ((v + 1) // 2),  # s_count2: two 16-bit counts a word
+    }
+
+
+def kernel_defines(cfg: Config, device: Device) -> dict[str, int]:
+    """The -D values the CUDA sources are compiled with: the config's shapes and
+    constants, the launch constants of this module, and the choices sized against the
+    device's shared memory."""
+    q, m = cfg.quantization, cfg.model
+    exp = make_tables(cfg).exp
+    lut0 = int(exp.max())
+    last = exp_last(exp)
+    defines = dict(
+        HIDDEN=m.hidden_dim,
+        HEAD_DIM=m.head_dim,
+        SEQ=m.seq_len,
+        VOCAB=m.vocab_size,
+        FIXED_POINT=q.fixed_point,
+        SIGMA_SHIFT=q.sigma_shift,
+        SIGMA_SHIFT_VECTOR=q.sigma_shift_vector,
+        SHIFT_ATTN=q.shift_attn,
+        SHIFT_LOGIT=q.shift_logit,
+        SHIFT_MLP_UP=q.shift_mlp_up,
+        LUT_SIZE=cfg.softmax.lut_size,
+        SCALE_BIT=cfg.softmax.scale_bit,
+        ROPE_SHIFT=cfg.rope.scale_bit,
+        NOISE_MASK=cfg.noise.perturb_mask,
+        THREE_SAMPLE=int(cfg.noise.perturb_distribution == "three_sample"),
+        ADAPTIVE_MODE=cfg.adaptive_noise.mode,
+        ATTN_ACC_LL=int(m.seq_len * lut0 * 127 >= 2**31),
+        GATE_SEED=GATE_SEED,
+        SAMPLE_STRIDE=SAMPLE_STRIDE,
+        NT=NT,
+        ATT_SPLIT=ATT_SPLIT,
+        ATT_WARPS=min(ATT_WARPS, -(-m.seq_len // 16)),
+        TILE_WARPS=TILE_WARPS,
+        TILE_N=TILE_N,
+        UP_ROWS=UP_ROWS,
+        QKV_ROWS=QKV_ROWS,
+        TERMS_ROWS=TERMS_ROWS,
+        SLICE=SLICE,
+        SLICE_STAGES=SLICE_STAGES,
+        EXP_MAX=lut0,
+        EXP_LAST=last,
+        EXP_COPIES=exp_copies(cfg, last, device),
+        CT_THREADS=choose_token_threads(m.hidden_dim),
+        LOSS_REGISTER_LPT=LOSS_REGISTER_LPT,
+    )
+    # up_gelu_sm90: three blocks an SM (80 registers a thread) where a warpgroup's rows
+    # are one member's and three fit the SM's shared memory; else two (96 registers:
+    # 80 spill there, and a cap that no third block uses only slows the kernel)
+    three = blocks_fit(3, up_gelu_sm90_shared(cfg, defines), device)
+    defines["UP_BLOCKS"] = 3 if m.seq_len % 32 == 0 and three else 2
+    return defines
+
+
+def blocks_fit(blocks: int, shared: int, device: Device) -> bool:
+    """Whether `blocks` blocks of `shared` bytes each fit one SM's shared memory."""
+    return blocks * (shared + device.reserved_per_block) <= device.shared_per_sm
+
+
+def exp_last(exp: np.ndarray) -> int:
+    """The last entry of the exp table that head_loss reads: every entry past the last
+    nonzero one is zero, so one of them stands for all (index min(d, EXP_LAST))."""
+    nonzero = np.flatnonzero(exp)
+    return min(len(exp) - 1, int(nonzero[-1]) + 1) if len(nonzero) else 0
+
+
+def exp_copies(cfg: Config, last: int, device: Device) -> int:
+    """Copies of the table's entries 0..last that head_loss interleaves, so that lanes
+    looking up different entries read different banks: one a lane where two blocks an SM
+    still fit, else the most that do (a power of two), else one."""
+    copies = 32
+    while copies > 1 and not blocks_fit(2, head_loss_layout(cfg, TILE_WARPS, last, copies), device):
+        copies //= 2
+    return copies
+
+
+def tile_members(cfg: Config, rows: int) -> int:
+    """Members a block of `rows` rows can hold rows of (tiles.cuh's TILE_MEMBERS)."""
+    seq = cfg.model.seq_len
+    return rows // seq if rows % seq == 0 else rows // seq + 2
+
+
+def tile_pairs(cfg: Config, rows: int) -> int:
+    """Antithetic pairs a block of `rows` rows can hold rows of (tiles.cuh's PAIRS_OF)."""
+    seq = cfg.model.seq_len
+    return (rows // seq + 1) // 2 if rows % seq == 0 else tile_members(cfg, rows) // 2 + 1
+
+
+# --- the dynamic shared memory of the tiled kernels, each its .cu file's layout --------
+
+
+def head_loss_layout(cfg: Config, warps: int, last: int, copies: int) -> int:
+    """Bytes of dynamic shared memory of head_loss (head_loss.cu's layout): the block's
+    rows, two vocabulary tiles, two tiles of output noise per member (av_t), the copies
+    of the exp table."""
+    rows = 32 * warps
+    tiles = (rows + 2 * TILE_N) * (cfg.model.hidden_dim + 16)
+    return tiles + av_bytes(cfg) * 2 * tile_members(cfg, rows) * TILE_N + 4 * (last + 1) * copies
+
+
+def head_loss_shared(cfg: Config, defines: Mapping[str, int]) -> int:
+    """head_loss's dynamic shared memory as compiled with `defines`."""
+    warps, last, copies = defines["TILE_WARPS"], defines["EXP_LAST"], defines["EXP_COPIES"]
+    return head_loss_layout(cfg, warps, last, copies)
+
+
+def head_loss_sm90_shared(cfg: Config, defines: Mapping[str, int]) -> int:
+    """Bytes of dynamic shared memory of head_loss_sm90 (head_loss_sm90.cu's layout) as
+    compiled with `defines`: the block's rows, two vocabulary tiles (no padding: wgmma's
+    core-matrix layout), the output noise of each pair over the whole vocabulary (32
+    bits an entry, in whole tiles; tiles.cuh's PAIRS_OF), the exp table's copies."""
+    rows, vocab = 32 * defines["TILE_WARPS"], -(-cfg.model.vocab_size // TILE_N) * TILE_N
+    tiles = (rows + 2 * TILE_N) * cfg.model.hidden_dim
+    table = 4 * (defines["EXP_LAST"] + 1) * defines["EXP_COPIES"]
+    return tiles + 4 * tile_pairs(cfg, rows) * vocab + table
+
+
+def up_gelu_sm90_shared(cfg: Config, defines: Mapping[str, int]) -> int:
+    """Bytes of dynamic shared memory of up_gelu_sm90 (up_gelu_sm90.cu's layout): the
+    block's rows, two tiles of the up matrix, per member and feature of the matrix an
+    8-byte entry and a dot_t (common.cuh: 4 bytes, 8 in adaptive mode 2), the GELU
+    table in bytes."""
+    rows, up = defines["UP_ROWS"], 4 * cfg.model.hidden_dim
+    tiles = (rows + 2 * TILE_N) * cfg.model.hidden_dim
+    down = 8 if cfg.adaptive_noise.mode == 2 else 4
+    return tiles + (8 + down) * tile_members(cfg, rows) * up + 255
+
+
+def qkv_rope_sm90_shared(cfg: Config) -> int | None:
+    """Bytes of dynamic shared memory of qkv_rope_sm90 (qkv_rope_sm90.cu's layout): the
+    block's rows, one of the q, k, v matrices, the output rows staged (padded by 16
+    bytes), the output noise of q, k and v for each member (32 bits an entry); None
+    where the kernel cannot run the config: a row's products stay in registers, HIDDEN /
+    2 a thread, in whole tiles."""
+    d = cfg.model.hidden_dim
+    if d % TILE_N or d > 256:
+        return None
+    rows = QKV_ROWS
+    return rows * d + d * d + rows * (d + 16) + 3 * 4 * tile_members(cfg, rows) * d
+
+
+def terms_sm90_shared(cfg: Config, defines: Mapping[str, int]) -> int | None:
+    """Bytes of dynamic shared memory of o_terms_sm90 and down_terms_sm90 (terms_sm90.cu's
+    layout) as compiled with `defines`: the stages (a slice of a tile's 128 rows and of
+    the matrix each), each warp's 16 staged rows of terms, per member and column the
+    output noise (32 bits), the tiles' inputs (seeds, signs, input dots) in SLICE_STAGES -
+    1 buffers, the output noise's overlay; None where they cannot run the config (a
+    row's products in registers, in whole slices)."""
+    d, slice_, rows = cfg.model.hidden_dim, defines["SLICE"], defines["TERMS_ROWS"]
+    if d % slice_ or d > 256:
+        return None
+    stages, members = defines["SLICE_STAGES"] * (rows + d) * slice_, tile_members(cfg, rows)
+    stage = (2 * rows // 32) * 16 * (TILE_N // 2 + 4) * 4  # TERMS_LD words a row
+    inputs = (defines["SLICE_STAGES"] - 1) * 4 * (2 * members + rows)  # seeds, signs, dots
+    return stages + stage + 4 * members * d + inputs + d
+
+
+def attention_shared(cfg: Config) -> int:
+    """Bytes of dynamic shared memory of attention_mma (attention.cu's layout): the
+    head's keys and its transposed values (keys padded to 32), o's input dot entries
+    (dot_t: 8 bytes at most), the exp table."""
+    keys, d = -(-cfg.model.seq_len // 32) * 32, cfg.model.head_dim
+    return keys * (d + 16) + d * (keys + 16) + 4 * cfg.softmax.lut_size + 8 * d
+
+
+def projection_terms_fit(cfg: Config, k: int, shift: int) -> bool:
+    """Whether terms_sm90.cu's 16-bit terms (g + rank-1 term) >> shift hold every
+    value the config allows, for a projection of k inputs: |g| <= 128^2 k, the rank-1
+    term's input dot at most 128 n k and its output noise n (n the largest noise; a
+    product past 32 bits wraps, as the CPU's). Adaptive mode 2's factors are unbounded:
+    never there."""
+    if cfg.adaptive_noise.mode == 2:
+        return False
+    q, n = cfg.quantization, cfg.noise.perturb_bound
+    g = 128 * 128 * k
+    rank1 = min(128 * n * n * k, 2**31) >> (q.fixed_point + q.sigma_shift)
+    if g + rank1 >= 2**31:  # the sum before the shift could wrap
+        return False
+    return ((g + rank1) >> shift) + 1 < 2**15  # + 1: the floor of a negative value
+
+
+# --- what a device can run -----------------------------------------------------------
+
+
+def supports(cfg: Config, shared_optin: int, static: Mapping[str, int] | None = None) -> list[str]:
+    """Why the GPU backend cannot run a config on a device whose kernels may opt in to
+    `shared_optin` bytes of shared memory; empty when it can. Before compiling (`static`
+    None) the row kernels' dynamic shared memory is checked alone; `make_plan` adds each
+    compiled kernel's static shared memory."""
+    m, static = cfg.model, static or {}
+    problems = []
+    for name, dynamic in row_kernels_shared(cfg).items():
+        size = dynamic + static.get(name, 0)
+        if size > shared_optin:
+            what = "shared memory" if name in static else "dynamic shared memory"
+            problems.append(
+                f"{name} needs {size} bytes of {what}, the device allows {shared_optin}"
+            )
+    if ATT_SPLIT * m.seq_len > MAX_THREADS:
+        problems.append(
+            f"seq_len {m.seq_len} needs {ATT_SPLIT * m.seq_len} threads per "
+            f"attention block, more than {MAX_THREADS}"
+        )
+    positions = cfg.sampling.prompt_tokens + cfg.sampling.generate_tokens
+    if positions >= 1 << 16:
+        problems.append(f"generations of {positions} positions: choose_token counts in 16 bits")
+    return problems
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The kernels a backend runs and how: made once, at construction (make_plan).
+
+    fused: the head's GEMM and the loss in one kernel (`head`); else cuBLAS writes the
+    logits and sequence_loss reads them. fused_up, fused_qkv: the up-projection and the
+    q, k, v projections fused with their epilogues (up_gelu_sm90, qkv_rope_sm90);
+    o_terms, down_terms: the o- and down-projections writing residual_norm's 16-bit terms
+    (terms_sm90.cu); tensor_attention: attention_mma in place of attention_mix.
+    shared: each kernel's dynamic shared memory at training shapes (bytes)."""
+
+    defines: dict[str, int]
+    shared: dict[str, int]
+    hopper: bool
+    fused: bool
+    head: str
+    fused_up: bool
+    fused_qkv: bool
+    o_terms: bool
+    down_terms: bool
+    tensor_attention: bool
+    opt_in: dict[str, int] = field(default_factory=dict)  # kernels past 48 KiB: their size
+
+    @property
+    def tile_rows(self) -> int:
+        """Rows a block of head_loss (and of head_loss_sm90) takes."""
+        return 32 * self.defines["TILE_WARPS"]
+
+
+def make_plan(
+    cfg: Config,
+    device: Device,
+    defines: Mapping[str, int],
+    static: Mapping[str, int],
+    fused: bool | None = None,
+    hopper: bool | None = None,
+    head: str | None = None,
+    qkv: bool | None = None,
+) -> Plan:
+    """The plan of a config on a device, given the kernels as compiled with `defines`
+    and each compiled kernel's static shared memory (`static`, bytes; the sm90a kernels'
+    only where that program was built). Each choice left None is the device's: the
+    fastest kernel that runs; one given is honoured or refused (ValueError):
+    fused=False runs the unfused head; hopper=False keeps the portable kernels; head
+    names the fused head ("head_loss" or "head_loss_sm90"); qkv=False runs the q, k, v
+    projections on cuBLAS, True asks for qkv_rope_sm90. Raises ValueError where the
+    config cannot run at all."""
+    optin = device.shared_optin
+    shared = {k: v for k, v in row_kernels_shared(cfg).items() if v}
+    problems = supports(cfg, optin, static)
+    if problems:
+        raise ValueError("the gpu backend cannot run this config here: " + "; ".join(problems))
+    if hopper and not device.hopper:
+        raise ValueError("the Hopper kernels need an sm_90 device (an H100 or H200)")
+    use_hopper = device.hopper and hopper is not False
+    if head is not None and fused is False:
+        raise ValueError(f"head {head!r} is a fused head; fused=False runs cuBLAS logits")
+
+    def fits(name: str, dynamic: int | None) -> bool:
+        """A kernel runs where its layout exists at the config and fits beside its static
+        shared memory (an sm90a kernel: where that program was built for this device)."""
+        if dynamic is None or name not in static:
+            return False
+        return dynamic + static[name] <= optin
+
+    def sm90(name: str, dynamic: int | None) -> bool:
+        if use_hopper and fits(name, dynamic):
+            shared[name] = dynamic  # type: ignore[assignment]
+            return True
+        return False
+
+    # The head's GEMM fused with the loss (head_loss.cu) where its tiles fit; else cuBLAS
+    # writes the logits and sequence_loss reads them.
+    portable = head_loss_shared(cfg, defines)
+    if fused and not fits("head_loss", portable):
+        raise ValueError("head_loss needs more shared memory than the device allows")
+    use_fused = fits("head_loss", portable) if fused is None else fused
+    if use_fused:
+        shared["head_loss"] = portable
+    wants_sm90 = use_fused and head != "head_loss"
+    sm90_head = wants_sm90 and sm90("head_loss_sm90", head_loss_sm90_shared(cfg, defines))
+    if head == "head_loss_sm90" and not sm90_head:
+        raise ValueError("head_loss_sm90 does not run this config on this device")
+    if head is not None and head not in ("head_loss", "head_loss_sm90"):
+        raise ValueError(f"unknown head kernel {head!r}")
+    chosen_head = head or ("head_loss_sm90" if sm90_head else "head_loss")
+    # The up-projection fused with mlp_up (up_gelu_sm90.cu) likewise; else cuBLAS writes
+    # the int32 products and mlp_up reads them.
+    fused_up = sm90("up_gelu_sm90", up_gelu_sm90_shared(cfg, defines))
+    # The q, k, v GEMM fused with qkv_rope (qkv_rope_sm90.cu) likewise.
+    fused_qkv = qkv is not False and sm90("qkv_rope_sm90", qkv_rope_sm90_shared(cfg))
+    if qkv and not fused_qkv:
+        raise ValueError("qkv_rope_sm90 does not run this config on this device")
+    # The o- and the down-projection's GEMMs writing residual_norm's terms in 16 bits
+    # (terms_sm90.cu) where their tiles fit and the terms fit 16 bits, so that
+    # residual_norm reads half the bytes of a product.
+    m, q, terms = cfg.model, cfg.quantization, terms_sm90_shared(cfg, defines)
+    o_fit = projection_terms_fit(cfg, m.hidden_dim, q.shift_out)
+    down_fit = projection_terms_fit(cfg, 4 * m.hidden_dim, q.shift_mlp_down)
+    o_terms = o_fit and sm90("o_terms_sm90", terms)
+    down_terms = down_fit and sm90("down_terms_sm90", terms)
+    # Attention on the tensor cores (attention.cu) where a head fills whole MMAs.
+    tensor_attention = m.head_dim % 32 == 0 and attention_shared(cfg) <= optin
+    if tensor_attention:
+        shared["attention_mma"] = attention_shared(cfg)
+    opt_in = {
+        name: size for name, size in shared.items() if size + static.get(name, 0) > STATIC_SHARED
+    }
+    return Plan(
+        defines=dict(defines),
+        shared=shared,
+        hopper=use_hopper,
+        fused=use_fused,
+        head=chosen_head,
+        fused_up=fused_up,
+        fused_qkv=fused_qkv,
+        o_terms=o_terms,
+        down_terms=down_terms,
+        tensor_attention=tensor_attention,
+        opt_in=opt_in,
+    )

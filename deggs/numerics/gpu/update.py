@@ -1,0 +1,355 @@
+"""The update on the device (optimizer.py's apply_update, bit for bit): per parameter
+slice, every pair's noise as int8 matrices [index, pair] (the output side times the
+ternary fitness) and every vote from one int8 GEMM (vectors: vector_votes), then the
+optimizer's step on the whole slice and the overlays' update. The whole update is
+captured once as a CUDA graph and replayed each step (step seed, learning rates and
+fitness are read from device buffers).
+
+The optimizer contract (as optimizer.py's on the CPU): an optimizer steps one whole
+parameter slice, a matrix or a vector, from its vote and its state, in place; an
+optimizer that needs the whole matrix (Muon) fits it as AdamW does. DEVICE_OPTIMIZERS
+holds the device's, by optimizer.kind.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from ...config import Config, OptimizerConfig
+from ..params import Slice, param_slices
+from .cuda import DeviceArray, Launcher, cp
+from .state import DeviceState
+
+log = logging.getLogger(__name__)
+
+
+def at_layer(array: DeviceArray, layer: int | None) -> DeviceArray:
+    """A per-layer parameter's slice of a layer (or the parameter itself: None)."""
+    return array if layer is None else array[layer]
+
+
+@dataclass(frozen=True)
+class UpdateBuffers:
+    """The update's device buffers, sized for the largest parameter slice."""
+
+    pairs: int  # the population's pairs, padded to 16 (noise_matrix takes 4 a thread)
+    slices: list[Slice]
+    fitness: DeviceArray  # int8 [pairs]
+    seed: DeviceArray  # uint32 [1]: the step seed
+    lr: DeviceArray  # float32 [2]: the learning rate, and times bias_lr_scale
+    changes: DeviceArray  # uint64 [1]: weights changed
+    vote: DeviceArray  # int32, a slice's votes
+    a: DeviceArray  # int8 [outputs, pairs]: the output noise times the fitness
+    b: DeviceArray  # int8 [inputs, pairs]: the input noise
+    row_counts: DeviceArray  # int32: changes per input (a vector's entry)
+    col_counts: DeviceArray  # int32: changes per output
+
+    @classmethod
+    def make(cls, cfg: Config) -> UpdateBuffers:
+        n_pairs = cfg.training.n_pairs
+        pairs = (n_pairs + 15) // 16 * 16
+        peak = cfg.noise.perturb_bound**2
+        if n_pairs * peak >= 2**31:
+            raise NotImplementedError("votes could overflow int32 at this population")
+        slices = param_slices(cfg)
+        dims = [s.shape for s in slices]
+        max_in = max(s[0] for s in dims)
+        max_out = max((s[1] for s in dims if len(s) == 2), default=1)
+        max_n = max(math.prod(s) for s in dims)
+        return cls(
+            pairs=pairs,
+            slices=slices,
+            fitness=cp.zeros(pairs, cp.int8),
+            seed=cp.zeros(1, cp.uint32),
+            lr=cp.zeros(2, cp.float32),
+            changes=cp.zeros(1, cp.uint64),
+            vote=cp.empty(max_n, cp.int32),
+            a=cp.zeros(max_out * pairs, cp.int8),
+            b=cp.zeros(max_in * pairs, cp.int8),
+            row_counts=cp.zeros(max(max_in, max_out), cp.int32),
+            col_counts=cp.zeros(max_out, cp.int32),
+        )
+
+
+@dataclass(frozen=True)
+class DeviceParam:
+    """One parameter slice on the device as an optimizer steps it: weights and state
+    held [outer, inner] (a matrix Wt[out, in]: inner = its inputs; a vector: one row),
+    `n` entries in all, and where its learning rate is (lr[lr_index])."""
+
+    w: DeviceArray
+    m: DeviceArray
+    v: DeviceArray
+    acc: DeviceArray
+    n: int
+    inner: int
+    lr: DeviceArray
+    lr_index: int
+
+
+@dataclass(frozen=True)
+class Changes:
+    """Where a step counts its changed weights: per inner index, per outer index (None
+    for a vector) and in total."""
+
+    rows: DeviceArray
+    cols: DeviceArray | None
+    total: DeviceArray
+
+
+class DeviceOptimizer(Protocol):
+    def step(self, param: DeviceParam, vote, changes: Changes) -> None:
+        """Step the whole slice in place from its vote (int32, [outer, inner]) and count
+        the changed weights. Launches only: it runs inside the update's CUDA graph (no
+        allocation, no host synchronisation)."""
+        ...
+
+
+class AdamWDevice:
+    """optimizer.AdamW on the device (optimizer.cu's adamw_step)."""
+
+    def __init__(self, o: OptimizerConfig, launch: Launcher):
+        self.o, self.launch = o, launch
+
+    def step(self, param: DeviceParam, vote, changes: Changes) -> None:
+        o, f = self.o, np.float32
+        self.launch(
+            "adamw_step",
+            ((param.n + 255) // 256,),
+            (256,),
+            w=param.w,
+            m=param.m,
+            v=param.v,
+            acc=param.acc,
+            vote=vote,
+            n=param.n,
+            inner=param.inner,
+            lr_buf=param.lr,
+            lr_index=param.lr_index,
+            row_counts=changes.rows,
+            col_counts=changes.cols,
+            changes=changes.total,
+            b1=f(o.beta1),
+            omb1=f(1) - f(o.beta1),
+            b2=f(o.beta2),
+            omb2=f(1) - f(o.beta2),
+            eps=f(o.eps),
+            wd=f(o.weight_decay),
+        )
+
+
+class SgdDevice:
+    """optimizer.ThresholdSgd on the device (optimizer.cu's sgd_step)."""
+
+    def __init__(self, o: OptimizerConfig, launch: Launcher):
+        self.o, self.launch = o, launch
+
+    def step(self, param: DeviceParam, vote, changes: Changes) -> None:
+        o, f = self.o, np.float32
+        self.launch(
+            "sgd_step",
+            ((param.n + 255) // 256,),
+            (256,),
+            w=param.w,
+            acc=param.acc,
+            vote=vote,
+            n=param.n,
+            inner=param.inner,
+            lr_buf=param.lr,
+            lr_index=param.lr_index,
+            row_counts=changes.rows,
+            col_counts=changes.cols,
+            changes=changes.total,
+            wd=f(o.weight_decay),
+            sgd_scale=f(o.sgd_vote_scale),
+        )
+
+
+# optimizer.kind -> its device optimizer (optimizer.OPTIMIZERS: the CPU's)
+DEVICE_OPTIMIZERS: dict[str, type[AdamWDevice] | type[SgdDevice]] = {
+    "adamw": AdamWDevice,
+    "sgd": SgdDevice,
+}
+
+
+class Update:
+    """The update of `state` from a step's fitness, captured as a CUDA graph (unless
+    use_graph is False, or the capture fails: then it runs eagerly, and says so in the
+    log and in `graph_error`)."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        launch: Launcher,
+        state: DeviceState,
+        stream,
+        sms: int,
+        use_graph: bool = True,
+    ):
+        self.cfg, self.launch, self.state, self.stream, self.sms = cfg, launch, state, stream, sms
+        self.optimizer: DeviceOptimizer = DEVICE_OPTIMIZERS[cfg.optimizer.kind](
+            cfg.optimizer, launch
+        )
+        self.use_graph = use_graph
+        self.graph = None
+        self.graph_error: str | None = None
+        self._buffers: UpdateBuffers | None = None  # made at the first update
+
+    @property
+    def buffers(self) -> UpdateBuffers:
+        if self._buffers is None:
+            self._buffers = UpdateBuffers.make(self.cfg)
+        return self._buffers
+
+    def forget_graph(self) -> None:
+        """The captured graph points at the state's arrays: after `state.load`, capture again."""
+        self.graph = None
+
+    def __call__(self, fitness, step: int, step_seed: int) -> int:
+        """Apply the fitness of `step`; returns how many weights changed."""
+        cfg = self.cfg
+        fitness = np.asarray(fitness)
+        if fitness.shape != (cfg.training.n_pairs,):
+            raise ValueError(f"fitness must have {cfg.training.n_pairs} entries")
+        if np.abs(fitness).max(initial=0) > 1:
+            raise ValueError("the gpu update takes ternary fitness (-1, 0, 1)")
+        U = self.buffers
+        fit = np.zeros(U.pairs, np.int8)
+        fit[: len(fitness)] = fitness
+        lr = np.float32(cfg.learning_rate(step))
+        lrs = np.array([lr, lr * np.float32(cfg.optimizer.bias_lr_scale)], np.float32)
+        with self.stream:
+            U.fitness.set(fit, stream=self.stream)
+            U.seed.set(np.array([int(step_seed) & 0xFFFFFFFF], np.uint32), stream=self.stream)
+            U.lr.set(lrs, stream=self.stream)
+            if self.use_graph and self.graph is None:
+                self._capture()
+            if self.graph is not None:
+                self.graph.launch(self.stream)
+            else:
+                self.body()
+            changes = U.changes.get(stream=self.stream)
+        self.stream.synchronize()
+        return int(changes[0])
+
+    def _capture(self) -> None:
+        """Capture the update as a CUDA graph; on failure log why and run eagerly from
+        now on (slower, the same bits)."""
+        stream = self.stream
+        try:
+            with stream:
+                mode = getattr(cp.cuda.runtime, "streamCaptureModeRelaxed", None)
+                if mode is None:
+                    stream.begin_capture()
+                else:
+                    stream.begin_capture(mode=mode)
+                try:
+                    self.body()
+                finally:
+                    graph = stream.end_capture()
+            self.graph = graph
+        except Exception as e:  # pragma: no cover - depends on the CUDA stack
+            self.graph_error = f"{type(e).__name__}: {e}"
+            self.use_graph = False
+            self.graph = None
+            log.warning(
+                "could not capture the update as a CUDA graph (%s): updating eagerly",
+                self.graph_error,
+            )
+
+    def body(self) -> None:
+        """Every slice's votes, optimizer step and overlays, then the core copies again."""
+        U, state = self.buffers, self.state
+        stream = cp.cuda.get_current_stream().ptr
+        cp.cuda.runtime.memsetAsync(U.changes.data.ptr, 0, 8, stream)
+        a_cfg = self.cfg.adaptive_noise
+        for u in U.slices:
+            shape = u.shape
+            arrays = (state.weights, state.m, state.v, state.acc)
+            w, m, v, acc = (at_layer(d[u.name], u.layer) for d in arrays)
+            n = math.prod(shape)
+            if u.param.is_matrix:
+                n_in, n_out = shape
+                self.noise_matrix(U.b, None, u.off_b, n_in)
+                self.noise_matrix(U.a, U.fitness, u.off_a, n_out)
+                # vote[out, in] (row-major) = sum_p (fit_p a_p[out]) b_p[in]
+                self.launch.gemm(U.b, U.a, U.vote, n_in, n_out, U.pairs, U.pairs, U.pairs, n_in)
+                inner, cols = n_in, U.col_counts
+            else:
+                self.vector_votes(U.vote, u.off_a, u.off_b, n)
+                inner, cols = n, None
+            lr_index = int(u.param.bias_lr)
+            param = DeviceParam(w, m, v, acc, n, inner, U.lr, lr_index)
+            self.optimizer.step(param, U.vote, Changes(U.row_counts, cols, U.changes))
+            if a_cfg.mode > 0:
+                counts = [(u.param.overlays[0], U.row_counts, shape[0])]
+                if u.param.is_matrix:
+                    counts.append((u.param.overlays[1], U.col_counts, shape[1]))
+                for name, count, size in counts:
+                    self.launch(
+                        "update_overlay",
+                        ((size + 255) // 256,),
+                        (256,),
+                        ov=at_layer(state.overlays[name], u.layer),
+                        counts=count,
+                        n=size,
+                        inc=a_cfg.inc,
+                        dec=a_cfg.dec,
+                    )
+            else:
+                rows, cols_ = U.row_counts, U.col_counts
+                cp.cuda.runtime.memsetAsync(rows.data.ptr, 0, rows.nbytes, stream)
+                cp.cuda.runtime.memsetAsync(cols_.data.ptr, 0, cols_.nbytes, stream)
+        state.copy_cores()
+
+    def noise_matrix(self, out, fitness, off: int, n: int) -> None:
+        """out[j, p] = pair p's noise j (times its fitness where given), for j < n (update.cu)."""
+        pairs = self.buffers.pairs
+        self.launch(
+            "noise_matrix",
+            (-(-pairs // (4 * 256)), min(65535, max(1, n // 8))),  # ~8 rows a thread
+            (256,),
+            out=out,
+            fitness=fitness,
+            step_seed=self.buffers.seed,
+            off=off,
+            n=n,
+            pairs=pairs,
+        )
+
+    def vector_votes(self, vote, off_a: int, off_b: int, n: int) -> None:
+        """vote[i] = sum_p fit_p a_p[i] b_p[i] for i < n (update.cu): the pairs split into
+        enough blocks for about eight an SM."""
+        U = self.buffers
+        blocks = -(-n // 256)
+        share = -(-U.pairs * blocks // (8 * self.sms))
+        share = max(16, -(-share // 16) * 16)
+        stream = cp.cuda.get_current_stream().ptr
+        cp.cuda.runtime.memsetAsync(vote.data.ptr, 0, 4 * n, stream)
+        self.launch(
+            "vector_votes",
+            (blocks, -(-U.pairs // share)),
+            (256,),
+            vote=vote,
+            fitness=U.fitness,
+            step_seed=U.seed,
+            off_a=off_a,
+            off_b=off_b,
+            n=n,
+            pairs_per_block=share,
+            pairs=U.pairs,
+        )
+
+    def set_inputs(self, fitness: np.ndarray, step_seed: int) -> None:
+        """Put a step's fitness (padded to the buffers' pairs) and seed on the device
+        without updating: for running the update's kernels one by one (scripts/kernels.py)."""
+        U = self.buffers
+        fit = np.zeros(U.pairs, np.int8)
+        fit[: len(fitness)] = fitness
+        U.fitness[...] = cp.asarray(fit)
+        U.seed[...] = cp.asarray(np.array([step_seed & 0xFFFFFFFF], np.uint32))

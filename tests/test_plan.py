@@ -1,0 +1,144 @@
+"""The kernel plan without a GPU: which kernels a config runs on a device, and the choices
+a caller makes at construction (deggs/numerics/gpu/plan.py is pure: config and device
+figures in, plan out)."""
+
+import dataclasses
+
+import pytest
+
+from deggs.config import Config
+from deggs.numerics.gpu.plan import (
+    H100,
+    KERNELS,
+    PROGRAMS,
+    STATIC_SHARED,
+    blocks_fit,
+    exp_copies,
+    exp_last,
+    kernel_defines,
+    make_plan,
+)
+from deggs.numerics.model import make_tables
+
+# Each kernel's static shared memory as ptxas reports it at the default config (sm_90,
+# nvcc 13; tests/test_kernels.py reads the real figures where nvcc is installed)
+STATIC = {
+    "embed": 2048, "standard_norm": 544, "qkv_rope": 3072, "attention_mix": 1280,
+    "residual_norm": 2592, "mlp_up": 1024, "sequence_loss": 1408, "attention_mma": 0,
+    "head_loss": 0, "cached_attention": 384, "choose_token": 2320, "noise_matrix": 0,
+    "vector_votes": 0, "update_overlay": 0, "gather_pieces": 0, "gather_bytes": 0,
+    "adamw_step": 0, "sgd_step": 0, "head_loss_sm90": 128, "up_gelu_sm90": 128,
+    "qkv_rope_sm90": 128, "o_terms_sm90": 1024, "down_terms_sm90": 1024,
+}  # fmt: skip
+MAIN = {k: v for k, v in STATIC.items() if KERNELS[k] in PROGRAMS["main"]}  # no sm90a built
+A100 = dataclasses.replace(H100, shared_optin=166912, shared_per_sm=167936, sms=108, hopper=False)
+SM90 = ("head_loss_sm90", "up_gelu_sm90", "qkv_rope_sm90", "o_terms_sm90", "down_terms_sm90")
+
+
+def plan(cfg=None, device=H100, static=STATIC, **choices):
+    cfg = cfg or Config()
+    return make_plan(cfg, device, kernel_defines(cfg, device), static, **choices)
+
+
+def test_the_static_table_covers_every_kernel():
+    assert set(STATIC) == set(KERNELS)
+
+
+def test_an_h100_runs_every_hopper_kernel_at_the_default():
+    p = plan()
+    assert p.hopper and p.fused and p.head == "head_loss_sm90"
+    assert p.fused_up and p.fused_qkv and p.o_terms and p.down_terms and p.tensor_attention
+    assert set(SM90) <= set(p.shared)
+    # the kernels past 48 KiB with their static part are the ones that opt in
+    assert (
+        p.opt_in == {k: v for k, v in p.shared.items() if v + STATIC[k] > STATIC_SHARED}
+        and "head_loss_sm90" in p.opt_in
+    )
+
+
+def test_elsewhere_the_portable_kernels():
+    for p in (plan(hopper=False), plan(device=A100, static=MAIN)):
+        assert not p.hopper and p.head == "head_loss" and p.fused
+        assert not (p.fused_up or p.fused_qkv or p.o_terms or p.down_terms)
+        assert not set(SM90) & set(p.shared)
+    with pytest.raises(ValueError, match="need an sm_90 device"):
+        plan(device=A100, static=MAIN, hopper=True)
+
+
+def test_choices_are_made_through_arguments_and_refused_where_they_cannot_run():
+    unfused = plan(fused=False)
+    assert not unfused.fused and "head_loss" not in unfused.shared
+    assert "head_loss_sm90" not in unfused.shared
+    portable_head = plan(head="head_loss")
+    assert portable_head.head == "head_loss" and "head_loss_sm90" not in portable_head.shared
+    assert portable_head.fused_up  # the other choices stay the device's
+    no_qkv = plan(qkv=False)
+    assert not no_qkv.fused_qkv and "qkv_rope_sm90" not in no_qkv.shared
+    assert plan(qkv=True).fused_qkv
+    wide = Config().replace(model=dict(hidden_dim=512))  # a row's products past the registers
+    with pytest.raises(ValueError, match="qkv_rope_sm90 does not run"):
+        plan(wide, qkv=True)
+    with pytest.raises(ValueError, match="head_loss_sm90 does not run"):
+        plan(hopper=False, head="head_loss_sm90")
+    with pytest.raises(ValueError, match="unknown head kernel"):
+        plan(head="head_loss_sm100")
+    with pytest.raises(ValueError, match="fused head"):
+        plan(fused=False, head="head_loss")
+
+
+def test_a_kernel_runs_only_where_its_static_shared_memory_fits_beside_the_dynamic():
+    """head_loss_sm90's barriers (static) beside its tiles (dynamic): at the largest
+    vocabulary whose tiles fit alone, the barriers leave no room and the portable head
+    runs."""
+    cfg = Config()
+    p = plan(cfg)
+    room = H100.shared_optin - p.shared["head_loss_sm90"]
+    assert plan(cfg, static={**STATIC, "head_loss_sm90": room}).head == "head_loss_sm90"
+    crowded = plan(cfg, static={**STATIC, "head_loss_sm90": room + 1})
+    assert crowded.head == "head_loss" and "head_loss_sm90" not in crowded.shared
+
+
+def test_a_row_kernel_too_big_for_the_device_is_named_after_compiling():
+    mode2 = Config().replace(model=dict(vocab_size=65536), adaptive_noise=dict(mode=2))
+    with pytest.raises(ValueError, match="sequence_loss needs 263552 bytes of shared memory"):
+        plan(mode2)  # 4 x 65536 dynamic + 1408 static
+
+
+def test_mode_2_runs_no_terms_kernel():
+    p = plan(Config().replace(adaptive_noise=dict(mode=2)))
+    assert not p.o_terms and not p.down_terms and p.head == "head_loss_sm90"
+
+
+def test_the_device_sizes_the_exp_table_copies_and_up_gelus_blocks():
+    """Read from the device, not an H100's figures applied to any: with a smaller SM the
+    exp table's copies shrink so that two head_loss blocks still share one."""
+    cfg = Config()
+    last = exp_last(make_tables(cfg).exp)
+    assert exp_copies(cfg, last, H100) == 32
+    small = dataclasses.replace(H100, shared_per_sm=2 * (110_000 + H100.reserved_per_block))
+    copies = exp_copies(cfg, last, small)
+    assert copies < 32 and kernel_defines(cfg, small)["EXP_COPIES"] == copies
+    assert kernel_defines(cfg, H100)["UP_BLOCKS"] == 3
+    assert kernel_defines(cfg, dataclasses.replace(H100, shared_per_sm=100_000))["UP_BLOCKS"] == 2
+    assert blocks_fit(2, 1000, H100) and not blocks_fit(2, H100.shared_per_sm // 2, H100)
+
+
+def test_every_kernel_has_a_harness_check_or_says_what_covers_it():
+    """scripts/kernels.py: a check a kernel (variants beside), or the test that covers it."""
+    import kernels as harness  # scripts/kernels.py
+
+    assert set(KERNELS) <= set(harness.CHECKS) | set(harness.UNCHECKED)
+    assert not set(harness.UNCHECKED) & set(harness.CHECKS)
+
+
+def test_auto_names_why_it_chose_the_cpu(monkeypatch, caplog):
+    import deggs.numerics.gpu as gpu
+    from deggs.numerics import backend
+
+    monkeypatch.setattr(gpu, "why_no_gpu", lambda: "CuPy sees no CUDA device (none present)")
+    with caplog.at_level("INFO", logger="deggs.numerics.backend"):
+        chosen = backend.make_backend(Config().replace(model=dict(n_layers=1)), "auto", 1)
+    assert chosen.name == "cpu"
+    assert "backend auto: the CPU, since CuPy sees no CUDA device (none present)" in caplog.text
+    with pytest.raises(backend.BackendError, match="needs CuPy and a CUDA device: CuPy sees no"):
+        backend.make_backend(Config(), "gpu")
