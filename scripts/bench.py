@@ -34,6 +34,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).res
 from deggs.config import load_config  # noqa: E402
 from deggs.numerics.backend import BACKENDS, make_backend  # noqa: E402
 from deggs.numerics.es import Trainer  # noqa: E402
+from deggs.numerics.params import macs_per_token  # noqa: E402
 from deggs.runtime.checkpoint import Checkpoint, save_checkpoint  # noqa: E402
 from deggs.runtime.replay import replay  # noqa: E402
 from deggs.seeds import next_step_seed  # noqa: E402
@@ -47,6 +48,24 @@ def median_time(fn, runs):
         fn(i)
         times.append(time.perf_counter() - start)
     return statistics.median(times), times
+
+
+# Dense int8 tensor-core rates (TOPS, no sparsity) of the cards deggs is measured on, by
+# a piece of the name CUDA reports; the vendors' data sheets.
+DENSE_INT8_TOPS = {
+    "H100 PCIe": 1513,
+    "H100 NVL": 1671,
+    "H100": 1979,  # SXM (H100 80GB HBM3)
+    "H200": 1979,
+    "A100": 624,
+    "L40S": 733,
+    "RTX 4090": 660,
+}
+
+
+def int8_rate(device: str) -> float | None:
+    """The device's dense int8 rate in TOPS, where the table knows it."""
+    return next((tops for key, tops in DENSE_INT8_TOPS.items() if key in device), None)
 
 
 def device_name(backend):
@@ -188,6 +207,12 @@ def main(
     record.update(
         step_s=round(step_s, 4), tokens_per_s=round(t.population_size * m.seq_len / step_s)
     )
+    # int8 operations (a multiply-add is two) of the step's forward passes over its time
+    tops = 2 * macs_per_token(cfg) * record["tokens_per_s"] / 1e12
+    record["int8_tops"] = float(f"{tops:.4g}")
+    rate = int8_rate(record["device"])
+    if rate is not None:
+        record["int8_share"] = round(tops / rate, 4)
     if backend == "gpu":
         record.update(
             batch=min(engine.batch, n),  # members a sub-batch of the timed forward

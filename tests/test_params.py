@@ -92,3 +92,13 @@ def test_print_arch_rows():
 def test_config_choices_follow_the_implementations():
     assert CHOICES[("optimizer", "kind")] == tuple(optimizer.OPTIMIZERS)
     assert set(backend.NAMES) == {"auto", *backend.BACKENDS}
+
+
+def test_macs_per_token_by_hand():
+    """The default: q, k, v, o (4 d^2) and the MLP (8 d^2) in each of 4 layers, the
+    embedding's MLP (8 d^2), the head (d v), and causal attention's d (seq + 1) a layer."""
+    from deggs.numerics.params import macs_per_token
+
+    d, v, layers, seq = 256, 8192, 4, 64
+    expected = layers * 12 * d * d + 8 * d * d + d * v + layers * d * (seq + 1)
+    assert macs_per_token(Config()) == expected == 5_833_728

@@ -332,6 +332,26 @@ def test_bench_refuses_gpu_options_for_the_cpu_backend(choice):
     assert "--head, --qkv and --timeline are for --backend gpu" in result.output
 
 
+def test_bench_reports_the_int8_rate_and_its_share(tmp_path):
+    """A CPU run of the tiny config: the step's int8 operations a second; a share only for
+    a card whose dense int8 rate the table knows."""
+    import json
+
+    import bench
+    from click.testing import CliRunner
+    from tiny import TINY, toml_of
+
+    config = tmp_path / "tiny.toml"
+    config.write_text(toml_of(TINY))
+    args = ["--config", str(config), "--members", "4", "--repeats", "1", "--updates", "0"]
+    result = CliRunner().invoke(bench.main, args)
+    assert result.exit_code == 0, result.output
+    record = json.loads(result.output.splitlines()[-1])
+    assert record["int8_tops"] > 0 and "int8_share" not in record  # a CPU: no rate known
+    assert bench.int8_rate("NVIDIA H100 80GB HBM3") == 1979
+    assert bench.int8_rate("NVIDIA H100 PCIe") == 1513 and bench.int8_rate("a CPU") is None
+
+
 # --- the vocabulary said once, modes, and a port in use ----------------------------------
 
 

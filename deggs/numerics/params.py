@@ -204,3 +204,17 @@ def health_entries(cfg: Config) -> int:
     """How many entries a model's health report has (every slice of the table and the
     activations): the most a coordinator accepts."""
     return len(param_slices(cfg)) + len(HEALTH_ACTIVATIONS)
+
+
+def macs_per_token(cfg: Config) -> int:
+    """int8 multiply-adds one member's token costs in the forward pass: every matrix of
+    the table once (the embedding as the head's matrix; its lookup costs none), and each
+    layer's causal attention, scores and mix over (seq_len + 1) / 2 positions on average."""
+    m = cfg.model
+    n = sizes(cfg)
+    matrices = sum(
+        n[p.dims[0]] * n[p.dims[1]] * (m.n_layers if p.per_layer else 1)
+        for p in PARAMS
+        if p.is_matrix
+    )
+    return matrices + m.n_layers * m.hidden_dim * (m.seq_len + 1)
