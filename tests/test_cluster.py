@@ -36,7 +36,7 @@ TINY = toml_of(TINY_CFG)
 STEPS = 6
 CHAOS_STEPS = 20
 TIMEOUT_S = 120
-SECRET = "a secret only the cluster knows"
+SECRET = "a secret only the cluster knows, long enough"
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
 for _name in ("DEGGS_SECRET", "DEGGS_SECRET_FILE"):
     ENV.pop(_name, None)

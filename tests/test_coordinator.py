@@ -2,6 +2,7 @@
 
 import asyncio
 import contextlib
+import copy
 import json
 import logging
 import os
@@ -25,6 +26,7 @@ from deggs.config import Config, ConfigError
 from deggs.runtime import auth
 from deggs.runtime import checkpoint as ckpt
 from deggs.runtime import coordinator as coordinator_module
+from deggs.runtime.channel import TAG_SIZE, Channel
 from deggs.runtime.coordinator import Coordinator, format_workers_line
 from deggs.runtime.protocol import (
     NO_FINGERPRINT,
@@ -74,7 +76,7 @@ def step_fitness(step: int) -> np.ndarray:
 
 
 ANY_FRAME = dict.fromkeys(OPCODE_NAMES, 1 << 24)  # what a test client accepts
-SECRET = b"correct horse battery staple"
+SECRET = b"correct horse battery staple and then some"
 
 
 def run(coro, timeout=20):
@@ -106,6 +108,7 @@ class Client:
         self.reader, self.writer = reader, writer
         self.frames = FrameReader(ANY_FRAME)
         self.received: deque = deque()
+        self.channel: Channel | None = None  # once the secret is proven: frames tagged
 
     @classmethod
     async def connect(cls, coord):
@@ -116,7 +119,10 @@ class Client:
         return self.writer.get_extra_info("sockname")[1]
 
     async def send(self, data):
-        self.writer.write(data if isinstance(data, bytes) else data.encode())
+        data = data if isinstance(data, bytes) else data.encode()
+        if self.channel is not None:
+            data = self.channel.seal(data)
+        self.writer.write(data)
         await self.writer.drain()
 
     async def recv(self):
@@ -124,7 +130,10 @@ class Client:
             data = await asyncio.wait_for(self.reader.read(1 << 16), 5)
             assert data, "the coordinator closed the connection"
             self.received.extend(self.frames.feed(data))
-        return decode_message(*self.received.popleft())
+        opcode, payload = self.received.popleft()
+        if self.channel is not None:
+            payload = self.channel.open(opcode, payload)
+        return decode_message(opcode, payload)
 
     async def hello(self, config=SMALL, secret=None):
         """The deggs handshake (with the shared secret's proofs when one is given)."""
@@ -135,6 +144,7 @@ class Client:
             assert isinstance(reply, Challenge)
             assert auth.verify(secret, "coordinator", nonce, reply.nonce, reply.proof)
             await self.send(Auth(auth.proof(secret, "worker", nonce, reply.nonce)))
+            self.channel = Channel.for_worker(secret, nonce, reply.nonce)
             reply = await self.recv()
         assert isinstance(reply, HelloReply), reply
         return reply
@@ -762,6 +772,129 @@ def test_a_coordinators_proof_does_not_pass_as_a_workers():
     run(go())
 
 
+class Proxy:
+    """A man in the middle on loopback: relays whole frames between each client and the
+    coordinator, passing every frame from a client through change(opcode, payload), which
+    returns the bytes to send on instead."""
+
+    def __init__(self, coord, change):
+        self.coord, self.change = coord, change
+        self.server: asyncio.Server | None = None
+        self.port = 0
+
+    async def __aenter__(self):
+        self.server = await asyncio.start_server(self._relay, "127.0.0.1", 0)
+        self.port = self.server.sockets[0].getsockname()[1]
+        return self
+
+    async def __aexit__(self, *exc):
+        self.server.close()
+
+    async def connect(self) -> Client:
+        return Client(*await asyncio.open_connection("127.0.0.1", self.port))
+
+    async def _relay(self, reader, writer):
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.coord.port)
+
+        async def pump(source, sink, change):
+            frames = FrameReader(ANY_FRAME)
+            with contextlib.suppress(OSError):
+                while data := await source.read(1 << 16):
+                    for opcode, payload in frames.feed(data):
+                        sink.write(change(opcode, payload))
+                    await sink.drain()
+            sink.close()
+
+        await asyncio.gather(
+            pump(reader, up_writer, self.change), pump(up_reader, writer, protocol_frame)
+        )
+
+
+def protocol_frame(opcode, payload):
+    return _header(opcode, len(payload)) + payload
+
+
+def forge_result(opcode, payload):
+    """The attack of issue [11]: every RESULT's sum_loss 0 and its fitness all +1, with the
+    tag left as it came."""
+    if opcode != Result.OPCODE:
+        return protocol_frame(opcode, payload)
+    body, tag = payload[:-TAG_SIZE], payload[-TAG_SIZE:]
+    r = Result.decode(body)
+    forged = Result(r.seed, r.last_step, r.data_position, r.updates_count, 0, pack_trits([1] * 5))
+    return protocol_frame(opcode, forged.encode()[10:] + tag)
+
+
+def test_a_man_in_the_middle_cannot_change_a_result(tmp_path, info_logs):
+    """With a secret, a RESULT rewritten on its way closes that connection with one line;
+    its chunk goes back to the queue and the step's losses and update are the honest ones."""
+
+    async def go():
+        async with coordinator(secret=SECRET, save_dir=tmp_path) as coord:
+            async with Proxy(coord, forge_result) as proxy:
+                victim = await proxy.connect()
+                await victim.hello(secret=SECRET)
+                job = await victim.request(0)
+                assert job.data_position == 0
+                await victim.result(job)
+                assert await victim.closed()
+                await async_wait_until(lambda: not coord.peers, 5, "the victim's close")
+                assert list(coord.state.pending) == [0, 1, 2, 3] and coord.state.n_done == 0
+                honest = await Client.connect(coord)
+                await honest.hello(secret=SECRET)
+                await train_step(honest, 0)  # the update is step_fitness(0), unforged
+                await train_step(honest, 1, last=True)
+                await settle(coord, 2)
+
+    run(go())
+    assert [r["sum_loss"] for r in ckpt.read_metrics(tmp_path)] == [10, 10]  # chunks 1+2+3+4
+    failed = [r.getMessage() for r in info_logs.records if "authentication" in r.getMessage()]
+    assert len(failed) == 1 and "frame 1 (RESULT) failed authentication" in failed[0], failed
+
+
+def _sealed(client, *messages) -> list[bytes]:
+    return [client.channel.seal(m.encode()) for m in messages]
+
+
+# What a peer on the path does with a proven worker's frames: each closes the connection.
+TAMPERING = {
+    "replayed": lambda c, other: _sealed(c, LogMessage("a")) * 2,
+    "reordered": lambda c, other: _sealed(c, LogMessage("a"), JobRequest(SEED0, 0))[::-1],
+    "dropped": lambda c, other: _sealed(c, LogMessage("a"), JobRequest(SEED0, 0))[1:],
+    "from another connection": lambda c, other: [  # a copy: other's own sequence stays
+        copy.copy(other.channel).seal(JobRequest(SEED0, 0).encode())
+    ],
+    "untagged": lambda c, other: [JobRequest(SEED0, 0).encode()],
+    "tag cut short": lambda c, other: [_cut(_sealed(c, JobRequest(SEED0, 0))[0])],
+}
+
+
+def _cut(frame: bytes) -> bytes:
+    """The frame one byte shorter, header included."""
+    return _header(frame[5], len(frame) - 11) + frame[10:-1]
+
+
+@pytest.mark.parametrize("name", TAMPERING)
+def test_frames_replayed_reordered_dropped_or_spliced_close_the_connection(name, info_logs):
+    async def go():
+        async with coordinator(secret=SECRET) as coord:
+            victim, other = await Client.connect(coord), await Client.connect(coord)
+            await victim.hello(secret=SECRET)
+            await other.hello(secret=SECRET)
+            assert (await victim.request(0)).data_position == 0  # it holds chunk 0
+            frames = TAMPERING[name](victim, other)
+            victim.channel = None  # the bytes go out exactly as tampered
+            victim.writer.write(b"".join(frames))
+            assert await victim.closed()
+            # Its chunk is back in the queue: the next worker to ask gets it.
+            await async_wait_until(lambda: len(coord.peers) == 1, 5, "the victim's close")
+            assert (await other.request(0)).data_position == 0
+
+    run(go())
+    closed = [r.getMessage() for r in info_logs.records if r.levelno >= logging.WARNING]
+    assert len(closed) == 1 and "failed authentication" in closed[0], closed
+
+
 async def settle_chunks(coord, n):
     await async_wait_until(
         lambda: coord.state.n_done >= n, 10, lambda: f"{n} chunks done (only {coord.state.n_done})"
@@ -1079,6 +1212,22 @@ def test_cli_bad_input_is_one_line_and_exit_code_2(tmp_path, args, message):
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert message in proc.stderr and "Traceback" not in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_cli_refuses_a_short_secret_and_deggs_secret_makes_one(tmp_path):
+    deggs = [sys.executable, "-c", "from deggs.cli import main; main()"]
+    run = lambda args, **env: subprocess.run(
+        deggs + args, capture_output=True, text=True, timeout=60, cwd=tmp_path,
+        env={**CLI_ENV, **env},
+    )  # fmt: skip
+    proc = run(["coordinator", "--port", "0"], DEGGS_SECRET="monkey2024")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+    assert "DEGGS_SECRET has 10 characters; at least 32" in proc.stderr
+    assert "`deggs secret > ~/.deggs-secret`" in proc.stderr
+    made = [run(["secret"]).stdout.strip() for _ in range(2)]
+    assert all(re.fullmatch(r"[0-9a-f]{64}", m) for m in made) and made[0] != made[1]
+    assert auth.load_secret({"DEGGS_SECRET": made[0]}) == made[0].encode()
 
 
 # --- deadlines and bounds ----------------------------------------------------------------

@@ -14,7 +14,16 @@ import deggs
 from deggs.numerics.gpu import KERNEL_FILES, SM90_FILES, kernel_source
 
 ROOT = Path(__file__).resolve().parents[1]
-COMMANDS = ["coordinator", "worker", "prepare", "generate", "export", "plot", "print-arch"]
+COMMANDS = [
+    "coordinator",
+    "worker",
+    "prepare",
+    "generate",
+    "export",
+    "plot",
+    "print-arch",
+    "secret",
+]
 FUNCTIONS = {
     "coordinator": "coordinator_main",
     "worker": "worker_main",
@@ -23,6 +32,7 @@ FUNCTIONS = {
     "export": "export_main",
     "plot": "plot_main",
     "print-arch": "print_arch_main",
+    "secret": "secret_main",
 }
 
 

@@ -21,6 +21,12 @@ The rules that keep a run exact and the server alive, whoever connects:
   (`failure`) instead of leaving a hole in the history.
 - Every read has a deadline (the handshake, each frame), every peer a bound on the
   replies queued to it, and the number of connections a bound below the descriptor limit.
+  A worker reads each reply before it asks for work again: a peer that pipelines its
+  requests is closed, and so is one that has not asked for work within idle_timeout_s
+  (while it holds no chunk). When the connections run out, one that has proven nothing,
+  else one idle for EVICT_IDLE_S, makes room for the newcomer.
+- Failures of peers that proved nothing are logged at most about once a second for
+  each kind, with a count, so that a flood cannot fill the disk with log lines.
 
 A reference worker that finds no work is answered WAIT at once and asks again 0.1 s
 later. A deggs worker's request is held instead (for at most HOLD_S) and answered the
@@ -40,6 +46,7 @@ import asyncio
 import ipaddress
 import logging
 import math
+import re
 import resource
 import time
 from collections import OrderedDict, deque
@@ -55,6 +62,7 @@ from ..seeds import next_step_seed
 from ..ternary import check_packed, pack_trits, packed_size, unpack_blocks
 from . import auth
 from . import checkpoint as ckpt
+from .channel import Channel, sealed_limits
 from .protocol import (
     AUTH,
     DEGGS_PROTOCOL,
@@ -94,6 +102,8 @@ WORST_NAMED = 5  # saturated matrices a health warning names
 NAMED_WORKERS = 8  # workers the per-step line names: the slowest half, then the most idle
 HOLD_S = 1.0  # longest a deggs worker's request for work is held before WAIT (see above)
 RECONNECT_S = 2.0  # a reconnecting worker's connect and handshake, after its backoff pause
+EVICT_IDLE_S = 5.0  # a worker waiting for work asks at least every HOLD_S + 0.1 s
+UNPROVEN_KINDS = 64  # kinds of unproven peers' failures summarised apart; the rest as one
 
 
 class Drop(Exception):
@@ -262,7 +272,7 @@ class Coordinator:
         self.save_dir = Path(save_dir) if save_dir is not None else None
         self.load_dir = Path(load_dir) if load_dir is not None else None
         self.max_steps = max_steps
-        self.secret = secret
+        self.secret = None if secret is None else auth.check_secret(secret)
         self.tensorboard_dir = tensorboard_dir
         self.tensorboard: TensorBoard | None = None  # opened by start()
         self.clock = clock
@@ -288,6 +298,10 @@ class Coordinator:
         self._prev_loss: float | None = None
         self._last_lost = -float("inf")  # when a worker last lost its connection (see below)
         self._over_limit = _Burst(log, "refused {n} connection(s) over the limit of {limit}")
+        self._evicted = _Burst(
+            log, "closed {n} {what} connection(s) to make room for new ones (at {limit})"
+        )
+        self._unproven: dict[str, _Burst] = {}  # by kind of failure (see unproven_failure)
         self.state = self._initial_state()
 
     # --- lifecycle ---------------------------------------------------------------------
@@ -421,7 +435,7 @@ class Coordinator:
 
     async def _sweep_deadlines(self):
         k = self.config.coordinator
-        every = min(1.0, k.handshake_timeout_s / 4, k.frame_timeout_s / 4)
+        every = min(1.0, k.handshake_timeout_s / 4, k.frame_timeout_s / 4, k.idle_timeout_s / 4)
         while True:
             await asyncio.sleep(every)
             now = time.monotonic()
@@ -432,10 +446,48 @@ class Coordinator:
 
     def admit(self, peer: Peer) -> bool:
         if len(self.peers) >= self.max_connections:
-            self._over_limit.note(limit=self.max_connections)
-            return False
+            victim = self._evictable(time.monotonic())
+            if victim is None:
+                self._over_limit.note(limit=self.max_connections)
+                return False
+            what = "idle" if victim.proven else "unproven"
+            self._evicted.note(what=what, limit=self.max_connections)
+            victim.evict()
         self.peers.add(peer)
         return True
+
+    def _evictable(self, now: float) -> Peer | None:
+        """The connection to close for a newcomer when none are left: the oldest that has
+        proven nothing yet, else the one idle longest (no chunk held, no request for
+        EVICT_IDLE_S), else none. A worker at work is never pushed out."""
+        best, best_key = None, (2, 0.0)
+        for p in self.peers:
+            if p.closing:
+                continue
+            if not p.proven:
+                key = (0, p.opened)
+            elif not p.busy and not p.holding and now - p.asked >= EVICT_IDLE_S:
+                key = (1, p.asked)
+            else:
+                continue
+            if key < best_key:
+                best, best_key = p, key
+        return best
+
+    def unproven_failure(self, name: str, why: str):
+        """Log a failure of a peer that proved nothing, summarised by kind: the reason
+        with its numbers and quoted bytes blanked, so that a peer's input cannot make
+        kinds without end."""
+        kind = _KIND_DETAILS.sub("#", why)
+        burst = self._unproven.get(kind)
+        if burst is None:
+            if len(self._unproven) >= UNPROVEN_KINDS:
+                kind, why = "other", f"{why} (and other reasons)"
+            burst = self._unproven.setdefault(
+                kind,
+                _Burst(log, "{name} {why} ({n} unproven peer(s) so since this was last said)", 1.0),
+            )
+        burst.note(name=name, why=why)
 
     def forget(self, peer: Peer):
         """A connection closed: the chunks only it held go back to the queue at once."""
@@ -519,6 +571,10 @@ class Coordinator:
         if not auth.verify(self.secret, "worker", peer.hello.nonce, peer.nonce, message.proof):
             raise Drop("wrong proof of the shared secret")
         peer.authenticated = True
+        # From here every frame both ways carries a tag, this HELLO_REPLY first. No reply
+        # of before is still unsent: the proof needs our CHALLENGE, which went out first.
+        peer.channel = Channel.for_coordinator(self.secret, peer.hello.nonce, peer.nonce)
+        peer.reader.limits = sealed_limits(self.limits)
         return self._welcome(peer, peer.hello)
 
     def _welcome(self, peer: Peer, hello: Hello) -> bytes:
@@ -562,6 +618,7 @@ class Coordinator:
 
     def _on_job_request(self, peer: Peer, req: JobRequest):
         s = self.state
+        peer.asked = time.monotonic()
         if self.finished.is_set():
             raise self._refusal(peer, Reason.FINISHED, f"the run reached step {s.step}")
         if req.last_step < s.step:
@@ -906,7 +963,10 @@ class Peer(asyncio.Protocol):
         self.hello: Hello | None = None
         self.nonce: bytes | None = None  # our challenge's
         self.authenticated = False
+        self.channel: Channel | None = None  # every frame tagged, once the secret is proven
         self.welcomed = False  # a deggs worker that passed the handshake
+        self.asked = self.opened  # when it last asked for work (JOB_REQUEST)
+        self.requests = 0  # JOB_REQUESTs received and not handled yet
         self.step: int | None = None  # the step it last asked for a chunk of
         self.chunks: set[int] = set()  # chunks handed to this connection in that step
         self.figures = WorkerFigures()  # its share of that step; a new one each step
@@ -918,6 +978,19 @@ class Peer(asyncio.Protocol):
         if self.coord.secret is not None:
             return self.authenticated
         return self.hello is None or self.welcomed
+
+    @property
+    def proven(self) -> bool:
+        """Has it shown it is a worker? With a secret: proven it. Without: a deggs worker
+        welcomed, or any peer that asked for work the protocol's way."""
+        if self.coord.secret is not None:
+            return self.authenticated
+        return self.welcomed or self.asked > self.opened
+
+    @property
+    def holding(self) -> bool:
+        """Does it hold a chunk of the step in progress (handed out, no RESULT yet)?"""
+        return self.step == self.coord.state.step and bool(self.figures.holding)
 
     # --- asyncio.Protocol --------------------------------------------------------------
 
@@ -936,8 +1009,8 @@ class Peer(asyncio.Protocol):
         if self not in self.coord.peers:  # refused by admit(), or already forgotten
             return
         if self.reader.partial and not self.closing:
-            log.warning("%s dropping: disconnected mid-frame", self.name)
-        elif self.welcomed or (self.coord.secret is None and self.got_frame):
+            self._log(logging.WARNING, "dropping: disconnected mid-frame")
+        elif self.proven:
             log.info("worker %s disconnected", self.name)
         self.closing = True
         self.coord.forget(self)
@@ -957,6 +1030,10 @@ class Peer(asyncio.Protocol):
             self.partial_since = time.monotonic()
         if frames:
             self.got_frame = True
+            self.requests += sum(opcode == JOB_REQUEST for opcode, _ in frames)
+            if self.requests > 1:  # a worker waits for each reply before it asks again
+                self._close("closing: it asks for work again without reading the replies")
+                return
             self.queue.extend(frames)
             self._process()
 
@@ -983,7 +1060,11 @@ class Peer(asyncio.Protocol):
             out, size = [], 0
             while self.queue and size < limit and not self.busy:
                 opcode, payload = self.queue.popleft()
+                if opcode == JOB_REQUEST:
+                    self.requests -= 1
                 try:
+                    if self.channel is not None:
+                        payload = self.channel.open(opcode, payload)
                     reply = self.coord.handle(self, opcode, payload)
                 except Drop as drop:
                     self._write(out)
@@ -1027,6 +1108,8 @@ class Peer(asyncio.Protocol):
     def _write(self, frames: list[bytes]):
         if frames and not self.transport.is_closing():
             data = b"".join(frames)
+            if self.channel is not None:
+                data = self.channel.seal(data)
             self.coord.state.bytes_sent += len(data)
             self.transport.write(data)
 
@@ -1044,12 +1127,26 @@ class Peer(asyncio.Protocol):
             and now - self.write_paused_since > k.frame_timeout_s
         ):
             self._close(f"closing: it has not read its replies for {k.frame_timeout_s:g} s")
+        elif now - self.asked > k.idle_timeout_s and not self.busy and not self.holding:
+            self._close(f"closing: it has not asked for work for {k.idle_timeout_s:g} s")
 
     def _close(self, why: str, goodbye: bytes = b"", level: int = logging.WARNING):
         if self.closing:
             return
-        log.log(level, "%s %s", self.name, why)
+        self._log(level, why)
         self.close_with(goodbye)
+
+    def _log(self, level: int, why: str):
+        if self.proven:
+            log.log(level, "%s %s", self.name, why)
+        else:  # anyone can make these: a line a second of each kind at most
+            self.coord.unproven_failure(self.name, why)
+
+    def evict(self):
+        """Close at once, replies unsent: its descriptor is wanted for a newcomer."""
+        self.closing = True
+        self.queue.clear()
+        self.transport.abort()
 
     def close_with(self, goodbye: bytes = b""):
         """Close, letting queued replies and a GOODBYE out for at most LINGER_S.
@@ -1076,6 +1173,10 @@ class Peer(asyncio.Protocol):
         else:
             transport.close()
         asyncio.get_running_loop().call_later(LINGER_S, transport.abort)
+
+
+# Numbers and quoted bytes in a reason: blanked to tell the kind of a failure.
+_KIND_DETAILS = re.compile(r"b?'[^']*'|b?\"[^\"]*\"|\d+(\.\d+)?")
 
 
 class _Burst:
