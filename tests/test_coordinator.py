@@ -3,6 +3,7 @@
 import asyncio
 import contextlib
 import copy
+import hashlib
 import json
 import logging
 import os
@@ -930,9 +931,15 @@ def test_checkpoint_files_have_the_reference_layout(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "checkpoint_00000001.bin",
         "checkpoint_00000002.bin",
+        "checkpoints.sha256",
         "config.json",
         "metrics.jsonl",
     ]
+    # The checksums, one line a file as `sha256sum` writes (and `sha256sum -c` checks) them.
+    assert (tmp_path / "checkpoints.sha256").read_text() == "".join(
+        f"{hashlib.sha256((tmp_path / name).read_bytes()).hexdigest()}  {name}\n"
+        for name in ("checkpoint_00000001.bin", "checkpoint_00000002.bin")
+    )
     assert Config.from_json((tmp_path / "config.json").read_text()) == SMALL
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [0, 1]
@@ -1011,9 +1018,9 @@ def test_save_dir_of_another_run_is_refused(tmp_path):
 
 
 def test_corrupt_newest_checkpoint_stops_the_start(tmp_path):
-    ckpt.save_checkpoint(tmp_path, ckpt.Checkpoint(1, 5, bytes(4)))
+    ckpt.save_checkpoint(tmp_path, ckpt.Checkpoint(1, seed_of(1), bytes(4)))
     path = ckpt.checkpoint_path(tmp_path, 2)
-    path.write_bytes(ckpt.encode_checkpoint(ckpt.Checkpoint(2, 6, bytes(4)))[:-1])
+    path.write_bytes(ckpt.encode_checkpoint(ckpt.Checkpoint(2, seed_of(2), bytes(4)))[:-1])
     with pytest.raises(ckpt.CheckpointError, match="checkpoint_00000002.bin.*announces 4"):
         Coordinator(SMALL, load_dir=tmp_path)
 
@@ -1032,7 +1039,7 @@ def test_corrupt_older_checkpoint_fails_only_that_catch_up(tmp_path, info_logs):
             assert (await (await Client.connect(coord)).request(1)).data == b"\x01" * 4
 
     run(go())
-    assert any("checkpoint_00000001.bin: bad magic" in r.getMessage() for r in info_logs.records)
+    assert any("checkpoint_00000001.bin: its SHA-256" in r.getMessage() for r in info_logs.records)
 
 
 # --- checkpoint module -------------------------------------------------------------------
@@ -1480,13 +1487,13 @@ def test_a_failing_disk_stops_the_run_with_no_hole_in_the_history(tmp_path, monk
     real_commit = ckpt.commit_step
     calls = []
 
-    def commit_until_full(directory, checkpoint, record):
+    def commit_until_full(directory, checkpoint, record, metrics=None):
         calls.append(checkpoint.step)
         if checkpoint.step >= 3:  # steps 0 and 1 fit; then the disk is full
             with open(Path(directory) / ckpt.METRICS_FILE, "ab") as f:
                 f.write(b'{"step": 2, "tor')  # a torn line, as a full disk leaves
             raise OSError(28, "No space left on device")
-        real_commit(directory, checkpoint, record)
+        real_commit(directory, checkpoint, record, metrics)
 
     monkeypatch.setattr(ckpt, "commit_step", commit_until_full)
 
@@ -1533,6 +1540,119 @@ def test_metrics_survive_a_torn_last_line(tmp_path):
     assert [(r["step"], r["loss"]) for r in ckpt.read_metrics(tmp_path)] == [(0, 1.0), (1, 0.25)]
     ckpt.tidy_metrics(tmp_path, 1)
     assert path.read_text().splitlines() == ['{"step": 0, "loss": 1.0}']
+
+
+def test_metrics_deleted_or_truncated_under_a_running_coordinator_are_rewritten(
+    tmp_path, info_logs
+):
+    path = tmp_path / ckpt.METRICS_FILE
+
+    async def go():
+        async with coordinator(save_dir=tmp_path) as coord:
+            a = await Client.connect(coord)
+            await train_step(a, 0)
+            await train_step(a, 1)
+            await settle(coord, 2)
+            path.unlink()  # deleted mid-run
+            await train_step(a, 2)
+            await settle(coord, 3)
+            path.write_bytes(path.read_bytes()[:10])  # truncated mid-run
+            await train_step(a, 3)
+            await settle(coord, 4)
+
+    run(go())
+    assert [r["step"] for r in ckpt.read_metrics(tmp_path)] == [0, 1, 2, 3]
+    warned = [r.getMessage() for r in info_logs.records if r.levelno == logging.WARNING]
+    assert len(warned) == 2, warned
+    assert (
+        "metrics.jsonl vanished under the running coordinator; rewriting it from the 2"
+        in (warned[0])
+    )
+    assert "shrank or was replaced" in warned[1] and "from the 3 records" in warned[1]
+
+
+async def train(save_dir, steps: int):
+    async with coordinator(save_dir=save_dir) as coord:
+        a = await Client.connect(coord)
+        for step in range(steps):
+            await train_step(a, step)
+        await settle(coord, steps)
+
+
+def change_byte(path: Path, offset: int, value: int):
+    data = bytearray(path.read_bytes())
+    assert data[offset] != value
+    data[offset] = value
+    path.write_bytes(bytes(data))
+
+
+FITNESS_AT = 32  # a checkpoint's header is 32 bytes; its packed fitness follows
+SEED_AT = 16
+
+
+def test_a_checkpoint_changed_on_disk_is_refused_naming_the_file(tmp_path, info_logs):
+    """One fitness byte changed to another valid value: refused on load (the newest) and
+    for catch-up (an older one), naming the file; the run never trains on it."""
+    run(train(tmp_path, 3))
+    newest, older = ckpt.checkpoint_path(tmp_path, 3), ckpt.checkpoint_path(tmp_path, 1)
+    first = tmp_path.joinpath(newest.name).read_bytes()[FITNESS_AT]
+    change_byte(newest, FITNESS_AT, (first + 1) % 243)  # still packed trits
+    with pytest.raises(ckpt.CheckpointError) as refused:
+        Coordinator(SMALL, load_dir=tmp_path)
+    assert str(newest) in str(refused.value) and "SHA-256" in str(refused.value)
+    assert "resumes from the step before" in str(refused.value)
+
+    newest.unlink()  # as the refusal says: resume from step 2
+    first = older.read_bytes()[FITNESS_AT]
+    change_byte(older, FITNESS_AT, (first + 1) % 243)
+
+    async def go():
+        async with coordinator(load_dir=tmp_path) as coord:
+            assert coord.state.step == 2
+            fresh = await Client.connect(coord)
+            await fresh.hello()
+            await fresh.send(JobRequest(SEED0, 0))  # needs checkpoint 1 to catch up
+            assert (await fresh.goodbye()).reason == Reason.HISTORY_GONE
+
+    run(go())
+    errors = [r.getMessage() for r in info_logs.records if r.levelno == logging.ERROR]
+    assert any(str(older) in e and "SHA-256" in e for e in errors), errors
+
+
+@pytest.mark.parametrize("step", [1, 3], ids=["older", "newest"])
+def test_a_broken_seed_chain_is_refused_naming_the_file(tmp_path, step):
+    run(train(tmp_path, 3))
+    path = ckpt.checkpoint_path(tmp_path, step)
+    data = path.read_bytes()
+    change_byte(path, SEED_AT, data[SEED_AT] ^ 1)
+    (tmp_path / ckpt.MANIFEST_FILE).unlink()  # as the reference's dirs: the seed alone
+    with pytest.raises(ckpt.CheckpointError, match=f"{path.name}: seed .* not step {step}'s"):
+        Coordinator(SMALL, load_dir=tmp_path)
+
+
+def test_a_reference_save_dir_without_checksums_loads(tmp_path):
+    for step in (1, 2):  # written as the reference does: no checkpoints.sha256
+        ckpt.write_atomic(
+            ckpt.checkpoint_path(tmp_path, step),
+            ckpt.encode_checkpoint(ckpt.Checkpoint(step, seed_of(step), bytes(4))),
+        )
+    coord = Coordinator(SMALL, load_dir=tmp_path)
+    assert (coord.state.step, coord.state.seed) == (2, seed_of(2))
+
+
+def test_checkpoints_removed_on_purpose_are_no_error(tmp_path):
+    run(train(tmp_path, 4))
+    for step in (1, 2):  # pruned: gone, their checksums still listed
+        ckpt.checkpoint_path(tmp_path, step).unlink()
+    assert Coordinator(SMALL, load_dir=tmp_path).state.step == 4
+    ckpt.forget_checkpoints(tmp_path, 3)
+    assert sorted(ckpt.read_manifest(tmp_path)) == [
+        "checkpoint_00000003.bin",
+        "checkpoint_00000004.bin",
+    ]
+    change_byte(ckpt.checkpoint_path(tmp_path, 4), FITNESS_AT, 0)  # still checked
+    with pytest.raises(ckpt.CheckpointError, match="checkpoint_00000004.bin: its SHA-256"):
+        Coordinator(SMALL, load_dir=tmp_path)
 
 
 # --- model health and TensorBoard ------------------------------------------------------------

@@ -287,6 +287,8 @@ class Coordinator:
         self.max_connections = k.max_connections
 
         self.history: OrderedDict[int, bytes] = OrderedDict()  # step -> packed fitness
+        self.seeds = [config.training.seed]  # the seed chain, step -> seed, as far as needed
+        self.metrics: ckpt.MetricsLog | None = None  # metrics.jsonl, once start() opened it
         self.finished = asyncio.Event()
         self.ended = asyncio.Event()
         self._news = asyncio.Event()  # set (then replaced) when held requests should look again
@@ -310,6 +312,7 @@ class Coordinator:
         step, seed = 0, self.config.training.seed
         if self.load_dir is not None:
             ckpt.check_saved_config(self.load_dir, self.config)
+            ckpt.check_seed_chain(self.load_dir, seed)
             latest = ckpt.load_latest(self.load_dir, self.config.training.n_pairs)
             if latest is None:
                 log.info("no checkpoint in %s: starting at step 0", self.load_dir)
@@ -330,6 +333,7 @@ class Coordinator:
         if self.save_dir is not None:
             ckpt.prepare_save_dir(self.save_dir, self.config, self.state.step)
             ckpt.tidy_metrics(self.save_dir, self.state.step)
+            self.metrics = ckpt.MetricsLog(self.save_dir)
             if self.load_dir is not None and self.load_dir.resolve() != self.save_dir.resolve():
                 await self._on_disk(ckpt.copy_history, self.load_dir, self.save_dir)
         if self.tensorboard_dir is not None:
@@ -683,7 +687,11 @@ class Coordinator:
         fitness = None
         if self.history_dirs:
             fitness = await self._on_disk(
-                _fitness_from_disk, self.history_dirs, step, self.config.training.n_pairs
+                _fitness_from_disk,
+                self.history_dirs,
+                step,
+                self.config.training.n_pairs,
+                self._seed_of(step + 1),
             )
         if fitness is None:
             raise self._refusal(
@@ -839,7 +847,11 @@ class Coordinator:
         if self.save_dir is not None:
             try:
                 await self._durably(
-                    ckpt.commit_step, self.save_dir, ckpt.Checkpoint(step, seed, packed), record
+                    ckpt.commit_step,
+                    self.save_dir,
+                    ckpt.Checkpoint(step, seed, packed),
+                    record,
+                    self.metrics,
                 )
             except OSError as e:
                 self._fail(
@@ -876,6 +888,12 @@ class Coordinator:
                 )
                 await asyncio.sleep(min(pause, left))
                 pause = min(pause * 2, 5.0)
+
+    def _seed_of(self, step: int) -> int:
+        """Step `step`'s seed in the chain from training.seed (what its checkpoint holds)."""
+        while len(self.seeds) <= step:
+            self.seeds.append(next_step_seed(self.seeds[-1], len(self.seeds)))
+        return self.seeds[step]
 
     def _remember(self, step: int, packed: bytes):
         self.history[step] = packed
@@ -1276,13 +1294,20 @@ def _humanize(n: int, base: int, units: list[str]) -> str:
     return f"{n}{units[0]}"
 
 
-def _fitness_from_disk(dirs: list[Path], step: int, n_pairs: int) -> bytes | None:
-    """Step `step`'s packed fitness from checkpoint step+1 in the first dir that has it."""
+def _fitness_from_disk(dirs: list[Path], step: int, n_pairs: int, seed: int) -> bytes | None:
+    """Step `step`'s packed fitness from checkpoint step+1 in the first dir that has it
+    whole (its checksum, when recorded, and `seed`, the chain's at step+1, both hold)."""
     for directory in dirs:
         path = ckpt.checkpoint_path(directory, step + 1)
         if path.exists():
             try:
-                return ckpt.read_checkpoint(path, n_pairs).fitness
+                checkpoint = ckpt.read_checkpoint(path, n_pairs)
+                if checkpoint.seed != seed:
+                    raise ckpt.CheckpointError(
+                        f"{path}: seed {checkpoint.seed} is not the chain's {seed}; the file "
+                        "is corrupt or from another run"
+                    )
+                return checkpoint.fitness
             except ckpt.CheckpointError as e:
                 log.error("cannot serve step %d from disk: %s", step, e)
     return None
