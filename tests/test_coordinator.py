@@ -1434,21 +1434,126 @@ def test_a_peer_that_does_not_read_its_replies_is_bounded_and_closed():
             coord.history.update({s: bytes(40_000) for s in range(1)})
             coord.state.step = 1  # a step behind: every request earns 40 KB of catch-up
             hog = await Client.connect(coord)
+            await async_wait_until(lambda: coord.peers, 5, "the hog's connection")
+            (peer,) = coord.peers
             request = JobRequest(SEED0, 0).encode()
+            # One request at a time, each once the last was answered (pipelining would be
+            # closed at once), never reading: 80 MB of replies if they were all queued.
             with contextlib.suppress(ConnectionError):
-                for _ in range(2000):  # 80 MB of replies if they were all queued
+                for _ in range(2000):
+                    sent = coord.state.bytes_sent
                     hog.writer.write(request)
-                await asyncio.wait_for(hog.writer.drain(), 5)
+                    await asyncio.wait_for(hog.writer.drain(), 5)
+                    await async_wait_until(
+                        lambda: coord.state.bytes_sent > sent or peer.write_paused_since,  # noqa: B023
+                        5,
+                        "a reply",
+                    )
+                    if peer.write_paused_since is not None:
+                        break
+            assert peer.write_paused_since is not None, "its replies never piled up"
+            # Meanwhile another worker is served as if the hog were not there.
+            other = await Client.connect(coord)
+            assert (await other.request(1, seed=SEED0)).data_position == 0
+            assert peer in coord.peers
 
             def hog_gone():  # it stops reading the hog, and closes it after the deadline
                 queued = [p.transport.get_write_buffer_size() for p in coord.peers]
                 assert all(size <= 2 * (1 << 16) + 40_100 for size in queued), queued
-                return not queued
+                return peer not in coord.peers
 
             await async_wait_until(hog_gone, 5, "the coordinator to close the hog")
-            assert not coord.peers
 
     run(go())
+
+
+def test_a_peer_that_pipelines_requests_without_reading_is_closed_at_once(info_logs):
+    async def go():
+        async with coordinator() as coord:
+            hog = await Client.connect(coord)
+            await hog.send(Hello(SMALL.fingerprint()).encode() + JobRequest(SEED0, 0).encode() * 64)
+            assert await hog.closed()
+            assert coord.state.in_progress == {}  # not even its first request was served
+            honest = await Client.connect(coord)
+            assert (await honest.request(0)).data_position == 0
+
+    run(go())
+    closed = [r.getMessage() for r in info_logs.records if r.levelno == logging.WARNING]
+    assert len(closed) == 1 and "asks for work again without reading the replies" in closed[0], (
+        closed
+    )
+
+
+def test_a_connection_that_does_not_ask_for_work_is_closed_after_idle_timeout(info_logs):
+    config = SMALL.replace(coordinator={"idle_timeout_s": 0.5})
+
+    async def go():
+        async with coordinator(config) as coord:
+            busy, idle, silent = [await Client.connect(coord) for _ in range(3)]
+            await busy.hello()
+            await idle.hello()
+            await silent.send(LogMessage("hello"))  # a whole frame: past the handshake
+            job = await busy.request(0)  # holds chunk 0: it is at work, not idle
+            await idle.result(await idle.request(0))  # holds nothing after its RESULT
+            assert await idle.closed() and await silent.closed()
+            assert busy.writer.transport is not None and len(coord.peers) == 1
+            await busy.result(job)  # still served
+            assert (await busy.request(0)).data_position == 2 * CHUNK
+
+    run(go())
+    closed = [
+        r.getMessage() for r in info_logs.records if "has not asked for work" in r.getMessage()
+    ]
+    assert len(closed) == 2 and all("for 0.5 s" in line for line in closed), closed
+
+
+def test_when_connections_run_out_unproven_then_idle_ones_make_room(monkeypatch, info_logs):
+    monkeypatch.setattr(coordinator_module, "EVICT_IDLE_S", 0.0)
+    config = SMALL.replace(coordinator={"max_connections": 3})
+
+    async def go():
+        async with coordinator(config) as coord:
+            working, idle = await Client.connect(coord), await Client.connect(coord)
+            await working.hello()
+            await idle.hello()
+            await working.request(0)  # holds chunk 0
+            await idle.result(await idle.request(0))  # asked, then nothing
+            unproven = await Client.connect(coord)  # connected, said nothing
+            await async_wait_until(lambda: len(coord.peers) == 3, 5, "three connections")
+            newcomers = []
+            for expect_closed in (unproven, idle):  # the unproven first, then the idle
+                newcomers.append(await Client.connect(coord))
+                await newcomers[-1].hello()
+                assert await expect_closed.closed()
+            assert (await newcomers[0].request(0)).data_position == 2 * CHUNK
+            assert (await newcomers[1].request(0)).data_position == 3 * CHUNK
+            # Now all three hold a chunk: a newcomer is refused.
+            refused = await Client.connect(coord)
+            assert await refused.closed()
+            assert len(coord.peers) == 3
+
+    run(go())
+    made_room = [r.getMessage() for r in info_logs.records if "make room" in r.getMessage()]
+    assert made_room and "1 unproven connection(s)" in made_room[0], made_room
+
+
+def test_failures_of_unproven_peers_are_summarised(info_logs):
+    async def go():
+        async with coordinator(secret=SECRET) as coord:
+            for _ in range(50):
+                bad = await Client.connect(coord)
+                await bad.send(b"GET / HTTP/1.1\r\n\r\n")
+                assert await bad.closed()
+            for burst in coord._unproven.values():
+                burst.last -= 1.0  # as if a second had passed
+            last = await Client.connect(coord)
+            await last.send(b"GET /other HTTP/1.1\r\n\r\n")
+            assert await last.closed()
+
+    run(go())
+    lines = [r.getMessage() for r in info_logs.records if "bad magic" in r.getMessage()]
+    assert len(lines) == 2, lines
+    assert "(1 unproven peer(s)" in lines[0] and "(50 unproven peer(s)" in lines[1]
 
 
 # --- durability ----------------------------------------------------------------------------

@@ -62,7 +62,7 @@ from ..seeds import next_step_seed
 from ..ternary import check_packed, pack_trits, packed_size, unpack_blocks
 from . import auth
 from . import checkpoint as ckpt
-from .channel import Channel, sealed_limits
+from .channel import Channel, DigestCache, sealed_limits
 from .protocol import (
     AUTH,
     DEGGS_PROTOCOL,
@@ -288,6 +288,8 @@ class Coordinator:
 
         self.history: OrderedDict[int, bytes] = OrderedDict()  # step -> packed fitness
         self.seeds = [config.training.seed]  # the seed chain, step -> seed, as far as needed
+        self.digests = DigestCache()  # of the large frames sealed for every worker alike
+        self._updates: OrderedDict[tuple[int, int], bytes] = OrderedDict()  # see _update
         self.metrics: ckpt.MetricsLog | None = None  # metrics.jsonl, once start() opened it
         self.finished = asyncio.Event()
         self.ended = asyncio.Event()
@@ -574,10 +576,14 @@ class Coordinator:
             raise ProtocolError("AUTH without a challenge")
         if not auth.verify(self.secret, "worker", peer.hello.nonce, peer.nonce, message.proof):
             raise Drop("wrong proof of the shared secret")
+        if peer.queue:  # a worker waits for HELLO_REPLY; later frames would need tags
+            raise ProtocolError("frames after AUTH before its reply")
         peer.authenticated = True
         # From here every frame both ways carries a tag, this HELLO_REPLY first. No reply
         # of before is still unsent: the proof needs our CHALLENGE, which went out first.
-        peer.channel = Channel.for_coordinator(self.secret, peer.hello.nonce, peer.nonce)
+        peer.channel = Channel.for_coordinator(
+            self.secret, peer.hello.nonce, peer.nonce, self.digests
+        )
         peer.reader.limits = sealed_limits(self.limits)
         return self._welcome(peer, peer.hello)
 
@@ -621,6 +627,9 @@ class Coordinator:
     # --- jobs and results --------------------------------------------------------------
 
     def _on_job_request(self, peer: Peer, req: JobRequest):
+        for opcode, _ in peer.queue:  # a worker reads each reply before it asks again
+            if opcode == JOB_REQUEST:
+                raise ProtocolError("it asks for work again without reading the replies")
         s = self.state
         peer.asked = time.monotonic()
         if self.finished.is_set():
@@ -680,8 +689,20 @@ class Coordinator:
         """The fitness of `step`, which moves a worker from `step` to `step + 1`."""
         fitness = self.history.get(step)
         if fitness is not None:
-            return JobResponse(self.state.seed, step + 1, 0, fitness).encode()
+            return self._update(step, fitness)
         return self._catch_up_from_disk(peer, step)
+
+    def _update(self, step: int, fitness: bytes) -> bytes:
+        """Step `step`'s catch-up JOB_RESPONSE: one bytes object for every worker that
+        asks for it now, so that sealing it for each of them hashes it once."""
+        key = (step, self.state.seed)
+        frame = self._updates.get(key)
+        if frame is None:
+            frame = JobResponse(self.state.seed, step + 1, 0, fitness).encode()
+            self._updates[key] = frame
+            if len(self._updates) > DigestCache.SIZE:
+                self._updates.popitem(last=False)
+        return frame
 
     async def _catch_up_from_disk(self, peer: Peer, step: int) -> bytes:
         fitness = None
@@ -984,7 +1005,6 @@ class Peer(asyncio.Protocol):
         self.channel: Channel | None = None  # every frame tagged, once the secret is proven
         self.welcomed = False  # a deggs worker that passed the handshake
         self.asked = self.opened  # when it last asked for work (JOB_REQUEST)
-        self.requests = 0  # JOB_REQUESTs received and not handled yet
         self.step: int | None = None  # the step it last asked for a chunk of
         self.chunks: set[int] = set()  # chunks handed to this connection in that step
         self.figures = WorkerFigures()  # its share of that step; a new one each step
@@ -1048,10 +1068,12 @@ class Peer(asyncio.Protocol):
             self.partial_since = time.monotonic()
         if frames:
             self.got_frame = True
-            self.requests += sum(opcode == JOB_REQUEST for opcode, _ in frames)
-            if self.requests > 1:  # a worker waits for each reply before it asks again
-                self._close("closing: it asks for work again without reading the replies")
-                return
+            if self.channel is not None:
+                try:
+                    frames = self.channel.open_all(frames)
+                except ProtocolError as e:
+                    self._close(f"dropping: {e}")
+                    return
             self.queue.extend(frames)
             self._process()
 
@@ -1078,11 +1100,7 @@ class Peer(asyncio.Protocol):
             out, size = [], 0
             while self.queue and size < limit and not self.busy:
                 opcode, payload = self.queue.popleft()
-                if opcode == JOB_REQUEST:
-                    self.requests -= 1
                 try:
-                    if self.channel is not None:
-                        payload = self.channel.open(opcode, payload)
                     reply = self.coord.handle(self, opcode, payload)
                 except Drop as drop:
                     self._write(out)
@@ -1125,9 +1143,9 @@ class Peer(asyncio.Protocol):
 
     def _write(self, frames: list[bytes]):
         if frames and not self.transport.is_closing():
-            data = b"".join(frames)
             if self.channel is not None:
-                data = self.channel.seal(data)
+                frames = [self.channel.seal(f) for f in frames]
+            data = b"".join(frames)
             self.coord.state.bytes_sent += len(data)
             self.transport.write(data)
 

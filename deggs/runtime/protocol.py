@@ -50,8 +50,9 @@ from typing import Any, ClassVar, cast
 MAGIC = b"JOBS"
 VERSION = 1
 HEADER_SIZE = 10
-DEGGS_PROTOCOL = 3  # version of the HELLO handshake (2: nonces, CHALLENGE/AUTH, GOODBYE;
-# 3: EVALUATION and HEALTH, which an older coordinator would drop a worker for)
+DEGGS_PROTOCOL = 4  # version of the HELLO handshake (2: nonces, CHALLENGE/AUTH, GOODBYE;
+# 3: EVALUATION and HEALTH, which an older coordinator would drop a worker for; 4: with a
+# secret, every frame after AUTH carries a tag, channel.py)
 WAIT = 2**64 - 1  # JOB_RESPONSE.data_position: nothing to do yet
 NO_FINGERPRINT = bytes(8)  # HELLO from a worker that has no config yet
 NONCE_SIZE = 16
