@@ -31,6 +31,7 @@ import argparse
 import json
 import multiprocessing
 import resource
+import select
 import shutil
 import socket
 import statistics
@@ -89,6 +90,8 @@ def attack(port: int, mode: str, n: int, hello: bytes, seed0: int, save_dir, sto
     request = JobRequest(seed, step).encode()
     burst = hello + request * 64
     socks: list[socket.socket | None] = [None] * n
+    poller = select.poll()  # tells a close by the coordinator without reading a byte
+    index: dict[int, int] = {}  # descriptor -> attacker
 
     def open_one(i):
         try:
@@ -102,15 +105,18 @@ def attack(port: int, mode: str, n: int, hello: bytes, seed0: int, save_dir, sto
             s.close()
             return
         socks[i] = s
+        index[s.fileno()] = i
+        poller.register(s, select.POLLRDHUP | select.POLLERR | select.POLLHUP)
         counts[0] += 1
 
-    def closed(s) -> bool:
-        try:
-            return s.recv(1, socket.MSG_PEEK) == b""  # read nothing: only look for EOF
-        except BlockingIOError:
-            return False
-        except OSError:
-            return True
+    def lost(i):
+        s = socks[i]
+        if s is not None:
+            poller.unregister(s)
+            del index[s.fileno()]
+            s.close()
+            socks[i] = None
+            counts[1] += 1
 
     while not stop.is_set():
         records = metrics_lines(save_dir)
@@ -119,12 +125,10 @@ def attack(port: int, mode: str, n: int, hello: bytes, seed0: int, save_dir, sto
             seed = next_step_seed(seed, step)
         request = JobRequest(seed, step).encode()
         burst = hello + request * 64
+        for fd, _ in poller.poll(0):
+            lost(index[fd])
         for i, s in enumerate(socks):
-            if s is not None and closed(s):
-                s.close()
-                socks[i] = None
-                counts[1] += 1
-            if socks[i] is None:
+            if s is None:
                 open_one(i)
             elif mode == "pipeline":
                 try:
@@ -132,7 +136,7 @@ def attack(port: int, mode: str, n: int, hello: bytes, seed0: int, save_dir, sto
                 except BlockingIOError:
                     pass  # its buffers are full: the coordinator stopped reading it
                 except OSError:
-                    pass
+                    lost(i)
         time.sleep(0.01 if mode == "pipeline" else 0.05)
     for s in socks:
         if s is not None:

@@ -1501,10 +1501,11 @@ def test_a_connection_that_does_not_ask_for_work_is_closed_after_idle_timeout(in
             assert (await busy.request(0)).data_position == 2 * CHUNK
 
     run(go())
+    # Without a secret nobody is proven: the two closes, a second apart at most, are one line.
     closed = [
         r.getMessage() for r in info_logs.records if "has not asked for work" in r.getMessage()
     ]
-    assert len(closed) == 2 and all("for 0.5 s" in line for line in closed), closed
+    assert len(closed) == 1 and "for 0.5 s" in closed[0], closed
 
 
 def test_when_connections_run_out_unproven_then_idle_ones_make_room(monkeypatch, info_logs):
@@ -1553,7 +1554,7 @@ def test_failures_of_unproven_peers_are_summarised(info_logs):
     run(go())
     lines = [r.getMessage() for r in info_logs.records if "bad magic" in r.getMessage()]
     assert len(lines) == 2, lines
-    assert "(1 unproven peer(s)" in lines[0] and "(50 unproven peer(s)" in lines[1]
+    assert "(1 such from unproven peers" in lines[0] and "(50 such from unproven" in lines[1]
 
 
 # --- durability ----------------------------------------------------------------------------

@@ -305,7 +305,7 @@ class Coordinator:
         self._evicted = _Burst(
             log, "closed {n} {what} connection(s) to make room for new ones (at {limit})"
         )
-        self._unproven: dict[str, _Burst] = {}  # by kind of failure (see unproven_failure)
+        self._unproven: dict[tuple[int, str], _Burst] = {}  # by level and kind (see say)
         self.state = self._initial_state()
 
     # --- lifecycle ---------------------------------------------------------------------
@@ -480,20 +480,30 @@ class Coordinator:
                 best, best_key = p, key
         return best
 
-    def unproven_failure(self, name: str, why: str):
-        """Log a failure of a peer that proved nothing, summarised by kind: the reason
-        with its numbers and quoted bytes blanked, so that a peer's input cannot make
+    def say(self, peer: Peer, level: int, text: str):
+        """Log a line about a peer: as it is for one that proved the secret; for any
+        other (without a secret, everyone: anyone can open connections by the thousand)
+        summarised by kind, at most a line a second of each with a count. The kind is the
+        text with its numbers and quoted bytes blanked, so that a peer's input cannot make
         kinds without end."""
-        kind = _KIND_DETAILS.sub("#", why)
-        burst = self._unproven.get(kind)
+        if self.secret is not None and peer.authenticated:
+            log.log(level, "%s %s", peer.name, text)
+            return
+        key = (level, _KIND_DETAILS.sub("#", text))
+        burst = self._unproven.get(key)
         if burst is None:
             if len(self._unproven) >= UNPROVEN_KINDS:
-                kind, why = "other", f"{why} (and other reasons)"
+                key, text = (level, "other"), f"{text} (and other reasons)"
             burst = self._unproven.setdefault(
-                kind,
-                _Burst(log, "{name} {why} ({n} unproven peer(s) so since this was last said)", 1.0),
+                key,
+                _Burst(
+                    log,
+                    "{name} {why} ({n} such from unproven peers since the last such line)",
+                    1.0,
+                    level,
+                ),
             )
-        burst.note(name=name, why=why)
+        burst.note(name=peer.name, why=text)
 
     def forget(self, peer: Peer):
         """A connection closed: the chunks only it held go back to the queue at once."""
@@ -598,11 +608,8 @@ class Coordinator:
                 "from the coordinator's: " + self._config_differences(hello),
             )
         peer.welcomed = True
-        log.info(
-            "worker %s joined (%s)",
-            peer.name,
-            "config matches" if hello.fingerprint == ours else "takes the coordinator's config",
-        )
+        how = "config matches" if hello.fingerprint == ours else "takes the coordinator's config"
+        self.say(peer, logging.INFO, f"joined ({how})")
         return HelloReply(ours, self.config.to_json()).encode()
 
     def _config_differences(self, hello: Hello) -> str:
@@ -1047,9 +1054,9 @@ class Peer(asyncio.Protocol):
         if self not in self.coord.peers:  # refused by admit(), or already forgotten
             return
         if self.reader.partial and not self.closing:
-            self._log(logging.WARNING, "dropping: disconnected mid-frame")
+            self.coord.say(self, logging.WARNING, "dropping: disconnected mid-frame")
         elif self.proven:
-            log.info("worker %s disconnected", self.name)
+            self.coord.say(self, logging.INFO, "disconnected")
         self.closing = True
         self.coord.forget(self)
 
@@ -1169,14 +1176,8 @@ class Peer(asyncio.Protocol):
     def _close(self, why: str, goodbye: bytes = b"", level: int = logging.WARNING):
         if self.closing:
             return
-        self._log(level, why)
+        self.coord.say(self, level, why)
         self.close_with(goodbye)
-
-    def _log(self, level: int, why: str):
-        if self.proven:
-            log.log(level, "%s %s", self.name, why)
-        else:  # anyone can make these: a line a second of each kind at most
-            self.coord.unproven_failure(self.name, why)
 
     def evict(self):
         """Close at once, replies unsent: its descriptor is wanted for a newcomer."""
@@ -1219,8 +1220,14 @@ class _Burst:
     """Logs an event the first time, then at most once per `every` seconds with a count,
     so a flood of refused connections costs a few lines, not one per connection."""
 
-    def __init__(self, logger: logging.Logger, message: str, every: float = 10.0):
-        self.logger, self.message, self.every = logger, message, every
+    def __init__(
+        self,
+        logger: logging.Logger,
+        message: str,
+        every: float = 10.0,
+        level: int = logging.WARNING,
+    ):
+        self.logger, self.message, self.every, self.level = logger, message, every, level
         self.last = -float("inf")
         self.count = 0
 
@@ -1228,7 +1235,7 @@ class _Burst:
         self.count += 1
         now = time.monotonic()
         if now - self.last >= self.every:
-            self.logger.warning(self.message.format(n=self.count, **details))
+            self.logger.log(self.level, self.message.format(n=self.count, **details))
             self.last, self.count = now, 0
 
 
