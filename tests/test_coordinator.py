@@ -1535,7 +1535,10 @@ def test_when_connections_run_out_unproven_then_idle_ones_make_room(monkeypatch,
 
     run(go())
     made_room = [r.getMessage() for r in info_logs.records if "make room" in r.getMessage()]
-    assert made_room and "1 unproven connection(s)" in made_room[0], made_room
+    assert made_room == [
+        "closed 1 unproven connection(s) to make room (at 3)",
+        "closed 1 idle connection(s) to make room (at 3)",
+    ], made_room
 
 
 def test_failures_of_unproven_peers_are_summarised(info_logs):

@@ -302,9 +302,10 @@ class Coordinator:
         self._prev_loss: float | None = None
         self._last_lost = -float("inf")  # when a worker last lost its connection (see below)
         self._over_limit = _Burst(log, "refused {n} connection(s) over the limit of {limit}")
-        self._evicted = _Burst(
-            log, "closed {n} {what} connection(s) to make room for new ones (at {limit})"
-        )
+        self._evicted = {
+            what: _Burst(log, f"closed {{n}} {what} connection(s) to make room (at {{limit}})")
+            for what in ("idle", "unproven")
+        }
         self._unproven: dict[tuple[int, str], _Burst] = {}  # by level and kind (see say)
         self.state = self._initial_state()
 
@@ -456,8 +457,7 @@ class Coordinator:
             if victim is None:
                 self._over_limit.note(limit=self.max_connections)
                 return False
-            what = "idle" if victim.proven else "unproven"
-            self._evicted.note(what=what, limit=self.max_connections)
+            self._evicted["idle" if victim.proven else "unproven"].note(limit=self.max_connections)
             victim.evict()
         self.peers.add(peer)
         return True

@@ -210,6 +210,16 @@ class JobResponse(_FieldsThenData):
 
     OPCODE: ClassVar[int] = JOB_RESPONSE
     _FIELDS: ClassVar[struct.Struct] = struct.Struct(">QQQI")
+    _FRAME: ClassVar[struct.Struct] = struct.Struct(">4sBBIQQQI")  # header, fields, no data
+
+    def encode(self) -> bytes:
+        if self.data:
+            return super().encode()
+        # A chunk or a WAIT, the coordinator's most frequent frame: in one pack.
+        size = self._FIELDS.size
+        return self._FRAME.pack(
+            MAGIC, VERSION, JOB_RESPONSE, size, self.seed, self.last_step, self.data_position, 0
+        )
 
     @property
     def is_wait(self) -> bool:
