@@ -501,6 +501,7 @@ class Coordinator:
                     "{name} {why} ({n} such from unproven peers since the last such line)",
                     1.0,
                     level,
+                    alone="{name} {why}",
                 ),
             )
         burst.note(name=peer.name, why=text)
@@ -1218,7 +1219,8 @@ _KIND_DETAILS = re.compile(r"b?'[^']*'|b?\"[^\"]*\"|\d+(\.\d+)?")
 
 class _Burst:
     """Logs an event the first time, then at most once per `every` seconds with a count,
-    so a flood of refused connections costs a few lines, not one per connection."""
+    so a flood of refused connections costs a few lines, not one per connection. `alone`,
+    if given, is the line when there is nothing to count (a single event)."""
 
     def __init__(
         self,
@@ -1226,8 +1228,10 @@ class _Burst:
         message: str,
         every: float = 10.0,
         level: int = logging.WARNING,
+        alone: str | None = None,
     ):
         self.logger, self.message, self.every, self.level = logger, message, every, level
+        self.alone = alone
         self.last = -float("inf")
         self.count = 0
 
@@ -1235,7 +1239,8 @@ class _Burst:
         self.count += 1
         now = time.monotonic()
         if now - self.last >= self.every:
-            self.logger.log(self.level, self.message.format(n=self.count, **details))
+            line = self.alone if self.count == 1 and self.alone is not None else self.message
+            self.logger.log(self.level, line.format(n=self.count, **details))
             self.last, self.count = now, 0
 
 
