@@ -262,7 +262,9 @@ def worker_main(host, port, config_path, data_dir, backend, threads, assignments
     named by DEGGS_SECRET_FILE (never on the command line, where other users see it).
     The worker reconnects whenever the coordinator goes away. Exit codes: 0 the run is
     finished (or stopped by SIGINT/SIGTERM), 2 bad input or a refusal that retrying
-    cannot fix (another config or secret, a coordinator that lost this worker's history).
+    cannot fix (another config, a secret missing or too short, a coordinator that lost
+    this worker's history). With a secret, nothing a peer says before it proved the secret
+    ends the worker: it retries.
     """
     from .data import DataError
     from .numerics.cpu import limit_threads
