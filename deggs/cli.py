@@ -25,7 +25,7 @@ from .config import (
 )
 from .numerics.backend import NAMES as BACKEND_NAMES
 from .plot import plot_main
-from .runtime.auth import SecretError, load_secret
+from .runtime.auth import SecretError, load_secret, new_secret
 from .runtime.checkpoint import CheckpointError
 from .runtime.coordinator import Coordinator
 from .runtime.protocol import Reason
@@ -375,7 +375,9 @@ def worker_main(host, port, config_path, data_dir, backend, threads, assignments
     The worker reconnects whenever the coordinator goes away. Exit codes: 0 the run is
     finished or its coordinator was stopped (or this worker was, by SIGINT/SIGTERM:
     within a batch of the chunk under way), 2 bad input or a refusal that retrying
-    cannot fix (another config or secret, a coordinator that lost this worker's history).
+    cannot fix (another config, a secret missing or too short, a coordinator that lost
+    this worker's history). With a secret, nothing a peer says before it proved the secret
+    ends the worker: it retries.
     """
     from .data import DataError
     from .numerics.cpu import limit_threads
@@ -713,6 +715,22 @@ def print_arch_main(config_path, assignments):
     click.echo(f"Total Size:       {total / 2**20:.2f} MB")
 
 
+@click.command()
+def secret_main():
+    """Print a fresh shared secret: 256 random bits as 64 hex digits.
+
+    Put it in a file only you can read and name that file in DEGGS_SECRET_FILE on the
+    coordinator and every worker:
+
+        deggs secret > ~/.deggs-secret && chmod 600 ~/.deggs-secret
+
+    A password a person chose is not enough: one HELLO gets anyone the coordinator's HMAC
+    proof, against which guesses can be tested offline. Secrets shorter than 32
+    characters are refused.
+    """
+    click.echo(new_secret())
+
+
 # --- every command: -h beside --help, and --version ---------------------------------------
 
 from . import __version__  # noqa: E402  (deggs/__init__.py defines it and imports nothing)
@@ -746,5 +764,6 @@ for _name, _command in [
     ("export", export_main),
     ("plot", plot_main),
     ("print-arch", print_arch_main),
+    ("secret", secret_main),
 ]:
     main.add_command(_standard_options(_command, f"deggs-{_name}"), _name)

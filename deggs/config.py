@@ -150,6 +150,7 @@ class CoordinatorConfig:
     max_history: int = 5000
     handshake_timeout_s: float = 10.0  # connect -> first complete frame (and AUTH)
     frame_timeout_s: float = 30.0  # a frame, once begun, must complete
+    idle_timeout_s: float = 300.0  # a connection holding no chunk must ask for work this often
     max_connections: int = 1024  # lowered to what the descriptor limit allows
     max_send_buffer: int = 1 << 20  # bytes queued to one peer before we stop reading it
     disk_retry_s: float = 60.0  # how long a failing checkpoint write is retried
@@ -595,7 +596,7 @@ def _validate(c: Config):
         "needs coordinator.snapshot_every_steps > 0 (without snapshots the history is the model)",
     )
     _require(bool(k.host), "coordinator.host", "must not be empty")
-    for key in ("handshake_timeout_s", "frame_timeout_s", "disk_retry_s"):
+    for key in ("handshake_timeout_s", "frame_timeout_s", "idle_timeout_s", "disk_retry_s"):
         _require(
             0 < getattr(k, key) < 1e6,
             f"coordinator.{key}",

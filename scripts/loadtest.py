@@ -21,7 +21,8 @@ worker's would), and asks again after --wait-ms when told to WAIT. With --chunk-
 models the runtime's share of a step on eight GPUs (see docs/PERFORMANCE.md). Without --secret a
 connection starts with JOB_REQUEST like the reference worker (or HELLO first with
 --hello); with --secret the coordinator gets a random DEGGS_SECRET and every connection
-does the HELLO / CHALLENGE / AUTH handshake first.
+does the HELLO / CHALLENGE / AUTH handshake first, then tags every frame it sends and
+checks the tag of every frame it gets (deggs/runtime/channel.py), as a worker does.
 
 After --warmup seconds it measures over a window of --seconds:
 
@@ -77,6 +78,7 @@ sys.path.insert(0, str(ROOT))
 
 from deggs.config import Config  # noqa: E402
 from deggs.runtime import auth  # noqa: E402
+from deggs.runtime.channel import TAG_SIZE, Channel  # noqa: E402
 from deggs.runtime.protocol import (  # noqa: E402
     CHALLENGE,
     GOODBYE,
@@ -296,6 +298,7 @@ class Conn:
         "position",
         "nonce",
         "ready",
+        "channel",
     )
 
     def __init__(self, sock: socket.socket, seed: int):
@@ -307,6 +310,7 @@ class Conn:
         self.position = 0  # of the chunk being "scored" (--chunk-ms)
         self.nonce = auth.new_nonce()
         self.ready = False  # past the handshake
+        self.channel: Channel | None = None  # with --secret, once AUTH is sent
 
 
 # counters
@@ -366,6 +370,8 @@ class Load:
     # --- sending -------------------------------------------------------------------
 
     def _send(self, c: Conn, data):
+        if c.channel is not None:
+            data = c.channel.seal(bytes(data))
         if c.out:
             c.out += bytes(data)
             return
@@ -422,6 +428,8 @@ class Load:
                 return
             payload = bytes(buf[10:end])
             del buf[:end]
+            if c.channel is not None:
+                payload = c.channel.open(opcode, payload)
             self._frame(c, opcode, payload)
 
     def _frame(self, c: Conn, opcode: int, payload: bytes):
@@ -437,6 +445,7 @@ class Load:
             if not auth.verify(self.secret, "coordinator", c.nonce, ch.nonce, ch.proof):
                 raise LoadError("the coordinator's proof of the secret is wrong")
             self._send(c, Auth(auth.proof(self.secret, "worker", c.nonce, ch.nonce)).encode())
+            c.channel = Channel.for_worker(self.secret, c.nonce, ch.nonce)
         elif opcode == HELLO_REPLY and self.hello and not c.ready:
             reply = HelloReply.decode(payload)
             if reply.fingerprint != self.fingerprint:
@@ -503,7 +512,7 @@ class Load:
         counts, conns, waiting, ep = self.counts, self.conns, self.waiting, self.ep
         response = self._response
         unpack = _RESPONSE.unpack_from
-        prefix, frame_size = _RESPONSE_PREFIX, _RESPONSE_FRAME
+        prefix, frame_size = _RESPONSE_PREFIX, _RESPONSE_FRAME + (TAG_SIZE if self.secret else 0)
         EPOLLIN, EPOLLOUT = select.EPOLLIN, select.EPOLLOUT
         clock = time.monotonic
         self.start()
@@ -536,6 +545,8 @@ class Load:
                         self._lost(c, "end of stream")
                     counts[RX_BYTES] += len(data)
                     if not c.buf and len(data) == frame_size and data.startswith(prefix):
+                        if c.channel is not None:  # raises ProtocolError on a bad tag
+                            c.channel.open(JOB_RESPONSE, data[10:])
                         response(c, *unpack(data, 10))  # the common case: a chunk, a WAIT
                     else:
                         c.buf += data

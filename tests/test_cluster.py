@@ -38,7 +38,7 @@ TINY = toml_of(TINY_CFG)
 STEPS = 6
 CHAOS_STEPS = 20
 TIMEOUT_S = 120
-SECRET = "a secret only the cluster knows"
+SECRET = "a secret only the cluster knows, long enough"
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
 for _name in ("DEGGS_SECRET", "DEGGS_SECRET_FILE"):
     ENV.pop(_name, None)
@@ -392,15 +392,20 @@ def test_a_run_with_a_secret_equals_one_without(cluster, baseline):
     ]
     strangers = [
         cluster.worker(coord.port),  # no secret
-        cluster.worker(coord.port, env={"DEGGS_SECRET": "a guess"}),
+        cluster.worker(coord.port, env={"DEGGS_SECRET": "a guess"}),  # too short to use
     ]
-    for stranger, why in zip(strangers, ["requires a shared secret", "secret"], strict=True):
+    # Another secret: to it the coordinator is an impostor, so it retries, never exits.
+    other = cluster.worker(coord.port, env={"DEGGS_SECRET": SECRET[::-1]})
+    whys = ["requires a shared secret", "at least 32 are needed"]
+    for stranger, why in zip(strangers, whys, strict=True):
         assert stranger.wait(timeout=60) == 2, log_of(stranger)
         assert why in log_of(stranger).strip().splitlines()[-1]
     cluster.finish(coord)
     assert losses(cluster.root / "save") == first(STEPS, baseline)
     for worker in workers:
         assert exit_code(worker) == 0, log_of(worker)
+    assert other.poll() is None, log_of(other)
+    assert "the coordinator's proof of the shared secret is wrong" in log_of(other)
 
 
 GRAB_A_CHUNK = """

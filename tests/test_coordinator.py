@@ -2,6 +2,8 @@
 
 import asyncio
 import contextlib
+import copy
+import hashlib
 import json
 import logging
 import math
@@ -26,6 +28,7 @@ from deggs.config import Config, ConfigError
 from deggs.runtime import auth
 from deggs.runtime import checkpoint as ckpt
 from deggs.runtime import coordinator as coordinator_module
+from deggs.runtime.channel import TAG_SIZE, Channel
 from deggs.runtime.coordinator import Coordinator, format_workers_line
 from deggs.runtime.protocol import (
     NO_FINGERPRINT,
@@ -75,7 +78,7 @@ def step_fitness(step: int) -> np.ndarray:
 
 
 ANY_FRAME = dict.fromkeys(OPCODE_NAMES, 1 << 24)  # what a test client accepts
-SECRET = b"correct horse battery staple"
+SECRET = b"correct horse battery staple and then some"
 
 
 def run(coro, timeout=20):
@@ -107,6 +110,7 @@ class Client:
         self.reader, self.writer = reader, writer
         self.frames = FrameReader(ANY_FRAME)
         self.received: deque = deque()
+        self.channel: Channel | None = None  # once the secret is proven: frames tagged
 
     @classmethod
     async def connect(cls, coord):
@@ -117,7 +121,10 @@ class Client:
         return self.writer.get_extra_info("sockname")[1]
 
     async def send(self, data):
-        self.writer.write(data if isinstance(data, bytes) else data.encode())
+        data = data if isinstance(data, bytes) else data.encode()
+        if self.channel is not None:
+            data = self.channel.seal(data)
+        self.writer.write(data)
         await self.writer.drain()
 
     async def recv(self):
@@ -125,7 +132,10 @@ class Client:
             data = await asyncio.wait_for(self.reader.read(1 << 16), 5)
             assert data, "the coordinator closed the connection"
             self.received.extend(self.frames.feed(data))
-        return decode_message(*self.received.popleft())
+        opcode, payload = self.received.popleft()
+        if self.channel is not None:
+            payload = self.channel.open(opcode, payload)
+        return decode_message(opcode, payload)
 
     async def hello(self, config=SMALL, secret=None):
         """The deggs handshake (with the shared secret's proofs when one is given)."""
@@ -136,6 +146,7 @@ class Client:
             assert isinstance(reply, Challenge)
             assert auth.verify(secret, "coordinator", nonce, reply.nonce, reply.proof)
             await self.send(Auth(auth.proof(secret, "worker", nonce, reply.nonce)))
+            self.channel = Channel.for_worker(secret, nonce, reply.nonce)
             reply = await self.recv()
         assert isinstance(reply, HelloReply), reply
         return reply
@@ -763,6 +774,129 @@ def test_a_coordinators_proof_does_not_pass_as_a_workers():
     run(go())
 
 
+class Proxy:
+    """A man in the middle on loopback: relays whole frames between each client and the
+    coordinator, passing every frame from a client through change(opcode, payload), which
+    returns the bytes to send on instead."""
+
+    def __init__(self, coord, change):
+        self.coord, self.change = coord, change
+        self.server: asyncio.Server | None = None
+        self.port = 0
+
+    async def __aenter__(self):
+        self.server = await asyncio.start_server(self._relay, "127.0.0.1", 0)
+        self.port = self.server.sockets[0].getsockname()[1]
+        return self
+
+    async def __aexit__(self, *exc):
+        self.server.close()
+
+    async def connect(self) -> Client:
+        return Client(*await asyncio.open_connection("127.0.0.1", self.port))
+
+    async def _relay(self, reader, writer):
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.coord.port)
+
+        async def pump(source, sink, change):
+            frames = FrameReader(ANY_FRAME)
+            with contextlib.suppress(OSError):
+                while data := await source.read(1 << 16):
+                    for opcode, payload in frames.feed(data):
+                        sink.write(change(opcode, payload))
+                    await sink.drain()
+            sink.close()
+
+        await asyncio.gather(
+            pump(reader, up_writer, self.change), pump(up_reader, writer, protocol_frame)
+        )
+
+
+def protocol_frame(opcode, payload):
+    return _header(opcode, len(payload)) + payload
+
+
+def forge_result(opcode, payload):
+    """The attack of issue [11]: every RESULT's sum_loss 0 and its fitness all +1, with the
+    tag left as it came."""
+    if opcode != Result.OPCODE:
+        return protocol_frame(opcode, payload)
+    body, tag = payload[:-TAG_SIZE], payload[-TAG_SIZE:]
+    r = Result.decode(body)
+    forged = Result(r.seed, r.last_step, r.data_position, r.updates_count, 0, pack_trits([1] * 5))
+    return protocol_frame(opcode, forged.encode()[10:] + tag)
+
+
+def test_a_man_in_the_middle_cannot_change_a_result(tmp_path, info_logs):
+    """With a secret, a RESULT rewritten on its way closes that connection with one line;
+    its chunk goes back to the queue and the step's losses and update are the honest ones."""
+
+    async def go():
+        async with coordinator(secret=SECRET, save_dir=tmp_path) as coord:
+            async with Proxy(coord, forge_result) as proxy:
+                victim = await proxy.connect()
+                await victim.hello(secret=SECRET)
+                job = await victim.request(0)
+                assert job.data_position == 0
+                await victim.result(job)
+                assert await victim.closed()
+                await async_wait_until(lambda: not coord.peers, 5, "the victim's close")
+                assert list(coord.state.pending) == [0, 1, 2, 3] and coord.state.n_done == 0
+                honest = await Client.connect(coord)
+                await honest.hello(secret=SECRET)
+                await train_step(honest, 0)  # the update is step_fitness(0), unforged
+                await train_step(honest, 1, last=True)
+                await settle(coord, 2)
+
+    run(go())
+    assert [r["sum_loss"] for r in ckpt.read_metrics(tmp_path)] == [10, 10]  # chunks 1+2+3+4
+    failed = [r.getMessage() for r in info_logs.records if "authentication" in r.getMessage()]
+    assert len(failed) == 1 and "frame 1 (RESULT) failed authentication" in failed[0], failed
+
+
+def _sealed(client, *messages) -> list[bytes]:
+    return [client.channel.seal(m.encode()) for m in messages]
+
+
+# What a peer on the path does with a proven worker's frames: each closes the connection.
+TAMPERING = {
+    "replayed": lambda c, other: _sealed(c, LogMessage("a")) * 2,
+    "reordered": lambda c, other: _sealed(c, LogMessage("a"), JobRequest(SEED0, 0))[::-1],
+    "dropped": lambda c, other: _sealed(c, LogMessage("a"), JobRequest(SEED0, 0))[1:],
+    "from another connection": lambda c, other: [  # a copy: other's own sequence stays
+        copy.copy(other.channel).seal(JobRequest(SEED0, 0).encode())
+    ],
+    "untagged": lambda c, other: [JobRequest(SEED0, 0).encode()],
+    "tag cut short": lambda c, other: [_cut(_sealed(c, JobRequest(SEED0, 0))[0])],
+}
+
+
+def _cut(frame: bytes) -> bytes:
+    """The frame one byte shorter, header included."""
+    return _header(frame[5], len(frame) - 11) + frame[10:-1]
+
+
+@pytest.mark.parametrize("name", TAMPERING)
+def test_frames_replayed_reordered_dropped_or_spliced_close_the_connection(name, info_logs):
+    async def go():
+        async with coordinator(secret=SECRET) as coord:
+            victim, other = await Client.connect(coord), await Client.connect(coord)
+            await victim.hello(secret=SECRET)
+            await other.hello(secret=SECRET)
+            assert (await victim.request(0)).data_position == 0  # it holds chunk 0
+            frames = TAMPERING[name](victim, other)
+            victim.channel = None  # the bytes go out exactly as tampered
+            victim.writer.write(b"".join(frames))
+            assert await victim.closed()
+            # Its chunk is back in the queue: the next worker to ask gets it.
+            await async_wait_until(lambda: len(coord.peers) == 1, 5, "the victim's close")
+            assert (await other.request(0)).data_position == 0
+
+    run(go())
+    closed = [r.getMessage() for r in info_logs.records if r.levelno >= logging.WARNING]
+    assert len(closed) == 1 and "failed authentication" in closed[0], closed
+
+
 async def settle_chunks(coord, n):
     await async_wait_until(
         lambda: coord.state.n_done >= n, 10, lambda: f"{n} chunks done (only {coord.state.n_done})"
@@ -798,9 +932,15 @@ def test_checkpoint_files_have_the_reference_layout(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "checkpoint_00000001.bin",
         "checkpoint_00000002.bin",
+        "checkpoints.sha256",
         "config.json",
         "metrics.jsonl",
     ]
+    # The checksums, one line a file as `sha256sum` writes (and `sha256sum -c` checks) them.
+    assert (tmp_path / "checkpoints.sha256").read_text() == "".join(
+        f"{hashlib.sha256((tmp_path / name).read_bytes()).hexdigest()}  {name}\n"
+        for name in ("checkpoint_00000001.bin", "checkpoint_00000002.bin")
+    )
     assert Config.from_json((tmp_path / "config.json").read_text()) == SMALL
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [0, 1]
@@ -879,9 +1019,9 @@ def test_save_dir_of_another_run_is_refused(tmp_path):
 
 
 def test_corrupt_newest_checkpoint_stops_the_start(tmp_path):
-    ckpt.save_checkpoint(tmp_path, ckpt.Checkpoint(1, 5, bytes(4)))
+    ckpt.save_checkpoint(tmp_path, ckpt.Checkpoint(1, seed_of(1), bytes(4)))
     path = ckpt.checkpoint_path(tmp_path, 2)
-    path.write_bytes(ckpt.encode_checkpoint(ckpt.Checkpoint(2, 6, bytes(4)))[:-1])
+    path.write_bytes(ckpt.encode_checkpoint(ckpt.Checkpoint(2, seed_of(2), bytes(4)))[:-1])
     with pytest.raises(ckpt.CheckpointError, match="checkpoint_00000002.bin.*announces 4"):
         Coordinator(SMALL, load_dir=tmp_path)
 
@@ -900,7 +1040,7 @@ def test_corrupt_older_checkpoint_fails_only_that_catch_up(tmp_path, info_logs):
             assert (await (await Client.connect(coord)).request(1)).data == b"\x01" * 4
 
     run(go())
-    assert any("checkpoint_00000001.bin: bad magic" in r.getMessage() for r in info_logs.records)
+    assert any("checkpoint_00000001.bin: its SHA-256" in r.getMessage() for r in info_logs.records)
 
 
 # --- checkpoint module -------------------------------------------------------------------
@@ -1081,6 +1221,22 @@ def test_cli_bad_input_is_one_line_and_exit_code_2(tmp_path, args, message):
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert message in proc.stderr and "Traceback" not in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_cli_refuses_a_short_secret_and_deggs_secret_makes_one(tmp_path):
+    deggs = [sys.executable, "-c", "from deggs.cli import main; main()"]
+    run = lambda args, **env: subprocess.run(
+        deggs + args, capture_output=True, text=True, timeout=60, cwd=tmp_path,
+        env={**CLI_ENV, **env},
+    )  # fmt: skip
+    proc = run(["coordinator", "--port", "0"], DEGGS_SECRET="monkey2024")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+    assert "DEGGS_SECRET has 10 characters; at least 32" in proc.stderr
+    assert "`deggs secret > ~/.deggs-secret`" in proc.stderr
+    made = [run(["secret"]).stdout.strip() for _ in range(2)]
+    assert all(re.fullmatch(r"[0-9a-f]{64}", m) for m in made) and made[0] != made[1]
+    assert auth.load_secret({"DEGGS_SECRET": made[0]}) == made[0].encode()
 
 
 # --- deadlines and bounds ----------------------------------------------------------------
@@ -1280,21 +1436,131 @@ def test_a_peer_that_does_not_read_its_replies_is_bounded_and_closed():
             coord.history.update({s: bytes(40_000) for s in range(1)})
             coord.state.step = 1  # a step behind: every request earns 40 KB of catch-up
             hog = await Client.connect(coord)
+            await async_wait_until(lambda: coord.peers, 5, "the hog's connection")
+            (peer,) = coord.peers
             request = JobRequest(SEED0, 0).encode()
+            # One request at a time, each once the last was answered (pipelining would be
+            # closed at once), never reading: 80 MB of replies if they were all queued.
             with contextlib.suppress(ConnectionError):
-                for _ in range(2000):  # 80 MB of replies if they were all queued
+                for _ in range(2000):
+                    sent = coord.state.bytes_sent
                     hog.writer.write(request)
-                await asyncio.wait_for(hog.writer.drain(), 5)
+                    await asyncio.wait_for(hog.writer.drain(), 5)
+                    await async_wait_until(
+                        lambda: coord.state.bytes_sent > sent or peer.write_paused_since,  # noqa: B023
+                        5,
+                        "a reply",
+                    )
+                    if peer.write_paused_since is not None:
+                        break
+            assert peer.write_paused_since is not None, "its replies never piled up"
+            # Meanwhile another worker is served as if the hog were not there.
+            other = await Client.connect(coord)
+            assert (await other.request(1, seed=SEED0)).data_position == 0
+            assert peer in coord.peers
 
             def hog_gone():  # it stops reading the hog, and closes it after the deadline
                 queued = [p.transport.get_write_buffer_size() for p in coord.peers]
                 assert all(size <= 2 * (1 << 16) + 40_100 for size in queued), queued
-                return not queued
+                return peer not in coord.peers
 
             await async_wait_until(hog_gone, 5, "the coordinator to close the hog")
-            assert not coord.peers
 
     run(go())
+
+
+def test_a_peer_that_pipelines_requests_without_reading_is_closed_at_once(info_logs):
+    async def go():
+        async with coordinator() as coord:
+            hog = await Client.connect(coord)
+            await hog.send(Hello(SMALL.fingerprint()).encode() + JobRequest(SEED0, 0).encode() * 64)
+            assert await hog.closed()
+            assert coord.state.in_progress == {}  # not even its first request was served
+            honest = await Client.connect(coord)
+            assert (await honest.request(0)).data_position == 0
+
+    run(go())
+    closed = [r.getMessage() for r in info_logs.records if r.levelno == logging.WARNING]
+    assert len(closed) == 1 and "asks for work again without reading the replies" in closed[0], (
+        closed
+    )
+
+
+def test_a_connection_that_does_not_ask_for_work_is_closed_after_idle_timeout(info_logs):
+    config = SMALL.replace(coordinator={"idle_timeout_s": 0.5})
+
+    async def go():
+        async with coordinator(config) as coord:
+            busy, idle, silent = [await Client.connect(coord) for _ in range(3)]
+            await busy.hello()
+            await idle.hello()
+            await silent.send(LogMessage("hello"))  # a whole frame: past the handshake
+            job = await busy.request(0)  # holds chunk 0: it is at work, not idle
+            await idle.result(await idle.request(0))  # holds nothing after its RESULT
+            assert await idle.closed() and await silent.closed()
+            assert busy.writer.transport is not None and len(coord.peers) == 1
+            await busy.result(job)  # still served
+            assert (await busy.request(0)).data_position == 2 * CHUNK
+
+    run(go())
+    # Without a secret nobody is proven: the two closes, a second apart at most, are one line.
+    closed = [
+        r.getMessage() for r in info_logs.records if "has not asked for work" in r.getMessage()
+    ]
+    assert len(closed) == 1 and "for 0.5 s" in closed[0], closed
+
+
+def test_when_connections_run_out_unproven_then_idle_ones_make_room(monkeypatch, info_logs):
+    monkeypatch.setattr(coordinator_module, "EVICT_IDLE_S", 0.0)
+    config = SMALL.replace(coordinator={"max_connections": 3})
+
+    async def go():
+        async with coordinator(config) as coord:
+            working, idle = await Client.connect(coord), await Client.connect(coord)
+            await working.hello()
+            await idle.hello()
+            await working.request(0)  # holds chunk 0
+            await idle.result(await idle.request(0))  # asked, then nothing
+            unproven = await Client.connect(coord)  # connected, said nothing
+            await async_wait_until(lambda: len(coord.peers) == 3, 5, "three connections")
+            newcomers = []
+            for expect_closed in (unproven, idle):  # the unproven first, then the idle
+                newcomers.append(await Client.connect(coord))
+                await newcomers[-1].hello()
+                assert await expect_closed.closed()
+            assert (await newcomers[0].request(0)).data_position == 2 * CHUNK
+            assert (await newcomers[1].request(0)).data_position == 3 * CHUNK
+            # Now all three hold a chunk: a newcomer is refused.
+            refused = await Client.connect(coord)
+            assert await refused.closed()
+            assert len(coord.peers) == 3
+
+    run(go())
+    made_room = [r.getMessage() for r in info_logs.records if "make room" in r.getMessage()]
+    assert made_room == [
+        "closed 1 unproven connection(s) to make room (at 3)",
+        "closed 1 idle connection(s) to make room (at 3)",
+    ], made_room
+
+
+def test_failures_of_unproven_peers_are_summarised(info_logs):
+    async def go():
+        async with coordinator(secret=SECRET) as coord:
+            for _ in range(50):
+                bad = await Client.connect(coord)
+                await bad.send(b"GET / HTTP/1.1\r\n\r\n")
+                assert await bad.closed()
+            for burst in coord._unproven.values():
+                burst.last -= 1.0  # as if a second had passed
+            last = await Client.connect(coord)
+            await last.send(b"GET /other HTTP/1.1\r\n\r\n")
+            assert await last.closed()
+
+    run(go())
+    lines = [r.getMessage() for r in info_logs.records if "bad magic" in r.getMessage()]
+    assert len(lines) == 2, lines
+    assert lines[0].endswith("dropping: bad magic b'GET ' (expected b'JOBS')")  # the first alone
+    assert lines[1].endswith("(50 such from unproven peers since the last such line)")
 
 
 # --- durability ----------------------------------------------------------------------------
@@ -1333,13 +1599,13 @@ def test_a_failing_disk_stops_the_run_with_no_hole_in_the_history(tmp_path, monk
     real_commit = ckpt.commit_step
     calls = []
 
-    def commit_until_full(directory, checkpoint, record):
+    def commit_until_full(directory, checkpoint, record, metrics=None):
         calls.append(checkpoint.step)
         if checkpoint.step >= 3:  # steps 0 and 1 fit; then the disk is full
             with open(Path(directory) / ckpt.METRICS_FILE, "ab") as f:
                 f.write(b'{"step": 2, "tor')  # a torn line, as a full disk leaves
             raise OSError(28, "No space left on device")
-        real_commit(directory, checkpoint, record)
+        real_commit(directory, checkpoint, record, metrics)
 
     monkeypatch.setattr(ckpt, "commit_step", commit_until_full)
 
@@ -1386,6 +1652,119 @@ def test_metrics_survive_a_torn_last_line(tmp_path):
     assert [(r["step"], r["loss"]) for r in ckpt.read_metrics(tmp_path)] == [(0, 1.0), (1, 0.25)]
     ckpt.tidy_metrics(tmp_path, 1)
     assert path.read_text().splitlines() == ['{"step": 0, "loss": 1.0}']
+
+
+def test_metrics_deleted_or_truncated_under_a_running_coordinator_are_rewritten(
+    tmp_path, info_logs
+):
+    path = tmp_path / ckpt.METRICS_FILE
+
+    async def go():
+        async with coordinator(save_dir=tmp_path) as coord:
+            a = await Client.connect(coord)
+            await train_step(a, 0)
+            await train_step(a, 1)
+            await settle(coord, 2)
+            path.unlink()  # deleted mid-run
+            await train_step(a, 2)
+            await settle(coord, 3)
+            path.write_bytes(path.read_bytes()[:10])  # truncated mid-run
+            await train_step(a, 3)
+            await settle(coord, 4)
+
+    run(go())
+    assert [r["step"] for r in ckpt.read_metrics(tmp_path)] == [0, 1, 2, 3]
+    warned = [r.getMessage() for r in info_logs.records if r.levelno == logging.WARNING]
+    assert len(warned) == 2, warned
+    assert (
+        "metrics.jsonl vanished under the running coordinator; rewriting it from the 2"
+        in (warned[0])
+    )
+    assert "shrank or was replaced" in warned[1] and "from the 3 records" in warned[1]
+
+
+async def train(save_dir, steps: int):
+    async with coordinator(save_dir=save_dir) as coord:
+        a = await Client.connect(coord)
+        for step in range(steps):
+            await train_step(a, step)
+        await settle(coord, steps)
+
+
+def change_byte(path: Path, offset: int, value: int):
+    data = bytearray(path.read_bytes())
+    assert data[offset] != value
+    data[offset] = value
+    path.write_bytes(bytes(data))
+
+
+FITNESS_AT = 32  # a checkpoint's header is 32 bytes; its packed fitness follows
+SEED_AT = 16
+
+
+def test_a_checkpoint_changed_on_disk_is_refused_naming_the_file(tmp_path, info_logs):
+    """One fitness byte changed to another valid value: refused on load (the newest) and
+    for catch-up (an older one), naming the file; the run never trains on it."""
+    run(train(tmp_path, 3))
+    newest, older = ckpt.checkpoint_path(tmp_path, 3), ckpt.checkpoint_path(tmp_path, 1)
+    first = tmp_path.joinpath(newest.name).read_bytes()[FITNESS_AT]
+    change_byte(newest, FITNESS_AT, (first + 1) % 243)  # still packed trits
+    with pytest.raises(ckpt.CheckpointError) as refused:
+        Coordinator(SMALL, load_dir=tmp_path)
+    assert str(newest) in str(refused.value) and "SHA-256" in str(refused.value)
+    assert "resumes from the step before" in str(refused.value)
+
+    newest.unlink()  # as the refusal says: resume from step 2
+    first = older.read_bytes()[FITNESS_AT]
+    change_byte(older, FITNESS_AT, (first + 1) % 243)
+
+    async def go():
+        async with coordinator(load_dir=tmp_path) as coord:
+            assert coord.state.step == 2
+            fresh = await Client.connect(coord)
+            await fresh.hello()
+            await fresh.send(JobRequest(SEED0, 0))  # needs checkpoint 1 to catch up
+            assert (await fresh.goodbye()).reason == Reason.HISTORY_GONE
+
+    run(go())
+    errors = [r.getMessage() for r in info_logs.records if r.levelno == logging.ERROR]
+    assert any(str(older) in e and "SHA-256" in e for e in errors), errors
+
+
+@pytest.mark.parametrize("step", [1, 3], ids=["older", "newest"])
+def test_a_broken_seed_chain_is_refused_naming_the_file(tmp_path, step):
+    run(train(tmp_path, 3))
+    path = ckpt.checkpoint_path(tmp_path, step)
+    data = path.read_bytes()
+    change_byte(path, SEED_AT, data[SEED_AT] ^ 1)
+    (tmp_path / ckpt.MANIFEST_FILE).unlink()  # as the reference's dirs: the seed alone
+    with pytest.raises(ckpt.CheckpointError, match=f"{path.name}: seed .* not step {step}'s"):
+        Coordinator(SMALL, load_dir=tmp_path)
+
+
+def test_a_reference_save_dir_without_checksums_loads(tmp_path):
+    for step in (1, 2):  # written as the reference does: no checkpoints.sha256
+        ckpt.write_atomic(
+            ckpt.checkpoint_path(tmp_path, step),
+            ckpt.encode_checkpoint(ckpt.Checkpoint(step, seed_of(step), bytes(4))),
+        )
+    coord = Coordinator(SMALL, load_dir=tmp_path)
+    assert (coord.state.step, coord.state.seed) == (2, seed_of(2))
+
+
+def test_checkpoints_removed_on_purpose_are_no_error(tmp_path):
+    run(train(tmp_path, 4))
+    for step in (1, 2):  # pruned: gone, their checksums still listed
+        ckpt.checkpoint_path(tmp_path, step).unlink()
+    assert Coordinator(SMALL, load_dir=tmp_path).state.step == 4
+    ckpt.forget_checkpoints(tmp_path, 3)
+    assert sorted(ckpt.read_manifest(tmp_path)) == [
+        "checkpoint_00000003.bin",
+        "checkpoint_00000004.bin",
+    ]
+    change_byte(ckpt.checkpoint_path(tmp_path, 4), FITNESS_AT, 0)  # still checked
+    with pytest.raises(ckpt.CheckpointError, match="checkpoint_00000004.bin: its SHA-256"):
+        Coordinator(SMALL, load_dir=tmp_path)
 
 
 # --- model health and TensorBoard ------------------------------------------------------------

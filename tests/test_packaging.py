@@ -20,7 +20,16 @@ from deggs.numerics.gpu.compile import kernel_files, program_source
 pytestmark = pytest.mark.slow  # real processes, builds and installs
 
 ROOT = Path(__file__).resolve().parents[1]
-COMMANDS = ["coordinator", "worker", "prepare", "generate", "export", "plot", "print-arch"]
+COMMANDS = [
+    "coordinator",
+    "worker",
+    "prepare",
+    "generate",
+    "export",
+    "plot",
+    "print-arch",
+    "secret",
+]
 FUNCTIONS = {
     "coordinator": "coordinator_main",
     "worker": "worker_main",
@@ -29,6 +38,7 @@ FUNCTIONS = {
     "export": "export_main",
     "plot": "plot_main",
     "print-arch": "print_arch_main",
+    "secret": "secret_main",
 }
 
 

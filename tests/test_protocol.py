@@ -1,3 +1,5 @@
+import hashlib
+import hmac
 import socket
 import struct
 import threading
@@ -5,6 +7,7 @@ import time
 
 import pytest
 
+from deggs.runtime.channel import Channel, channel_keys
 from deggs.runtime.protocol import (
     HELLO,
     JOB_REQUEST,
@@ -333,3 +336,45 @@ def test_health_frames_are_bounded_by_the_models_entries():
     assert limits_from_worker(1)[HEALTH] == 10 + 4096 * 81
     with pytest.raises(ProtocolError, match="HEALTH payload of 4871 bytes exceeds the limit"):
         FrameReader(limits_from_worker(1, health_entries=60)).feed(header(10, 4871))
+
+
+def test_sealed_frames_are_the_frame_and_a_tag_of_the_sequence_opcode_and_payload():
+    """channel.py's wire format, built by hand: HKDF-SHA256 keys per direction, and
+    BLAKE2s-128 of sequence u64, opcode u8 and payload appended, counted in the length."""
+    secret, wn, cn = b"s" * 32, bytes(range(16)), bytes(range(16, 32))
+    prk = hmac.new(b"deggs frames 1\0" + wn + cn, secret, hashlib.sha256).digest()
+    up = hmac.new(prk, b"worker to coordinator\x01", hashlib.sha256).digest()
+    down = hmac.new(prk, b"coordinator to worker\x01", hashlib.sha256).digest()
+    assert channel_keys(secret, wn, cn) == (up, down)
+
+    def tag(key, seq, opcode, payload):
+        message = seq.to_bytes(8, "big") + bytes([opcode]) + payload
+        return hashlib.blake2s(message, key=key, digest_size=16).digest()
+
+    worker, coordinator = (
+        Channel.for_worker(secret, wn, cn),
+        Channel.for_coordinator(secret, wn, cn),
+    )
+    request = u64(1) + u64(2) + u64(0)
+    log = b"hi"
+    sealed = worker.seal(JobRequest(1, 2).encode() + LogMessage("hi").encode())
+    assert sealed == (
+        header(0, 24 + 16) + request + tag(up, 0, 0, request)
+        + header(3, 2 + 16) + log + tag(up, 1, 3, log)
+    )  # fmt: skip
+    assert coordinator.open(0, sealed[10:50]) == request
+    assert coordinator.open(3, sealed[60:]) == log
+    reply = coordinator.seal(JobResponse(1, 2, 3).encode())
+    assert reply[10:-16] == u64(1) + u64(2) + u64(3) + u32(0)
+    assert reply[-16:] == tag(down, 0, 2, reply[10:-16])
+    # A payload over channel.BIG bytes is tagged through its SHA-256.
+    update = JobResponse(1, 2, 0, bytes(range(256)) * 8)
+    big = coordinator.seal(update.encode())
+    payload = update.encode()[10:]
+    assert big == header(2, len(payload) + 16) + payload + tag(
+        down, 1, 2, hashlib.sha256(payload).digest()
+    )
+    assert worker.open(2, reply[10:]) == reply[10:-16]
+    assert worker.open(2, big[10:]) == payload
+    with pytest.raises(ProtocolError, match=r"frame 2 \(JOB_RESPONSE\) failed authentication"):
+        worker.open(2, big[10:])  # the same again: a replay

@@ -27,6 +27,7 @@ from tiny import tiny_config, toml_of
 from deggs.cli import worker_main
 from deggs.runtime import auth
 from deggs.runtime import worker as worker_module
+from deggs.runtime.channel import Channel
 from deggs.runtime.protocol import (
     OPCODE_NAMES,
     Auth,
@@ -53,7 +54,7 @@ CFG = tiny_config(
 TOML = toml_of(CFG)
 SEED = CFG.training.seed
 N_PAIRS = CFG.training.n_pairs
-SECRET = b"correct horse battery staple"
+SECRET = b"correct horse battery staple and then some"
 ANY_FRAME = dict.fromkeys(OPCODE_NAMES, 1 << 24)  # what a fake coordinator accepts
 TIMEOUT_S = 30
 
@@ -75,9 +76,11 @@ class Peer:
 
     def __init__(self, sock: socket.socket):
         self.sock = sock
+        self.channel: Channel | None = None  # once the worker proved the secret
 
     def send(self, *messages):
-        self.sock.sendall(b"".join(m if isinstance(m, bytes) else m.encode() for m in messages))
+        data = b"".join(m if isinstance(m, bytes) else m.encode() for m in messages)
+        self.sock.sendall(data if self.channel is None else self.channel.seal(data))
 
     def recv(self):
         """The worker's next message, or None once it closed the connection."""
@@ -85,7 +88,11 @@ class Peer:
             item = recv_frame(self.sock, ANY_FRAME, TIMEOUT_S, TIMEOUT_S)
         except ConnectionResetError:
             return None
-        return None if item is None else decode_message(*item)
+        if item is None:
+            return None
+        if self.channel is not None:
+            item = item[0], self.channel.open(*item)
+        return decode_message(*item)
 
     def expect(self, kind):
         message = self.recv()
@@ -287,12 +294,19 @@ def challenge(peer, secret=SECRET):
     return hello.nonce, ours
 
 
+def prove(peer):
+    """A deggs coordinator with a secret, up to and including HELLO_REPLY: from the
+    worker's AUTH on, every frame both ways is tagged."""
+    theirs, ours = challenge(peer)
+    # Nothing pipelined: the worker's next frame is its proof.
+    assert peer.expect(Auth).proof == auth.proof(SECRET, "worker", theirs, ours)
+    peer.channel = Channel.for_coordinator(SECRET, theirs, ours)
+    peer.send(HelloReply(CFG.fingerprint(), CFG.to_json()))
+
+
 def test_secret_handshake(data_dir):
     def script(peer):
-        theirs, ours = challenge(peer)
-        # Nothing pipelined: the worker's next frame is its proof.
-        assert peer.expect(Auth).proof == auth.proof(SECRET, "worker", theirs, ours)
-        peer.send(HelloReply(CFG.fingerprint(), CFG.to_json()))
+        prove(peer)
         assert peer.expect(JobRequest) == JobRequest(SEED, 0)
         finish(peer)
 
@@ -303,15 +317,88 @@ def test_secret_handshake(data_dir):
     assert any("shared secret proven" in line for line in worker.lines)
 
 
-def test_a_coordinator_with_another_secret_is_refused(data_dir):
+def impostor(*frames, secret=None):
+    """A fake coordinator's script that answers HELLO with `frames` (raw, untagged) or,
+    with `secret`, a CHALLENGE proving that secret; it never learns the worker's proof."""
+
     def script(peer):
-        challenge(peer, secret=b"another secret")
+        if secret is not None:
+            challenge(peer, secret=secret)
+        else:
+            peer.expect(Hello)
+        peer.send(*frames)
         assert peer.drain() == []  # no AUTH: our proof is not given to an impostor
 
-    fake = FakeCoordinator(script)
-    with pytest.raises(WorkerError, match="proved a different shared secret"):
-        run_worker(make_worker(fake.port, data_dir, secret=SECRET))
+    return script
+
+
+IMPOSTORS = {
+    "GOODBYE FINISHED": impostor(Goodbye(Reason.FINISHED, "the run reached step 999")),
+    "GOODBYE CONFIG_MISMATCH": impostor(Goodbye(Reason.CONFIG_MISMATCH, "forged")),
+    "GOODBYE SHUTTING_DOWN": impostor(Goodbye(Reason.SHUTTING_DOWN, "forged")),
+    "a log line, then GOODBYE": impostor(LogMessage("Step 99"), Goodbye(Reason.FINISHED)),
+    "HELLO_REPLY": impostor(HelloReply(CFG.fingerprint(), CFG.to_json())),
+    "JOB_RESPONSE": impostor(JobResponse(SEED, 0, 0)),
+    "another secret's CHALLENGE": impostor(secret=b"another secret, also 32 characters"),
+    "an SSH banner": impostor(b"SSH-2.0-OpenSSH_9.6\r\n"),
+}
+
+
+@pytest.mark.parametrize("name", IMPOSTORS)
+def test_an_impostor_coordinator_cannot_stop_a_worker_with_a_secret(data_dir, pauses, name):
+    """Whatever an unproven peer on the coordinator's port says, the worker logs it, backs
+    off and retries; the real coordinator, once back, has it train to the end."""
+
+    def real(peer):
+        prove(peer)
+        assert peer.expect(JobRequest) == JobRequest(SEED, 0)
+        finish(peer)
+
+    fake = FakeCoordinator(IMPOSTORS[name], IMPOSTORS[name], real)
+    worker = make_worker(fake.port, data_dir, secret=SECRET)
+    run_worker(worker)
     fake.check()
+    failed = [line for line in worker.lines if "retrying in" in line]
+    assert len(failed) == 2 and len(pauses) == 2, worker.lines
+    assert all("proved the shared secret" in line or "proof" in line for line in failed)
+    said = [line for line in worker.lines if line.startswith("[coordinator]")]
+    assert said == ["[coordinator] FINISHED: the run reached step 0"]  # the real one's
+    assert any("shared secret proven" in line for line in worker.lines)
+
+
+def test_a_forged_frame_after_the_handshake_fails_the_connection(data_dir, pauses):
+    """A frame changed on the way (here a JOB_RESPONSE's tag no longer matches its
+    bytes), or one left out: the worker drops the connection and retries."""
+
+    def changed(peer):
+        prove(peer)
+        peer.expect(JobRequest)
+        sealed = bytearray(peer.channel.seal(JobResponse(SEED, 0, 0).encode()))
+        sealed[25] ^= 1  # step 0 -> 1
+        peer.channel = None
+        peer.send(bytes(sealed))
+        peer.drain()
+
+    def dropped(peer):
+        prove(peer)
+        peer.expect(JobRequest)
+        peer.channel.seal(JobResponse(SEED, 1, 0).encode())  # sealed, never sent
+        peer.send(Goodbye(Reason.FINISHED, "forged"))  # its tag is the next sequence's
+        peer.drain()
+
+    def real(peer):
+        prove(peer)
+        assert peer.expect(JobRequest) == JobRequest(SEED, 0)
+        finish(peer)
+
+    fake = FakeCoordinator(changed, dropped, real)
+    worker = make_worker(fake.port, data_dir, secret=SECRET)
+    run_worker(worker)
+    fake.check()
+    failed = [line for line in worker.lines if "failed authentication" in line]
+    assert len(failed) == 2, worker.lines
+    assert "(JOB_RESPONSE)" in failed[0] and "(GOODBYE)" in failed[1]
+    assert worker.chunks_done == 0 and len(pauses) == 2
 
 
 def test_a_worker_without_secret_is_told_to_set_one(data_dir):
@@ -327,23 +414,10 @@ def test_a_worker_without_secret_is_told_to_set_one(data_dir):
     fake.check()
 
 
-@pytest.mark.parametrize(
-    "answer",
-    [HelloReply(CFG.fingerprint(), CFG.to_json()), JobResponse(SEED, 0, 0)],
-    ids=["HELLO_REPLY", "JOB_RESPONSE"],
-)
-def test_a_coordinator_that_skips_the_challenge_is_refused(data_dir, answer):
-    def script(peer):
-        peer.expect(Hello)
-        peer.send(answer)
-        peer.drain()
-
-    fake = FakeCoordinator(script)
-    with pytest.raises(
-        WorkerError, match="did not prove the shared secret; is DEGGS_SECRET set there"
-    ):
-        run_worker(make_worker(fake.port, data_dir, secret=SECRET))
-    fake.check()
+def test_a_short_secret_is_refused_at_start(data_dir):
+    secret = b"monkey2024"
+    with pytest.raises(auth.SecretError, match="has 10 characters; at least 32 .*`deggs secret"):
+        make_worker(1, data_dir, secret=secret)
 
 
 def test_a_worker_without_config_adopts_the_coordinators(data_dir):
@@ -611,9 +685,7 @@ def run_cli(tmp_path, data_dir, port, **env):
 
 def test_cli_exits_0_when_the_run_is_finished(tmp_path, data_dir):
     def script(peer):
-        challenge(peer)
-        peer.expect(Auth)
-        peer.send(HelloReply(CFG.fingerprint(), CFG.to_json()))
+        prove(peer)
         peer.expect(JobRequest)
         finish(peer)
 

@@ -11,6 +11,13 @@ holding it. With a secret the handshake is
 
 Each side proves the secret over both fresh nonces, so a recorded handshake replays to
 nothing, and the role in the MAC keeps a coordinator's proof from passing as a worker's.
+After AUTH every frame both ways is tagged under keys derived from the secret and both
+nonces (channel.py).
+
+One HELLO gets anyone the coordinator's proof, against which guesses of the secret can be
+tested offline at millions a second: a password a person chose falls to a word list in
+moments. So a secret must have at least MIN_SECRET characters; `deggs secret` makes one
+of 256 random bits.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from .protocol import NONCE_SIZE
 
 SECRET_ENV = "DEGGS_SECRET"
 SECRET_FILE_ENV = "DEGGS_SECRET_FILE"
+MIN_SECRET = 32  # characters; `deggs secret` prints 64 hex digits
 
 
 class SecretError(ValueError):
@@ -43,9 +51,24 @@ def load_secret(environ=os.environ) -> bytes | None:
             raise SecretError(f"{SECRET_FILE_ENV}={path}: cannot read the secret: {e}") from None
     if value is None:
         return None
-    if not value:
-        raise SecretError(f"the secret in {SECRET_FILE_ENV if path else SECRET_ENV} is empty")
-    return value.encode("utf-8")
+    where = f"the secret in {SECRET_FILE_ENV}={path}" if path is not None else f"{SECRET_ENV}"
+    return check_secret(value.encode("utf-8"), where)
+
+
+def new_secret() -> str:
+    """A fresh secret of 256 random bits, as 64 hex digits."""
+    return secrets.token_hex(32)
+
+
+def check_secret(secret: bytes, where: str = "the shared secret") -> bytes:
+    """The secret itself, or SecretError when it is too short to resist offline guessing."""
+    if len(secret) < MIN_SECRET:
+        raise SecretError(
+            f"{where} has {len(secret)} characters; at least {MIN_SECRET} are needed, as one "
+            "HELLO lets anyone test guesses of it offline: make one with "
+            f"`deggs secret > ~/.deggs-secret` and set {SECRET_FILE_ENV}=~/.deggs-secret"
+        )
+    return secret
 
 
 def new_nonce() -> bytes:

@@ -18,9 +18,19 @@ that is run again after the restart, and a crash inside an append leaves a torn 
 line: read_metrics skips torn lines and keeps the last record of each step, and a resumed
 run first rewrites the file without them (tidy_metrics).
 
+checkpoints.sha256 records the SHA-256 of every checkpoint deggs writes, in the format of
+`sha256sum` (which checks it too), appended and fsynced before the checkpoint itself; a
+file whose bytes no longer match is refused when it is loaded or served for catch-up. On
+a resume the seed in every checkpoint's header must follow the seed chain from
+training.seed (seeds.next_step_seed). A directory the reference wrote has no manifest:
+its files are held to the seed chain alone. Checkpoints removed on purpose (pruning) are
+simply absent: only the files present are checked (forget_checkpoints tidies the
+manifest after them).
+
 A file that fails validation (bad magic or version, a size that disagrees with the
 header or the config, bytes that are not packed trits, a step that disagrees with its
-name) raises CheckpointError naming the file. The newest checkpoint is loaded when a run
+name, a checksum or seed that is not the recorded one) raises CheckpointError naming the
+file. The newest checkpoint is loaded when a run
 resumes, and a bad one stops the start: quietly falling back to an older step would put
 the coordinator behind workers that already applied the newer one. Older files are read
 only when a worker needs them to catch up; a bad one there fails that worker's catch-up,
@@ -29,12 +39,15 @@ not the run.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import os
 import re
 import struct
 import tempfile
 import time
+import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -42,7 +55,10 @@ from pathlib import Path
 from typing import BinaryIO
 
 from ..config import Config, ConfigError
+from ..seeds import next_step_seed
 from ..ternary import check_packed, packed_size
+
+log = logging.getLogger("deggs.runtime.checkpoint")
 
 CHECKPOINT_MAGIC = 0x45474743
 CHECKPOINT_VERSION = 1
@@ -50,6 +66,7 @@ _HEADER = struct.Struct("<IIQQQ")
 _NAME = re.compile(r"checkpoint_(\d{8,})\.bin")
 CONFIG_FILE = "config.json"
 METRICS_FILE = "metrics.jsonl"
+MANIFEST_FILE = "checkpoints.sha256"
 
 
 class CheckpointError(ValueError):
@@ -172,7 +189,9 @@ def _fsync_dir(directory: Path) -> None:
 
 def save_checkpoint(directory: str | Path, checkpoint: Checkpoint) -> Path:
     path = checkpoint_path(directory, checkpoint.step)
-    write_atomic(path, encode_checkpoint(checkpoint))
+    data = encode_checkpoint(checkpoint)
+    record_checksum(directory, path.name, data)  # first: no file is ever without one
+    write_atomic(path, data)
     return path
 
 
@@ -183,6 +202,7 @@ def read_checkpoint(path: str | Path, n_pairs: int | None = None) -> Checkpoint:
         data = path.read_bytes()
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read: {e.strerror or e}") from None
+    verify_checksum(path, data)
     checkpoint = decode_checkpoint(data, str(path), n_pairs)
     match = _NAME.fullmatch(path.name)
     if match and int(match.group(1)) != checkpoint.step:
@@ -256,12 +276,20 @@ def prepare_save_dir(directory: str | Path, config: Config, start_step: int) -> 
 
 
 def copy_history(source: str | Path, target: str | Path) -> int:
-    """Copy the checkpoint files `target` lacks, so it alone holds the full history."""
+    """Copy the checkpoint files `target` lacks, so it alone holds the full history,
+    with their checksums (a file that fails its own is not copied, and says so)."""
     copied = 0
     for step, path in list_checkpoints(source).items():
         dest = checkpoint_path(target, step)
         if not dest.exists():
-            write_atomic(dest, path.read_bytes())
+            data = path.read_bytes()
+            try:
+                verify_checksum(path, data)
+            except CheckpointError as e:
+                log.error("not copied: %s", e)
+                continue
+            record_checksum(target, dest.name, data)
+            write_atomic(dest, data)
             copied += 1
     return copied
 
@@ -310,10 +338,175 @@ def tidy_metrics(directory: str | Path, start_step: int) -> None:
     write_atomic(path, b"".join(json.dumps(r).encode() + b"\n" for r in kept))
 
 
-def commit_step(directory: str | Path, checkpoint: Checkpoint, record: dict) -> None:
-    """Make a finished step durable: its metrics line, then the checkpoint of the next step.
+def commit_step(
+    directory: str | Path, checkpoint: Checkpoint, record: dict, metrics: MetricsLog | None = None
+) -> None:
+    """Make a finished step durable: its metrics line (through `metrics`, a running
+    coordinator's MetricsLog, when given), then the checkpoint of the next step.
 
     Safe to call again after it failed part way (a repeated metrics line is read as one).
     """
-    append_metrics(directory, record)
+    if metrics is not None:
+        metrics.append(record)
+    else:
+        append_metrics(directory, record)
     save_checkpoint(directory, checkpoint)
+
+
+# --- checksums and the seed chain ------------------------------------------------------
+
+_manifests: dict[Path, tuple[tuple[int, int, int], dict[str, str]]] = {}  # read_manifest's
+
+
+def _manifest_line(name: str, digest: str) -> bytes:
+    return f"{digest}  {name}\n".encode()
+
+
+def record_checksum(directory: str | Path, name: str, data: bytes) -> None:
+    """Append the SHA-256 of a checkpoint's bytes to the manifest, durably (a torn last
+    line from a crash gets a newline first and is skipped by readers, as in metrics)."""
+    path = Path(directory) / MANIFEST_FILE
+    with open(path, "a+b") as f:
+        end = f.seek(0, os.SEEK_END)
+        torn = end > 0 and f.seek(end - 1) >= 0 and f.read(1) != b"\n"
+        f.write((b"\n" if torn else b"") + _manifest_line(name, hashlib.sha256(data).hexdigest()))
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def read_manifest(directory: str | Path) -> dict[str, str]:
+    """Checkpoint name -> recorded SHA-256 (hex); the last line of a name counts. {} when
+    the directory has no manifest (the reference's)."""
+    path = Path(directory) / MANIFEST_FILE
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return {}
+    signature = (st.st_ino, st.st_size, st.st_mtime_ns)
+    cached = _manifests.get(path)
+    if cached is not None and cached[0] == signature:
+        return cached[1]
+    recorded = {}
+    for line in path.read_bytes().splitlines():
+        digest, _, name = line.decode("ascii", "replace").partition("  ")
+        if len(digest) == 64 and _NAME.fullmatch(name):
+            recorded[name] = digest
+    _manifests[path] = (signature, recorded)
+    return recorded
+
+
+def verify_checksum(path: Path, data: bytes) -> None:
+    """CheckpointError when the manifest beside `path` records other bytes for it."""
+    expected = read_manifest(path.parent).get(path.name)
+    if expected is None:
+        return
+    actual = hashlib.sha256(data).hexdigest()
+    if actual != expected:
+        raise CheckpointError(
+            f"{path}: its SHA-256 {actual[:16]}... is not the {expected[:16]}... recorded in "
+            f"{MANIFEST_FILE} when it was written, so it changed since; restore it from a "
+            "copy, or remove it: as the newest checkpoint the run then resumes from the step "
+            "before, as an older one workers behind its step can no longer catch up"
+        )
+
+
+def check_seed_chain(directory: str | Path, first_seed: int) -> None:
+    """Every checkpoint's header seed must be the seed chain's from training.seed at its
+    step. Only the headers are read; a file whose header does not parse is left to fail
+    when it is read. CheckpointError names the first file that breaks the chain."""
+    files = list_checkpoints(directory)
+    seed, step = first_seed, 0
+    for number, path in files.items():
+        while step < number:
+            step += 1
+            seed = next_step_seed(seed, step)
+        try:
+            with open(path, "rb") as f:
+                header = f.read(_HEADER.size)
+        except OSError:
+            continue
+        if len(header) < _HEADER.size:
+            continue
+        magic, version, _, recorded, _ = _HEADER.unpack(header)
+        if magic != CHECKPOINT_MAGIC or version != CHECKPOINT_VERSION or recorded == seed:
+            continue
+        newest = number == max(files)
+        raise CheckpointError(
+            f"{path}: seed {recorded} is not step {number}'s seed {seed} in the chain from "
+            f"training.seed {first_seed}: the file is corrupt or from another run; restore "
+            "it from a copy, or remove it"
+            + (
+                f" to resume from step {number - 1}"
+                if newest
+                else f" and every older checkpoint (workers behind step {number} then "
+                "cannot catch up)"
+            )
+        )
+
+
+def forget_checkpoints(directory: str | Path, below_step: int) -> None:
+    """After checkpoints below `below_step` were removed on purpose: rewrite the manifest
+    without them."""
+    directory = Path(directory)
+    path = directory / MANIFEST_FILE
+    if not path.exists():
+        return
+    kept = {
+        name: digest
+        for name, digest in read_manifest(directory).items()
+        if int(name[len("checkpoint_") : -len(".bin")]) >= below_step
+    }
+    write_atomic(path, b"".join(_manifest_line(n, d) for n, d in sorted(kept.items())))
+
+
+class MetricsLog:
+    """metrics.jsonl as a running coordinator keeps it: it remembers every record the file
+    holds (read at start) or got since, so that a file deleted, truncated or replaced
+    under it is noticed at the next append, said in a warning and rewritten whole
+    (atomically) instead of restarting from the current step. The records are kept
+    zlib-compressed (a step's line of ~1-3 KB repeats its keys: ~100 bytes a step), so
+    that a day-long run's memory stays small."""
+
+    def __init__(self, directory: str | Path, records: list[dict]):
+        self.path = Path(directory) / METRICS_FILE
+        self._packer = zlib.compressobj(6)
+        self._packed = bytearray()
+        self.count = 0
+        for record in records:
+            self._keep(record)
+        self.identity = self._identity()
+
+    def _keep(self, record: dict):
+        self._packed += self._packer.compress(json.dumps(record).encode() + b"\n")
+        self.count += 1
+
+    def _text(self) -> bytes:
+        return zlib.decompress(bytes(self._packed) + self._packer.copy().flush())
+
+    def _identity(self) -> tuple[int, int] | None:
+        try:
+            st = self.path.stat()
+        except FileNotFoundError:
+            return None
+        return st.st_ino, st.st_size
+
+    def append(self, record: dict) -> None:
+        record = {**record, "time": record.get("time", time.time())}
+        now = self._identity()
+        expected = self.identity
+        lost = (expected is not None and expected[1] > 0) and (
+            now is None or now[0] != expected[0] or now[1] < expected[1]
+        )
+        if lost:
+            what = "vanished" if now is None else "shrank or was replaced"
+            log.warning(
+                "%s %s under the running coordinator; rewriting it from the %d records "
+                "this coordinator knows",
+                self.path,
+                what,
+                self.count,
+            )
+            write_atomic(self.path, self._text())
+        append_metrics(self.path.parent, record)
+        self._keep(record)
+        self.identity = self._identity()

@@ -21,6 +21,12 @@ The rules that keep a run exact and the server alive, whoever connects:
   (`failure`) instead of leaving a hole in the history.
 - Every read has a deadline (the handshake, each frame), every peer a bound on the
   replies queued to it, and the number of connections a bound below the descriptor limit.
+  A worker reads each reply before it asks for work again: a peer that pipelines its
+  requests is closed, and so is one that has not asked for work within idle_timeout_s
+  (while it holds no chunk). When the connections run out, one that has proven nothing,
+  else one idle for EVICT_IDLE_S, makes room for the newcomer.
+- Failures of peers that proved nothing are logged at most about once a second for
+  each kind, with a count, so that a flood cannot fill the disk with log lines.
 
 A reference worker that finds no work is answered WAIT at once and asks again 0.1 s
 later. A deggs worker's request is held instead (for at most HOLD_S) and answered the
@@ -40,6 +46,7 @@ import asyncio
 import ipaddress
 import logging
 import math
+import re
 import resource
 import time
 from collections import OrderedDict, deque
@@ -56,6 +63,7 @@ from ..ternary import check_packed, pack_trits, packed_size, unpack_blocks
 from . import auth
 from . import checkpoint as ckpt
 from . import snapshot as snapshots
+from .channel import Channel, DigestCache, sealed_limits
 from .protocol import (
     AUTH,
     DEGGS_PROTOCOL,
@@ -101,7 +109,10 @@ LINGER_S = 1.0  # how long a GOODBYE waits for the peer to read it before the so
 WORST_NAMED = 5  # saturated matrices a health warning names
 NAMED_WORKERS = 8  # workers the per-step line names: the slowest half, then the most idle
 HOLD_S = 1.0  # longest a deggs worker's request for work is held before WAIT (see above)
+SEED_STRIDE = 1024  # steps between the seeds the coordinator keeps (_seed_of)
 RECONNECT_S = 2.0  # a reconnecting worker's connect and handshake, after its backoff pause
+EVICT_IDLE_S = 5.0  # a worker waiting for work asks at least every HOLD_S + 0.1 s
+UNPROVEN_KINDS = 64  # kinds of unproven peers' failures summarised apart; the rest as one
 
 
 class Drop(Exception):
@@ -271,7 +282,7 @@ class Coordinator:
         self.save_dir = Path(save_dir) if save_dir is not None else None
         self.load_dir = Path(load_dir) if load_dir is not None else None
         self.max_steps = max_steps
-        self.secret = secret
+        self.secret = None if secret is None else auth.check_secret(secret)
         self.tensorboard_dir = tensorboard_dir
         self.tensorboard: TensorBoard | None = None  # opened by start()
         self.clock = clock
@@ -286,6 +297,12 @@ class Coordinator:
         self.max_connections = k.max_connections
 
         self.history: OrderedDict[int, bytes] = OrderedDict()  # step -> packed fitness
+        # The seed chain, every SEED_STRIDE-th step's seed: any step's is a few hashes
+        # from one of them, and the table grows by one int per SEED_STRIDE steps.
+        self.seeds = [config.training.seed]
+        self.digests = DigestCache()  # of the large frames sealed for every worker alike
+        self._updates: OrderedDict[tuple[int, int], bytes] = OrderedDict()  # see _update
+        self.metrics: ckpt.MetricsLog | None = None  # metrics.jsonl, once start() opened it
         self.finished = asyncio.Event()
         self.ended = asyncio.Event()
         self._news = asyncio.Event()  # set (then replaced) when held requests should look again
@@ -301,6 +318,11 @@ class Coordinator:
         self._last_lost = -float("inf")  # when a worker last lost its connection (see below)
         self._resumed_at: int | None = None  # the step a resumed run starts at
         self._over_limit = _Burst(log, "refused {n} connection(s) over the limit of {limit}")
+        self._evicted = {
+            what: _Burst(log, f"closed {{n}} {what} connection(s) to make room (at {{limit}})")
+            for what in ("idle", "unproven")
+        }
+        self._unproven: dict[tuple[int, str], _Burst] = {}  # by level and kind (see say)
         self.state = self._initial_state()
         self.replicas = Replicas(self)  # snapshots and state digests
 
@@ -310,6 +332,7 @@ class Coordinator:
         step, seed = 0, self.config.training.seed
         if self.load_dir is not None:
             ckpt.check_saved_config(self.load_dir, self.config)
+            ckpt.check_seed_chain(self.load_dir, seed)
             latest = ckpt.load_latest(self.load_dir, self.config.training.n_pairs)
             if latest is None:
                 log.info("no checkpoint in %s: starting at step 0", self.load_dir)
@@ -331,7 +354,9 @@ class Coordinator:
         if self.save_dir is not None:
             ckpt.prepare_save_dir(self.save_dir, self.config, self.state.step)
             ckpt.tidy_metrics(self.save_dir, self.state.step)
-            for record in reversed(ckpt.read_metrics(self.save_dir)):
+            records = ckpt.read_metrics(self.save_dir)
+            self.metrics = ckpt.MetricsLog(self.save_dir, records)
+            for record in reversed(records):
                 self._calibration = calibration(record)
                 if self._calibration is not None:
                     break
@@ -444,7 +469,7 @@ class Coordinator:
 
     async def _sweep_deadlines(self):
         k = self.config.coordinator
-        every = min(1.0, k.handshake_timeout_s / 4, k.frame_timeout_s / 4)
+        every = min(1.0, k.handshake_timeout_s / 4, k.frame_timeout_s / 4, k.idle_timeout_s / 4)
         while True:
             await asyncio.sleep(every)
             now = time.monotonic()
@@ -455,10 +480,58 @@ class Coordinator:
 
     def admit(self, peer: Peer) -> bool:
         if len(self.peers) >= self.max_connections:
-            self._over_limit.note(limit=self.max_connections)
-            return False
+            victim = self._evictable(time.monotonic())
+            if victim is None:
+                self._over_limit.note(limit=self.max_connections)
+                return False
+            self._evicted["idle" if victim.proven else "unproven"].note(limit=self.max_connections)
+            victim.evict()
         self.peers.add(peer)
         return True
+
+    def _evictable(self, now: float) -> Peer | None:
+        """The connection to close for a newcomer when none are left: the oldest that has
+        proven nothing yet, else the one idle longest (no chunk held, no request for
+        EVICT_IDLE_S), else none. A worker at work is never pushed out."""
+        best, best_key = None, (2, 0.0)
+        for p in self.peers:
+            if p.closing:
+                continue
+            if not p.proven:
+                key = (0, p.opened)
+            elif not p.busy and not p.holding and now - p.asked >= EVICT_IDLE_S:
+                key = (1, p.asked)
+            else:
+                continue
+            if key < best_key:
+                best, best_key = p, key
+        return best
+
+    def say(self, peer: Peer, level: int, text: str):
+        """Log a line about a peer: as it is for one that proved the secret; for any
+        other (without a secret, everyone: anyone can open connections by the thousand)
+        summarised by kind, at most a line a second of each with a count. The kind is the
+        text with its numbers and quoted bytes blanked, so that a peer's input cannot make
+        kinds without end."""
+        if self.secret is not None and peer.authenticated:
+            log.log(level, "%s %s", peer.name, text)
+            return
+        key = (level, _KIND_DETAILS.sub("#", text))
+        burst = self._unproven.get(key)
+        if burst is None:
+            if len(self._unproven) >= UNPROVEN_KINDS:
+                key, text = (level, "other"), f"{text} (and other reasons)"
+            burst = self._unproven.setdefault(
+                key,
+                _Burst(
+                    log,
+                    "{name} {why} ({n} such from unproven peers since the last such line)",
+                    1.0,
+                    level,
+                    alone="{name} {why}",
+                ),
+            )
+        burst.note(name=peer.name, why=text)
 
     def forget(self, peer: Peer):
         """A connection closed: the chunks only it held go back to the queue at once."""
@@ -570,7 +643,15 @@ class Coordinator:
             raise ProtocolError("AUTH without a challenge")
         if not auth.verify(self.secret, "worker", peer.hello.nonce, peer.nonce, message.proof):
             raise Drop("wrong proof of the shared secret")
+        if peer.queue:  # a worker waits for HELLO_REPLY; later frames would need tags
+            raise ProtocolError("frames after AUTH before its reply")
         peer.authenticated = True
+        # From here every frame both ways carries a tag, this HELLO_REPLY first. No reply
+        # of before is still unsent: the proof needs our CHALLENGE, which went out first.
+        peer.channel = Channel.for_coordinator(
+            self.secret, peer.hello.nonce, peer.nonce, self.digests
+        )
+        peer.reader.limits = sealed_limits(self.limits)
         return self._welcome(peer, peer.hello)
 
     def _welcome(self, peer: Peer, hello: Hello) -> bytes:
@@ -584,11 +665,8 @@ class Coordinator:
                 "from the coordinator's: " + self._config_differences(hello),
             )
         peer.welcomed = True
-        log.info(
-            "worker %s joined (%s)",
-            peer.name,
-            "config matches" if hello.fingerprint == ours else "takes the coordinator's config",
-        )
+        how = "config matches" if hello.fingerprint == ours else "takes the coordinator's config"
+        self.say(peer, logging.INFO, f"joined ({how})")
         return HelloReply(ours, self.config.to_json()).encode()
 
     def _config_differences(self, hello: Hello) -> str:
@@ -613,7 +691,11 @@ class Coordinator:
     # --- jobs and results --------------------------------------------------------------
 
     def _on_job_request(self, peer: Peer, req: JobRequest):
+        for opcode, _ in peer.queue:  # a worker reads each reply before it asks again
+            if opcode == JOB_REQUEST:
+                raise ProtocolError("it asks for work again without reading the replies")
         s = self.state
+        peer.asked = time.monotonic()
         if self.finished.is_set():
             raise self._refusal(peer, Reason.FINISHED, f"the run reached step {s.step}")
         if (
@@ -677,14 +759,30 @@ class Coordinator:
         """The fitness of `step`, which moves a worker from `step` to `step + 1`."""
         fitness = self.history.get(step)
         if fitness is not None:
-            return JobResponse(self.state.seed, step + 1, 0, fitness).encode()
+            return self._update(step, fitness)
         return self._catch_up_from_disk(peer, step)
+
+    def _update(self, step: int, fitness: bytes) -> bytes:
+        """Step `step`'s catch-up JOB_RESPONSE: one bytes object for every worker that
+        asks for it now, so that sealing it for each of them hashes it once."""
+        key = (step, self.state.seed)
+        frame = self._updates.get(key)
+        if frame is None:
+            frame = JobResponse(self.state.seed, step + 1, 0, fitness).encode()
+            self._updates[key] = frame
+            if len(self._updates) > DigestCache.SIZE:
+                self._updates.popitem(last=False)
+        return frame
 
     async def _catch_up_from_disk(self, peer: Peer, step: int) -> bytes:
         fitness = None
         if self.history_dirs:
             fitness = await self.on_disk(
-                _fitness_from_disk, self.history_dirs, step, self.config.training.n_pairs
+                _fitness_from_disk,
+                self.history_dirs,
+                step,
+                self.config.training.n_pairs,
+                self._seed_of(step + 1),
             )
         if fitness is None:
             snapshot = self.replicas.newest
@@ -854,7 +952,11 @@ class Coordinator:
         if self.save_dir is not None:
             try:
                 await self._durably(
-                    ckpt.commit_step, self.save_dir, ckpt.Checkpoint(step, seed, packed), record
+                    ckpt.commit_step,
+                    self.save_dir,
+                    ckpt.Checkpoint(step, seed, packed),
+                    record,
+                    self.metrics,
                 )
             except OSError as e:
                 self._fail(
@@ -891,6 +993,18 @@ class Coordinator:
                 )
                 await asyncio.sleep(min(pause, left))
                 pause = min(pause * 2, 5.0)
+
+    def _seed_of(self, step: int) -> int:
+        """Step `step`'s seed in the chain from training.seed (what its checkpoint holds)."""
+        while len(self.seeds) * SEED_STRIDE <= step:
+            seed, base = self.seeds[-1], (len(self.seeds) - 1) * SEED_STRIDE
+            for s in range(base + 1, base + SEED_STRIDE + 1):
+                seed = next_step_seed(seed, s)
+            self.seeds.append(seed)
+        seed, base = self.seeds[step // SEED_STRIDE], step // SEED_STRIDE * SEED_STRIDE
+        for s in range(base + 1, step + 1):
+            seed = next_step_seed(seed, s)
+        return seed
 
     def _remember(self, step: int, packed: bytes):
         self.history[step] = packed
@@ -983,7 +1097,9 @@ class Peer(asyncio.Protocol):
         self.hello: Hello | None = None
         self.nonce: bytes | None = None  # our challenge's
         self.authenticated = False
+        self.channel: Channel | None = None  # every frame tagged, once the secret is proven
         self.welcomed = False  # a deggs worker that passed the handshake
+        self.asked = self.opened  # when it last asked for work (JOB_REQUEST)
         self.step: int | None = None  # the step it last asked for a chunk of
         self.chunks: set[int] = set()  # chunks handed to this connection in that step
         self.revoked: set[tuple[int, int]] = set()  # (step, chunk) taken back: it drifted
@@ -999,6 +1115,19 @@ class Peer(asyncio.Protocol):
         if self.coord.secret is not None:
             return self.authenticated
         return self.hello is None or self.welcomed
+
+    @property
+    def proven(self) -> bool:
+        """Has it shown it is a worker? With a secret: proven it. Without: a deggs worker
+        welcomed, or any peer that asked for work the protocol's way."""
+        if self.coord.secret is not None:
+            return self.authenticated
+        return self.welcomed or self.asked > self.opened
+
+    @property
+    def holding(self) -> bool:
+        """Does it hold a chunk of the step in progress (handed out, no RESULT yet)?"""
+        return self.step == self.coord.state.step and bool(self.figures.holding)
 
     # --- asyncio.Protocol --------------------------------------------------------------
 
@@ -1017,9 +1146,9 @@ class Peer(asyncio.Protocol):
         if self not in self.coord.peers:  # refused by admit(), or already forgotten
             return
         if self.reader.partial and not self.closing:
-            log.warning("%s dropping: disconnected mid-frame", self.name)
-        elif self.welcomed or (self.coord.secret is None and self.got_frame):
-            log.info("worker %s disconnected", self.name)
+            self.coord.say(self, logging.WARNING, "dropping: disconnected mid-frame")
+        elif self.proven:
+            self.coord.say(self, logging.INFO, "disconnected")
         self.closing = True
         self.coord.forget(self)
 
@@ -1038,6 +1167,12 @@ class Peer(asyncio.Protocol):
             self.partial_since = time.monotonic()
         if frames:
             self.got_frame = True
+            if self.channel is not None:
+                try:
+                    frames = self.channel.open_all(frames)
+                except ProtocolError as e:
+                    self._close(f"dropping: {e}")
+                    return
             self.queue.extend(frames)
             self._process()
 
@@ -1121,6 +1256,8 @@ class Peer(asyncio.Protocol):
 
     def _write(self, frames: list[bytes]):
         if frames and not self.transport.is_closing():
+            if self.channel is not None:
+                frames = [self.channel.seal(f) for f in frames]
             data = b"".join(frames)
             self.coord.state.bytes_sent += len(data)
             self.transport.write(data)
@@ -1139,12 +1276,20 @@ class Peer(asyncio.Protocol):
             and now - self.write_paused_since > k.frame_timeout_s
         ):
             self._close(f"closing: it has not read its replies for {k.frame_timeout_s:g} s")
+        elif now - self.asked > k.idle_timeout_s and not self.busy and not self.holding:
+            self._close(f"closing: it has not asked for work for {k.idle_timeout_s:g} s")
 
     def _close(self, why: str, goodbye: bytes = b"", level: int = logging.WARNING):
         if self.closing:
             return
-        log.log(level, "%s %s", self.name, why)
+        self.coord.say(self, level, why)
         self.close_with(goodbye)
+
+    def evict(self):
+        """Close at once, replies unsent: its descriptor is wanted for a newcomer."""
+        self.closing = True
+        self.queue.clear()
+        self.transport.abort()
 
     def close_with(self, goodbye: bytes = b""):
         """Close, letting queued replies and a GOODBYE out for at most LINGER_S.
@@ -1173,12 +1318,25 @@ class Peer(asyncio.Protocol):
         asyncio.get_running_loop().call_later(LINGER_S, transport.abort)
 
 
+# Numbers and quoted bytes in a reason: blanked to tell the kind of a failure.
+_KIND_DETAILS = re.compile(r"b?'[^']*'|b?\"[^\"]*\"|\d+(\.\d+)?")
+
+
 class _Burst:
     """Logs an event the first time, then at most once per `every` seconds with a count,
-    so a flood of refused connections costs a few lines, not one per connection."""
+    so a flood of refused connections costs a few lines, not one per connection. `alone`,
+    if given, is the line when there is nothing to count (a single event)."""
 
-    def __init__(self, logger: logging.Logger, message: str, every: float = 10.0):
-        self.logger, self.message, self.every = logger, message, every
+    def __init__(
+        self,
+        logger: logging.Logger,
+        message: str,
+        every: float = 10.0,
+        level: int = logging.WARNING,
+        alone: str | None = None,
+    ):
+        self.logger, self.message, self.every, self.level = logger, message, every, level
+        self.alone = alone
         self.last = -float("inf")
         self.count = 0
 
@@ -1186,7 +1344,8 @@ class _Burst:
         self.count += 1
         now = time.monotonic()
         if now - self.last >= self.every:
-            self.logger.warning(self.message.format(n=self.count, **details))
+            line = self.alone if self.count == 1 and self.alone is not None else self.message
+            self.logger.log(self.level, line.format(n=self.count, **details))
             self.last, self.count = now, 0
 
 
@@ -1303,13 +1462,20 @@ def _humanize(n: int, base: int, units: list[str]) -> str:
     return f"{n}{units[0]}"
 
 
-def _fitness_from_disk(dirs: list[Path], step: int, n_pairs: int) -> bytes | None:
-    """Step `step`'s packed fitness from checkpoint step+1 in the first dir that has it."""
+def _fitness_from_disk(dirs: list[Path], step: int, n_pairs: int, seed: int) -> bytes | None:
+    """Step `step`'s packed fitness from checkpoint step+1 in the first dir that has it
+    whole (its checksum, when recorded, and `seed`, the chain's at step+1, both hold)."""
     for directory in dirs:
         path = ckpt.checkpoint_path(directory, step + 1)
         if path.exists():
             try:
-                return ckpt.read_checkpoint(path, n_pairs).fitness
+                checkpoint = ckpt.read_checkpoint(path, n_pairs)
+                if checkpoint.seed != seed:
+                    raise ckpt.CheckpointError(
+                        f"{path}: seed {checkpoint.seed} is not the chain's {seed}; the file "
+                        "is corrupt or from another run"
+                    )
+                return checkpoint.fitness
             except ckpt.CheckpointError as e:
                 log.error("cannot serve step %d from disk: %s", step, e)
     return None

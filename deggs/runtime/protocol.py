@@ -63,8 +63,9 @@ MAGIC = b"JOBS"
 VERSION = 1
 HEADER_SIZE = 10
 DEGGS_PROTOCOL = 4  # version of the HELLO handshake (2: nonces, CHALLENGE/AUTH, GOODBYE;
-# 3: EVALUATION and HEALTH, which an older coordinator would drop a worker for; 4: DIGEST
-# and the SNAPSHOT messages)
+# 3: EVALUATION and HEALTH, which an older coordinator would drop a worker for; 4: with a
+# secret, every frame after AUTH carries a tag (channel.py); DIGEST and the SNAPSHOT
+# messages; GOODBYE STOPPED)
 WAIT = 2**64 - 1  # JOB_RESPONSE.data_position: nothing to do yet
 NO_FINGERPRINT = bytes(8)  # HELLO from a worker that has no config yet
 NONCE_SIZE = 16
@@ -237,6 +238,16 @@ class JobResponse(_FieldsThenData):
 
     OPCODE: ClassVar[int] = JOB_RESPONSE
     _FIELDS: ClassVar[struct.Struct] = struct.Struct(">QQQI")
+    _FRAME: ClassVar[struct.Struct] = struct.Struct(">4sBBIQQQI")  # header, fields, no data
+
+    def encode(self) -> bytes:
+        if self.data:
+            return super().encode()
+        # A chunk or a WAIT, the coordinator's most frequent frame: in one pack.
+        size = self._FIELDS.size
+        return self._FRAME.pack(
+            MAGIC, VERSION, JOB_RESPONSE, size, self.seed, self.last_step, self.data_position, 0
+        )
 
     @property
     def is_wait(self) -> bool:

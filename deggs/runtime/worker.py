@@ -14,7 +14,8 @@ Every connection starts with deggs' handshake (protocol.py, auth.py):
                           answers the JOB_REQUEST, which is how it joins us.
     no secret, no config: HELLO, then wait for the HELLO_REPLY whose config we adopt.
     a shared secret:      HELLO -> CHALLENGE (the coordinator's proof, checked first)
-                          -> AUTH (ours) -> HELLO_REPLY.
+                          -> AUTH (ours) -> HELLO_REPLY, and from AUTH on every frame
+                          both ways carries a tag (channel.py).
 
 The model lives on the worker, not on the wire: a worker that falls behind catches up
 one step per request from the coordinator's fitness history, after loading the newest
@@ -23,8 +24,11 @@ reports its state digest, and at a snapshot step it keeps a copy of its model un
 next one, for the coordinator to ask for. How a run ends for it:
 
 - GOODBYE(FINISHED), or the model reaches max_steps: run() returns.
-- A refusal that retrying cannot fix (another config, another secret, a coordinator that
-  lost the history we need, something that is not a coordinator at all): WorkerError.
+- A refusal that retrying cannot fix (another config, a coordinator that lost the history
+  we need, something that is not a coordinator at all): WorkerError.
+- With a secret, only a coordinator that has proven it is believed: anything said before
+  (a GOODBYE, a refusal, a wrong proof, a HELLO_REPLY) fails that connection, and the
+  worker retries. An impostor on the coordinator's port cannot stop it.
 - Anything else (refused or dropped connections, silence, a coordinator restarting):
   the worker keeps its model and reconnects with backoff.
 """
@@ -45,6 +49,7 @@ from ..numerics.es import Trainer, evaluate, validation_windows
 from ..ternary import packed_size, unpack_trits
 from . import auth, protocol
 from . import snapshot as snapshots
+from .channel import Channel, sealed_limits
 from .export import ExportError, encode_model, load_into, model_of
 from .protocol import (
     Assembly,
@@ -98,6 +103,11 @@ class Finished(Exception):
 
 class CoordinatorAway(Exception):
     """The coordinator said GOODBYE for now (stopped, or its disk failed); it may return."""
+
+
+class Unproven(ProtocolError):
+    """With a secret: the peer said something before proving the secret. Believed by
+    nobody: the connection failed and the worker retries."""
 
 
 def duration(seconds: float) -> str:
@@ -161,7 +171,8 @@ class Worker:
         self.host, self.port = host, port
         self.address = f"{host}:{port}"
         self.cfg = cfg
-        self.secret = secret
+        self.secret = None if secret is None else auth.check_secret(secret)
+        self.channel: Channel | None = None  # this connection's tags, once proven
         self.data_dir = Path(data_dir)
         self.backend_name, self.threads = backend, threads
         self.log = log
@@ -262,7 +273,8 @@ class Worker:
     def _limits(self) -> dict[int, int]:
         """The largest payload we accept of each message a coordinator sends."""
         pairs = self.cfg.training.n_pairs if self.cfg is not None else 0
-        return protocol.limits_from_coordinator(max(1 << 20, packed_size(pairs)))
+        limits = protocol.limits_from_coordinator(max(1 << 20, packed_size(pairs)))
+        return limits if self.channel is None else sealed_limits(limits)
 
     # --- connecting and reconnecting ---------------------------------------------------
 
@@ -336,6 +348,7 @@ class Worker:
         """Handshake, then request and do jobs until max_steps (or an exception)."""
         self._heard = False
         self.deggs_coordinator = False
+        self.channel = None
         pipelined = self.secret is None and self.cfg is not None
         job = self._handshake(sock, pipelined)
         # A pipelined JOB_REQUEST is answered after the HELLO_REPLY: do not ask twice.
@@ -364,49 +377,64 @@ class Worker:
         ours = auth.new_nonce()
         fingerprint = self.cfg.fingerprint() if self.cfg else protocol.NO_FINGERPRINT
         hello = Hello(fingerprint, self.cfg.to_json() if self.cfg else "", ours).encode()
+        if self.secret is not None:
+            self._prove(sock, hello, ours, self.secret)
+            return None
         if pipelined:
             self._ask(sock, hello)
             hint = ""
-        elif self.secret is None:
-            self._send(sock, hello)
-            hint = " (a reference coordinator never answers HELLO: pass --config)"
         else:
             self._send(sock, hello)
-            hint = " (a reference coordinator never answers HELLO, nor checks a secret)"
+            hint = " (a reference coordinator never answers HELLO: pass --config)"
 
         message = self._receive(sock, hint)
         if isinstance(message, Challenge):
-            if self.secret is None:
-                raise WorkerError(
-                    f"the coordinator requires a shared secret: set "
-                    f"{auth.SECRET_ENV} or {auth.SECRET_FILE_ENV}"
-                )
-            if not auth.verify(self.secret, "coordinator", ours, message.nonce, message.proof):
-                raise WorkerError(
-                    "the coordinator proved a different shared secret: "
-                    f"{auth.SECRET_ENV} differs between it and this worker"
-                )
-            self._send(sock, Auth(auth.proof(self.secret, "worker", ours, message.nonce)).encode())
-            message = self._receive(sock)
-            if isinstance(message, Challenge):
-                raise ProtocolError("a second CHALLENGE")
-        elif self.secret is not None:
-            # Anyone can claim to be the coordinator; only one that knows the secret is.
             raise WorkerError(
-                f"the coordinator did not prove the shared secret; is {auth.SECRET_ENV} set there?"
+                f"the coordinator requires a shared secret: set "
+                f"{auth.SECRET_ENV} or {auth.SECRET_FILE_ENV}"
             )
-
         if isinstance(message, HelloReply):
             self._adopt(message)
             self.deggs_coordinator = True
             self._reached_step()  # a model kept across a reconnect may owe its digest
-            self._joined("shared secret proven" if self.secret is not None else "deggs")
+            self._joined("deggs")
             return None
         if not pipelined:
             raise ProtocolError(f"a {type(message).__name__} in answer to HELLO")
         self._classify(message)  # a reference coordinator joins us with a valid job
         self._joined("a reference coordinator")
         return message
+
+    def _prove(self, sock: socket.socket, hello: bytes, ours: bytes, secret: bytes):
+        """The handshake with a shared secret. Until the coordinator has proven it,
+        nothing the peer says is acted on: an impostor on the coordinator's port (during
+        a restart, or by a spoofed address) could otherwise end every worker with one
+        forged GOODBYE. Anything but a right CHALLENGE fails this connection (Unproven)."""
+        self._send(sock, hello)
+        hint = " (a reference coordinator never answers HELLO, nor checks a secret)"
+        try:
+            challenge = protocol.decode_message(*self._read_frame(sock, hint))
+        except ProtocolError as e:
+            raise Unproven(f"before the coordinator proved the shared secret: {e}") from None
+        if not isinstance(challenge, Challenge):
+            raise Unproven(
+                f"{_describe(challenge)} before the coordinator proved the shared secret "
+                f"(is {auth.SECRET_ENV} set there?)"
+            )
+        if not auth.verify(secret, "coordinator", ours, challenge.nonce, challenge.proof):
+            raise Unproven(
+                "the coordinator's proof of the shared secret is wrong: an impostor, or "
+                f"{auth.SECRET_ENV} differs between it and this worker"
+            )
+        self._send(sock, Auth(auth.proof(secret, "worker", ours, challenge.nonce)).encode())
+        self.channel = Channel.for_worker(secret, ours, challenge.nonce)
+        message = self._receive(sock)  # every frame authenticated from here on
+        if not isinstance(message, HelloReply):
+            raise ProtocolError(f"a {type(message).__name__} in answer to AUTH")
+        self._adopt(message)
+        self.deggs_coordinator = True
+        self._reached_step()  # a model kept across a reconnect may owe its digest
+        self._joined("shared secret proven")
 
     def _adopt(self, reply: HelloReply):
         """Check the coordinator's config against ours, or take it when we have none."""
@@ -433,8 +461,11 @@ class Worker:
     def _send(self, sock: socket.socket, *frames: bytes):
         # The last read may have left a short timeout on the socket: sending has its own.
         sock.settimeout(self.settings.frame_timeout_s)
+        data = b"".join(frames)
+        if self.channel is not None:
+            data = self.channel.seal(data)
         try:
-            protocol.send_frame(sock, b"".join(frames))
+            protocol.send_frame(sock, data)
         except OSError:
             self._read_last_words(sock)
             raise
@@ -452,8 +483,12 @@ class Worker:
                 frames += reader.feed(data)
         except (OSError, ProtocolError):
             pass  # nothing more, or not a frame: the send's own error is the news
+        if self.secret is not None and self.channel is None:
+            return  # an unproven peer's word is believed by nobody
         for opcode, payload in frames:
             try:
+                if self.channel is not None:
+                    payload = self.channel.open(opcode, payload)
                 message = protocol.decode_message(opcode, payload)
             except ProtocolError:
                 return
@@ -510,12 +545,16 @@ class Worker:
                 f"frame_timeout_s = {w.frame_timeout_s:g}){hint}"
             ) from None
         except NotOurProtocol as e:
-            if first:  # later, it is more likely a corrupted stream
+            # Later it is more likely a corrupted stream; and with a secret, an unproven
+            # peer's bytes are no reason to give up.
+            if first and self.secret is None:
                 raise WorkerError(f"{self.address} is not a d-eggs coordinator: {e}") from None
             raise
         if item is None:
             raise ConnectionError("the coordinator closed the connection")
         self._silent = 0
+        if self.channel is not None:
+            return item[0], self.channel.open(*item)
         return item
 
     def _goodbye(self, goodbye: Goodbye):
@@ -759,3 +798,10 @@ class Worker:
             f"{detokenize(tokens[:n], cfg, training.pieces)} >>> "
             f"{detokenize(tokens[n:], cfg, training.pieces)}\n"
         )
+
+
+def _describe(message) -> str:
+    """A message from an unproven peer, for a log line: a GOODBYE with its claimed reason."""
+    if isinstance(message, Goodbye):
+        return f"a GOODBYE ({message.reason.name}: {printable(message.text)[:200]})"
+    return f"a {type(message).__name__}"
