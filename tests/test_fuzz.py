@@ -1282,7 +1282,7 @@ def test_coordinator_survives_a_barrage_and_still_trains(secret, caplog):
         and ("dropping" in r.getMessage() or "closing" in r.getMessage())
     ]
     # Unproven peers' failures come summarised, a line a second of each kind with a count
-    # (the last second's count unsaid): the barrage did reach the coordinator's checks.
+    # (the last second's said at the stop): the barrage did reach the coordinator's checks.
     counted = [re.search(r"\((\d+) such from unproven peers", line) for line in dropped]
     assert sum(int(m.group(1)) if m else 1 for m in counted) >= 100, dropped
 

@@ -176,10 +176,18 @@ def test_prune_keeps_the_newest_and_the_history_after_them(tmp_path):
         snapshots.snapshot_path(tmp_path, step).write_bytes(b"s")
     for step in range(1, 18):
         ckpt.checkpoint_path(tmp_path, step).write_bytes(b"c")
+    (tmp_path / ckpt.MANIFEST_FILE).write_bytes(
+        b"".join(
+            ckpt._manifest_line(f"checkpoint_{step:08d}.bin", "0" * 64) for step in range(1, 18)
+        )
+    )
     gone = snapshots.prune(tmp_path, keep=2, history=True)
     assert sorted(snapshots.list_snapshots(tmp_path)) == [10, 15]
     assert sorted(ckpt.list_checkpoints(tmp_path)) == list(range(10, 18))
     assert len(gone) == 1 + 9
+    assert sorted(ckpt.read_manifest(tmp_path)) == [
+        f"checkpoint_{s:08d}.bin" for s in range(10, 18)
+    ]
 
 
 def test_a_fresh_worker_joins_from_the_snapshot_of_a_pruned_run(trained, tmp_path):

@@ -428,6 +428,8 @@ class Coordinator:
         await asyncio.get_running_loop().run_in_executor(None, self._disk.shutdown, True)
         if self.tensorboard is not None:
             self.tensorboard.close()
+        for burst in self._unproven.values():  # the last second's counts, unsaid so far
+            burst.flush()
         log.info("stopped at step %d", self.state.step)
 
     async def tell_latecomers(self, interrupted: asyncio.Event) -> None:
@@ -1339,14 +1341,22 @@ class _Burst:
         self.alone = alone
         self.last = -float("inf")
         self.count = 0
+        self.details: dict = {}  # the last event's, for flush()
 
     def note(self, **details):
         self.count += 1
+        self.details = details
         now = time.monotonic()
         if now - self.last >= self.every:
             line = self.alone if self.count == 1 and self.alone is not None else self.message
             self.logger.log(self.level, line.format(n=self.count, **details))
             self.last, self.count = now, 0
+
+    def flush(self):
+        """Say the events counted since the last line (at the coordinator's stop)."""
+        if self.count:
+            self.logger.log(self.level, self.message.format(n=self.count, **self.details))
+            self.count = 0
 
 
 def _connection_budget(wanted: int) -> int:

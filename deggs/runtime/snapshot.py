@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from ..config import Config
-from .checkpoint import atomic_file, list_checkpoints
+from .checkpoint import atomic_file, forget_checkpoints, list_checkpoints
 from .export import (
     MAX_HEADER_BYTES,
     ExportError,
@@ -192,6 +192,8 @@ def prune(directory: str | Path, keep: int, history: bool) -> list[Path]:
         gone += [path for step, path in sorted(checkpoints.items()) if step < oldest]
     for path in gone:
         path.unlink(missing_ok=True)
+    if history and kept:
+        forget_checkpoints(directory, kept[0][0])  # their checksums leave the manifest
     if gone:
         log.info("pruned %d file(s) from %s", len(gone), directory)
     return gone
