@@ -1552,7 +1552,7 @@ def test_failures_of_unproven_peers_are_summarised(info_logs):
                 bad = await Client.connect(coord)
                 await bad.send(b"GET / HTTP/1.1\r\n\r\n")
                 assert await bad.closed()
-            for burst in coord._unproven.values():
+            for burst in coord.lines.bursts.values():
                 burst.last -= 1.0  # as if a second had passed
             last = await Client.connect(coord)
             await last.send(b"GET /other HTTP/1.1\r\n\r\n")

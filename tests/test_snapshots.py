@@ -23,7 +23,6 @@ from deggs.runtime import snapshot as snapshots
 from deggs.runtime.digests import DigestBook
 from deggs.runtime.export import ExportError, load_model, model_from_bytes, state_digest
 from deggs.runtime.protocol import (
-    Assembly,
     Digest,
     JobRequest,
     ProtocolError,
@@ -31,7 +30,6 @@ from deggs.runtime.protocol import (
     SnapshotPart,
     SnapshotRequest,
     decode_message,
-    snapshot_frames,
 )
 
 EVERY = 5  # snapshot and digest interval of the runs here
@@ -109,8 +107,8 @@ def test_snapshot_messages_have_their_layout():
 
 def test_an_assembly_takes_its_parts_in_order_and_no_more():
     with pytest.raises(ProtocolError, match="announces a snapshot of 10 bytes"):
-        Assembly(SnapshotHeader(5, 0, 10, A), (100, 200), "w")
-    assembly = Assembly(SnapshotHeader(5, 0, 150, A), (100, 200), "w")
+        snapshots.Assembly(SnapshotHeader(5, 0, 10, A), (100, 200), "w")
+    assembly = snapshots.Assembly(SnapshotHeader(5, 0, 150, A), (100, 200), "w")
     with pytest.raises(ProtocolError, match="at 1, expected 0"):
         assembly.add(SnapshotPart(1, b"x"))
     assert not assembly.add(SnapshotPart(0, b"x" * 100))
@@ -334,7 +332,9 @@ def test_an_upload_that_breaks_the_rules_closes_only_that_connection(tmp_path, c
             await a.send(SnapshotHeader(1, seed, 1 << 40, digest))
             assert await a.closed()
             assert await b.recv() == SnapshotRequest(1)
-            for frame in snapshot_frames(SnapshotHeader(1, seed, len(data), digest), data):
+            for frame in snapshots.snapshot_frames(
+                SnapshotHeader(1, seed, len(data), digest), data
+            ):
                 await b.send(frame)
             path = snapshots.snapshot_path(tmp_path, 1)
             await async_wait_until(path.exists, 10, "the snapshot file")

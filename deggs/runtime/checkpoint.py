@@ -510,3 +510,48 @@ class MetricsLog:
         append_metrics(self.path.parent, record)
         self._keep(record)
         self.identity = self._identity()
+
+
+# --- serving the history ----------------------------------------------------------------
+
+SEED_STRIDE = 1024  # steps between the seeds a SeedChain keeps
+
+
+class SeedChain:
+    """Any step's seed in the chain from training.seed (what its checkpoint holds). It
+    keeps every SEED_STRIDE-th step's seed, so that any step's is a few hashes from one of
+    them and the table grows by one int per SEED_STRIDE steps."""
+
+    def __init__(self, first: int):
+        self.kept = [first]
+
+    def at(self, step: int) -> int:
+        while len(self.kept) * SEED_STRIDE <= step:
+            seed, base = self.kept[-1], (len(self.kept) - 1) * SEED_STRIDE
+            for s in range(base + 1, base + SEED_STRIDE + 1):
+                seed = next_step_seed(seed, s)
+            self.kept.append(seed)
+        base = step // SEED_STRIDE * SEED_STRIDE
+        seed = self.kept[step // SEED_STRIDE]
+        for s in range(base + 1, step + 1):
+            seed = next_step_seed(seed, s)
+        return seed
+
+
+def fitness_from_disk(dirs: list[Path], step: int, n_pairs: int, seed: int) -> bytes | None:
+    """Step `step`'s packed fitness from checkpoint step+1 in the first dir that has it
+    whole (its checksum, when recorded, and `seed`, the chain's at step+1, both hold)."""
+    for directory in dirs:
+        path = checkpoint_path(directory, step + 1)
+        if path.exists():
+            try:
+                checkpoint = read_checkpoint(path, n_pairs)
+                if checkpoint.seed != seed:
+                    raise CheckpointError(
+                        f"{path}: seed {checkpoint.seed} is not the chain's {seed}; the file "
+                        "is corrupt or from another run"
+                    )
+                return checkpoint.fitness
+            except CheckpointError as e:
+                log.error("cannot serve step %d from disk: %s", step, e)
+    return None

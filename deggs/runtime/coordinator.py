@@ -28,38 +28,28 @@ The rules that keep a run exact and the server alive, whoever connects:
 - Failures of peers that proved nothing are logged at most about once a second for
   each kind, with a count, so that a flood cannot fill the disk with log lines.
 
-A reference worker that finds no work is answered WAIT at once and asks again 0.1 s
-later. A deggs worker's request is held instead (for at most HOLD_S) and answered the
-moment there is something to do: a chunk back in the queue or past the straggler
-timeout, or the step's update once it is durable. With one chunk a worker a step (eight
-GPUs at the default), the polling alone would cost each of them 50 ms a step on average.
+A reference worker that finds no work is answered WAIT at once; a deggs worker's request
+is held (at most HOLD_S) and answered the moment there is work (docs/PROTOCOL.md).
 
-One asyncio event loop serves every connection through `Peer`, a Protocol that cuts
-frames from the bytes as they arrive and writes each batch of replies with one send.
-Disk work (checkpoints, metrics, reading old history) runs on a single background thread,
-in submission order, so the loop never blocks on a file.
+One asyncio event loop serves every connection through a `Peer` (server.py); the step
+and its figures are steps.py's, snapshots and digests replicas.py's. Disk work runs on one
+background thread, in submission order, so the loop never blocks on a file.
 """
 
 from __future__ import annotations
 
 import asyncio
-import ipaddress
+import contextlib
 import logging
-import math
-import re
-import resource
 import time
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
-
-import numpy as np
 
 from ..config import Config, ConfigError
 from ..numerics.params import health_entries
 from ..seeds import next_step_seed
-from ..ternary import check_packed, pack_trits, packed_size, unpack_blocks
+from ..ternary import check_packed, pack_trits, packed_size
 from . import auth
 from . import checkpoint as ckpt
 from . import snapshot as snapshots
@@ -81,7 +71,6 @@ from .protocol import (
     Challenge,
     Digest,
     Evaluation,
-    FrameReader,
     Goodbye,
     Health,
     Hello,
@@ -96,155 +85,27 @@ from .protocol import (
     SnapshotPart,
     limits_from_worker,
     printable,
-    set_keepalive,
 )
 from .replicas import Replicas
+from .server import LINGER_S, Burst, Drop, Peer, PeerLines, connection_budget, is_loopback
+from .steps import (
+    StepState,
+    WorkerFigures,
+    calibration,
+    format_step_line,
+    format_workers_line,
+    log_health,
+    log_validation,
+    step_record,
+    validation_record,
+)
 from .tensorboard import TensorBoard
 
 log = logging.getLogger("deggs.runtime.coordinator")
 
-LOSS_SCALE = 16  # the worker sums losses in Q.4 fixed point
-FD_RESERVE = 64  # descriptors kept free of connections: checkpoints, metrics, logs
-LINGER_S = 1.0  # how long a GOODBYE waits for the peer to read it before the socket closes
-WORST_NAMED = 5  # saturated matrices a health warning names
-NAMED_WORKERS = 8  # workers the per-step line names: the slowest half, then the most idle
 HOLD_S = 1.0  # longest a deggs worker's request for work is held before WAIT (see above)
-SEED_STRIDE = 1024  # steps between the seeds the coordinator keeps (_seed_of)
 RECONNECT_S = 2.0  # a reconnecting worker's connect and handshake, after its backoff pause
 EVICT_IDLE_S = 5.0  # a worker waiting for work asks at least every HOLD_S + 0.1 s
-UNPROVEN_KINDS = 64  # kinds of unproven peers' failures summarised apart; the rest as one
-
-
-class Drop(Exception):
-    """Close this connection, after sending `goodbye` (a frame saying why) if any."""
-
-    def __init__(self, reason: str, goodbye: bytes = b""):
-        super().__init__(reason)
-        self.goodbye = goodbye
-
-
-@dataclass(slots=True)
-class WorkerFigures:
-    """How one connection spent a step: the chunks it returned and where its time went.
-
-    It is busy while it holds at least one chunk, from the hand-out to its RESULT
-    (overlapping chunks count once), and free otherwise: from its first request of the
-    step, or its last RESULT, to the next chunk it gets, WAIT replies and round trips
-    included. Time after its connection closed is neither.
-    """
-
-    free_since: float | None = None  # when it last became free; None while busy or gone
-    busy_since: float = 0.0
-    holding: set[int] = field(default_factory=set)  # chunks handed to it, not returned yet
-    chunks: int = 0  # RESULTs that counted (the first for their chunk)
-    returned: int = 0  # RESULTs for chunks it held, duplicates of re-assigned ones included
-    busy_s: float = 0.0
-    idle_s: float = 0.0
-
-    def took(self, chunk: int, now: float):
-        if not self.holding:
-            self.busy_since = now
-            if self.free_since is not None:
-                self.idle_s += now - self.free_since
-                self.free_since = None
-        self.holding.add(chunk)
-
-    def gave_back(self, chunk: int, now: float):
-        """Its RESULT for `chunk`; a second one for the same chunk is no new work."""
-        if chunk not in self.holding:
-            return
-        self.holding.remove(chunk)
-        self.returned += 1
-        if not self.holding:
-            self.busy_s += now - self.busy_since
-            self.free_since = now
-
-    def left(self, now: float):
-        """Its connection closed: the time spent so far stays, nothing more adds up."""
-        if self.holding:
-            self.busy_s += now - self.busy_since
-            self.holding.clear()
-        elif self.free_since is not None:
-            self.idle_s += now - self.free_since
-        self.free_since = None
-
-    def record(self, now: float, member_tokens_per_chunk: int) -> dict:
-        """Its line in metrics.jsonl when the step is sealed at `now`: a chunk still held
-        is busy time until then (work that went to waste), a free worker idle time."""
-        busy = self.busy_s + (now - self.busy_since if self.holding else 0.0)
-        idle = self.idle_s + (now - self.free_since if self.free_since is not None else 0.0)
-        return {
-            "chunks": self.chunks,
-            "member_tokens_per_s": (
-                round(self.returned * member_tokens_per_chunk / busy, 1) if busy > 0 else 0.0
-            ),
-            "busy_s": round(busy, 6),
-            "idle_s": round(idle, 6),
-        }
-
-
-@dataclass
-class StepState:
-    """Everything the coordinator tracks about the step being trained."""
-
-    step: int
-    seed: int
-    started: float  # clock time the step began
-    n_chunks: int
-    chunk_pairs: int
-    packed: list = field(
-        default_factory=list
-    )  # per chunk: the packed fitness of the RESULT that counted, or None
-    pending: deque = field(default_factory=deque)  # chunks nobody holds, next first
-    in_progress: OrderedDict = field(
-        default_factory=OrderedDict
-    )  # chunk -> time handed out, oldest first
-    holders: dict = field(default_factory=dict)  # chunk in progress -> the Peers holding it
-    n_done: int = 0
-    sealing: bool = False  # every chunk is in; the step is being made durable
-    sum_loss: int = 0
-    transmissions: int = 0  # RESULTs for this step, duplicates included
-    updates_total: int = 0
-    updates_min: int | None = None
-    updates_max: int = 0
-    bytes_sent: int = 0
-    bytes_received: int = 0
-    evaluation: Evaluation | None = None  # the validation loss, on eval.every_steps steps
-    health: Health | None = None  # weight and activation statistics, on health_every_steps
-    workers: dict[str, WorkerFigures] = field(default_factory=dict)  # by peer name
-    drifted: dict[str, int] = field(default_factory=dict)  # worker -> the step it drifted at
-
-    @classmethod
-    def fresh(cls, config: Config, step: int, seed: int, now: float) -> StepState:
-        t = config.training
-        return cls(
-            step=step,
-            seed=seed,
-            started=now,
-            n_chunks=t.n_chunks,
-            chunk_pairs=t.chunk_size // 2,
-            packed=[None] * t.n_chunks,
-            pending=deque(range(t.n_chunks)),
-        )
-
-    def oldest_out(self, now: float) -> tuple[int, float]:
-        """The chunk out the longest (the only one that can have timed out first) and
-        how long it has been out."""
-        chunk, handed_out = next(iter(self.in_progress.items()))
-        return chunk, now - handed_out
-
-    @property
-    def complete(self) -> bool:
-        return self.n_done == self.n_chunks
-
-    def fitness(self) -> np.ndarray:
-        """The population's fitness (zeros for chunks not in yet), unpacked in one go."""
-        zeros = bytes(packed_size(self.chunk_pairs))
-        return unpack_blocks(
-            b"".join(zeros if p is None else p for p in self.packed),
-            self.n_chunks,
-            self.chunk_pairs,
-        )
 
 
 class Coordinator:
@@ -255,8 +116,7 @@ class Coordinator:
     max_steps: stop handing out chunks once the run reaches this step; `finished` is set.
     secret: the shared secret workers must prove (None: anyone may join).
     tensorboard_dir: also write each step's scalars there as TensorBoard events.
-    clock: monotonic seconds for step times, stragglers and the workers' busy and idle
-        time, injectable for tests.
+    clock: monotonic seconds, the one clock of every deadline and figure (injectable).
 
     `ended` is set when the run cannot go on without its operator: `finished` (max_steps
     reached) or `failure` (the reason a step could not be made durable).
@@ -297,9 +157,7 @@ class Coordinator:
         self.max_connections = k.max_connections
 
         self.history: OrderedDict[int, bytes] = OrderedDict()  # step -> packed fitness
-        # The seed chain, every SEED_STRIDE-th step's seed: any step's is a few hashes
-        # from one of them, and the table grows by one int per SEED_STRIDE steps.
-        self.seeds = [config.training.seed]
+        self.seeds = ckpt.SeedChain(config.training.seed)
         self.digests = DigestCache()  # of the large frames sealed for every worker alike
         self._updates: OrderedDict[tuple[int, int], bytes] = OrderedDict()  # see _update
         self.metrics: ckpt.MetricsLog | None = None  # metrics.jsonl, once start() opened it
@@ -317,12 +175,12 @@ class Coordinator:
         self._calibration: tuple[float, float] | None = None
         self._last_lost = -float("inf")  # when a worker last lost its connection (see below)
         self._resumed_at: int | None = None  # the step a resumed run starts at
-        self._over_limit = _Burst(log, "refused {n} connection(s) over the limit of {limit}")
+        self._over_limit = Burst(log, "refused {n} connection(s) over the limit of {limit}")
         self._evicted = {
-            what: _Burst(log, f"closed {{n}} {what} connection(s) to make room (at {{limit}})")
+            what: Burst(log, f"closed {{n}} {what} connection(s) to make room (at {{limit}})")
             for what in ("idle", "unproven")
         }
-        self._unproven: dict[tuple[int, str], _Burst] = {}  # by level and kind (see say)
+        self.lines = PeerLines(secret is not None)  # lines about peers, summarised
         self.state = self._initial_state()
         self.replicas = Replicas(self)  # snapshots and state digests
 
@@ -366,13 +224,13 @@ class Coordinator:
         await self.on_disk(self.replicas.load, self.history_dirs, self.state.step)
         if self.tensorboard_dir is not None:
             self.tensorboard = TensorBoard(self.tensorboard_dir)
-        self.max_connections = _connection_budget(self.config.coordinator.max_connections)
+        self.max_connections = connection_budget(self.config.coordinator.max_connections)
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(lambda: Peer(self), self.host, self.port)
         self.port = self._server.sockets[0].getsockname()[1]
         self.spawn(self._sweep_deadlines())
         self.state.started = self.clock()
-        self._last_lost = time.monotonic()  # a restart: the workers may be reconnecting
+        self._last_lost = self.clock()  # a restart: the workers may be reconnecting
         t = self.config.training
         log.info(
             "listening on %s:%d (at most %d connections)",
@@ -380,7 +238,7 @@ class Coordinator:
             self.port,
             self.max_connections,
         )
-        if self.secret is None and not _is_loopback(self.host):
+        if self.secret is None and not is_loopback(self.host):
             log.warning(
                 "no shared secret: anyone who can reach %s:%d can join and steer "
                 "training; set %s or %s",
@@ -417,8 +275,8 @@ class Coordinator:
         for peer in list(self.peers):
             peer.close_with(goodbye if peer.welcomed else b"")
         self.tell_held()  # their connections are closing: nothing more to wait for
-        deadline = time.monotonic() + LINGER_S + 0.5
-        while self.peers and time.monotonic() < deadline:
+        deadline = self.clock() + LINGER_S + 0.5
+        while self.peers and self.clock() < deadline:
             await asyncio.sleep(0.02)
         for peer in list(self.peers):
             peer.transport.abort()
@@ -428,8 +286,7 @@ class Coordinator:
         await asyncio.get_running_loop().run_in_executor(None, self._disk.shutdown, True)
         if self.tensorboard is not None:
             self.tensorboard.close()
-        for burst in self._unproven.values():  # the last second's counts, unsaid so far
-            burst.flush()
+        self.lines.flush()  # the last second's counts, unsaid so far
         log.info("stopped at step %d", self.state.step)
 
     async def tell_latecomers(self, interrupted: asyncio.Event) -> None:
@@ -438,14 +295,12 @@ class Coordinator:
         listen again. A worker retries at least every worker.retry_max_s, so one that
         lost its connection (or its coordinator: a restart) has come back by then."""
         due = self._last_lost + self.config.worker.retry_max_s + RECONNECT_S
-        left = due - time.monotonic()
+        left = due - self.clock()
         if left <= 0:
             return
         log.info("telling reconnecting workers the run is finished for %.1f s more", left)
-        try:
+        with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(interrupted.wait(), left)
-        except TimeoutError:
-            pass
 
     def _check_finished(self):
         if self.max_steps is not None and self.state.step >= self.max_steps:
@@ -474,7 +329,7 @@ class Coordinator:
         every = min(1.0, k.handshake_timeout_s / 4, k.frame_timeout_s / 4, k.idle_timeout_s / 4)
         while True:
             await asyncio.sleep(every)
-            now = time.monotonic()
+            now = self.clock()
             for peer in list(self.peers):
                 peer.check_deadlines(now)
 
@@ -482,7 +337,7 @@ class Coordinator:
 
     def admit(self, peer: Peer) -> bool:
         if len(self.peers) >= self.max_connections:
-            victim = self._evictable(time.monotonic())
+            victim = self._evictable(self.clock())
             if victim is None:
                 self._over_limit.note(limit=self.max_connections)
                 return False
@@ -510,36 +365,13 @@ class Coordinator:
         return best
 
     def say(self, peer: Peer, level: int, text: str):
-        """Log a line about a peer: as it is for one that proved the secret; for any
-        other (without a secret, everyone: anyone can open connections by the thousand)
-        summarised by kind, at most a line a second of each with a count. The kind is the
-        text with its numbers and quoted bytes blanked, so that a peer's input cannot make
-        kinds without end."""
-        if self.secret is not None and peer.authenticated:
-            log.log(level, "%s %s", peer.name, text)
-            return
-        key = (level, _KIND_DETAILS.sub("#", text))
-        burst = self._unproven.get(key)
-        if burst is None:
-            if len(self._unproven) >= UNPROVEN_KINDS:
-                key, text = (level, "other"), f"{text} (and other reasons)"
-            burst = self._unproven.setdefault(
-                key,
-                _Burst(
-                    log,
-                    "{name} {why} ({n} such from unproven peers since the last such line)",
-                    1.0,
-                    level,
-                    alone="{name} {why}",
-                ),
-            )
-        burst.note(name=peer.name, why=text)
+        self.lines.say(peer, level, text)
 
     def forget(self, peer: Peer):
         """A connection closed: the chunks only it held go back to the queue at once."""
         self.peers.discard(peer)
         if (peer.welcomed or peer.step is not None) and not self.finished.is_set():
-            self._last_lost = time.monotonic()  # a worker, which will reconnect
+            self._last_lost = self.clock()  # a worker, which will reconnect
         self.replicas.lost(peer)
         if peer.step == self.state.step:
             peer.figures.left(self.clock())
@@ -697,7 +529,7 @@ class Coordinator:
             if opcode == JOB_REQUEST:
                 raise ProtocolError("it asks for work again without reading the replies")
         s = self.state
-        peer.asked = time.monotonic()
+        peer.asked = self.clock()
         if self.finished.is_set():
             raise self._refusal(peer, Reason.FINISHED, f"the run reached step {s.step}")
         if (
@@ -731,25 +563,24 @@ class Coordinator:
         """A deggs worker's request that found no work, answered when there is some (or
         WAIT after HOLD_S). Only a worker that holds no chunk is held: its next message
         could be that chunk's RESULT, which is not read while its request waits."""
-        give_up = time.monotonic() + HOLD_S
+        give_up = self.clock() + HOLD_S
         while True:
             news, s = self._news, self.state
             if s.step != req.last_step or self.finished.is_set():
                 reply = self._on_job_request(peer, req)  # the update, or the end
                 return await reply if asyncio.iscoroutine(reply) else reply
-            left = give_up - time.monotonic()
+            left = give_up - self.clock()
             if s.in_progress:  # the oldest chunk out becomes free at its straggler deadline
                 _, waited = s.oldest_out(self.clock())
                 left = min(left, self.config.coordinator.straggler_timeout_s - waited)
-            try:  # at least a millisecond: a deadline that rounds to now must not spin
+            # at least a millisecond: a deadline that rounds to now must not spin
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(news.wait(), max(left, 1e-3))
-            except TimeoutError:
-                pass
             if peer.closing:
                 return b""
             if self.state is s and not self.finished.is_set():
                 job = self._assign(peer)
-                if not job.is_wait or time.monotonic() >= give_up:
+                if not job.is_wait or self.clock() >= give_up:
                     return job.encode()
 
     def tell_held(self):
@@ -780,11 +611,11 @@ class Coordinator:
         fitness = None
         if self.history_dirs:
             fitness = await self.on_disk(
-                _fitness_from_disk,
+                ckpt.fitness_from_disk,
                 self.history_dirs,
                 step,
                 self.config.training.n_pairs,
-                self._seed_of(step + 1),
+                self.seeds.at(step + 1),
             )
         if fitness is None:
             snapshot = self.replicas.newest
@@ -893,17 +724,8 @@ class Coordinator:
         if ev.step != s.step or s.evaluation is not None:
             return
         s.evaluation = ev
-        self._calibration = calibration(self._validation(s)) or self._calibration
-        log.info(
-            "validation at step %d: loss %.4f, %.4f bits/token, %.4f bits/byte (%d windows, "
-            "from %s)",
-            ev.step,
-            ev.sum_loss / (ev.tokens * LOSS_SCALE),
-            ev.nats / ev.tokens / math.log(2),
-            ev.nats / max(ev.text_bytes, 1) / math.log(2),
-            ev.windows,
-            peer.name,
-        )
+        self._calibration = calibration(validation_record(s)) or self._calibration
+        log_validation(ev, peer.name)
 
     def _on_health(self, peer: Peer, report: Health):
         """A model health report of the step in progress, kept for its metrics line (the
@@ -916,32 +738,7 @@ class Coordinator:
         if report.step != s.step or s.health is not None:
             return
         s.health = report
-        by_share = sorted(report.entries, key=lambda e: e.saturation, reverse=True)
-        least = min(report.entries, key=lambda e: e.entropy)
-        log.info(
-            "health at step %d: %d entries, most saturated %s (%.2f%%), lowest entropy %s "
-            "(%.2f bits) (from %s)",
-            report.step,
-            len(report.entries),
-            by_share[0].name,
-            100 * by_share[0].saturation,
-            least.name,
-            least.entropy,
-            peer.name,
-        )
-        limit = self.config.eval.saturation_warning
-        over = [e for e in by_share if e.saturation > limit]
-        if over:
-            named = ", ".join(f"{e.name} {100 * e.saturation:.2f}%" for e in over[:WORST_NAMED])
-            log.warning(
-                "saturation at step %d above eval.saturation_warning = %g%% in %d of %d: %s%s",
-                report.step,
-                100 * limit,
-                len(over),
-                len(report.entries),
-                named,
-                ", ..." if len(over) > WORST_NAMED else "",
-            )
+        log_health(report, self.config.eval.saturation_warning, peer.name)
 
     # --- finishing a step --------------------------------------------------------------
 
@@ -949,7 +746,8 @@ class Coordinator:
         """Make a finished step durable, then move every worker on to the next one."""
         packed = pack_trits(s.fitness())
         digests = self.replicas.sealed(s.step)
-        record = self._metrics(s) | digests
+        record = step_record(self.config, s, self.clock(), self._calibration, self._resumed_at)
+        record |= digests
         step, seed = s.step + 1, next_step_seed(s.seed, s.step + 1)
         if self.save_dir is not None:
             try:
@@ -979,13 +777,13 @@ class Coordinator:
 
     async def _durably(self, fn, *args):
         """fn on the disk thread, retried while it fails with OSError, for disk_retry_s."""
-        deadline = time.monotonic() + self.config.coordinator.disk_retry_s
+        deadline = self.clock() + self.config.coordinator.disk_retry_s
         pause = 0.1
         while True:
             try:
                 return await self.on_disk(fn, *args)
             except OSError as e:
-                left = deadline - time.monotonic()
+                left = deadline - self.clock()
                 if left <= 0:
                     raise
                 log.warning(
@@ -996,503 +794,7 @@ class Coordinator:
                 await asyncio.sleep(min(pause, left))
                 pause = min(pause * 2, 5.0)
 
-    def _seed_of(self, step: int) -> int:
-        """Step `step`'s seed in the chain from training.seed (what its checkpoint holds)."""
-        while len(self.seeds) * SEED_STRIDE <= step:
-            seed, base = self.seeds[-1], (len(self.seeds) - 1) * SEED_STRIDE
-            for s in range(base + 1, base + SEED_STRIDE + 1):
-                seed = next_step_seed(seed, s)
-            self.seeds.append(seed)
-        seed, base = self.seeds[step // SEED_STRIDE], step // SEED_STRIDE * SEED_STRIDE
-        for s in range(base + 1, step + 1):
-            seed = next_step_seed(seed, s)
-        return seed
-
     def _remember(self, step: int, packed: bytes):
         self.history[step] = packed
         while len(self.history) > self.config.coordinator.max_history:
             self.history.popitem(last=False)  # older steps stay on disk
-
-    def _metrics(self, s: StepState) -> dict:
-        t, m = self.config.training, self.config.model
-        now = self.clock()
-        elapsed = max(now - s.started, 1e-9)
-        step_tokens = t.population_size * m.seq_len
-        return {
-            "step": s.step,
-            "tokens": (s.step + 1) * step_tokens,
-            "loss": s.sum_loss / (step_tokens * LOSS_SCALE),
-            "sum_loss": s.sum_loss,
-            "step_time_s": elapsed,
-            "updates_total": s.updates_total,
-            "updates_min": s.updates_min or 0,
-            "updates_max": s.updates_max,
-            "transmissions": s.transmissions,
-            "tokens_per_s": step_tokens / elapsed,
-            "lr": self.config.learning_rate(s.step),
-            "bytes_sent": s.bytes_sent,
-            "bytes_received": s.bytes_received,
-            "time": time.time(),
-            **self._validation(s),
-            **bits_of(s.sum_loss / (step_tokens * LOSS_SCALE), self._calibration),
-            **self._health(s),
-            **({"drifted": s.drifted} if s.drifted else {}),
-            # Its workers reported the update before the restart, to the lost step: its
-            # updates_* say nothing of the weights changed (deggs-plot leaves them out).
-            **({"resumed": True} if s.step == self._resumed_at else {}),
-            "workers": {
-                name: figures.record(now, t.chunk_size * m.seq_len)
-                for name, figures in s.workers.items()
-            },
-        }
-
-    @staticmethod
-    def _validation(s: StepState) -> dict:
-        ev = s.evaluation
-        if ev is None:
-            return {}
-        return {
-            "val_loss": ev.sum_loss / (ev.tokens * LOSS_SCALE),
-            "val_bits_per_token": ev.nats / ev.tokens / math.log(2),
-            "val_bits_per_byte": ev.nats / max(ev.text_bytes, 1) / math.log(2),
-            "val_tokens": ev.tokens,
-        }
-
-    @staticmethod
-    def _health(s: StepState) -> dict:
-        if s.health is None:
-            return {}
-        return {
-            "health": {
-                e.name: {
-                    "mean": e.mean,
-                    "std": e.std,
-                    "saturation": e.saturation,
-                    "entropy": e.entropy,
-                }
-                for e in s.health.entries
-            }
-        }
-
-
-class Peer(asyncio.Protocol):
-    """One connection: frames in, replies out, and the state of its handshake.
-
-    Frames are handled in order. A reply that must come from disk (old history) pauses
-    reading until it is written; so does a peer that leaves more than max_send_buffer
-    bytes of replies unread, which bounds what one connection can make us hold.
-    """
-
-    transport: asyncio.Transport  # set by connection_made, which asyncio calls first
-
-    def __init__(self, coordinator: Coordinator):
-        self.coord = coordinator
-        self.name = "?"
-        self.reader = FrameReader(coordinator.limits)
-        self.queue: deque[tuple[int, bytes]] = deque()
-        self.opened = time.monotonic()
-        self.partial_since: float | None = None  # when the unfinished frame began
-        self.write_paused_since: float | None = None
-        self.busy = False  # waiting for a reply from disk
-        self.closing = False
-        self.got_frame = False
-        self.hello: Hello | None = None
-        self.nonce: bytes | None = None  # our challenge's
-        self.authenticated = False
-        self.channel: Channel | None = None  # every frame tagged, once the secret is proven
-        self.welcomed = False  # a deggs worker that passed the handshake
-        self.asked = self.opened  # when it last asked for work (JOB_REQUEST)
-        self.step: int | None = None  # the step it last asked for a chunk of
-        self.chunks: set[int] = set()  # chunks handed to this connection in that step
-        self.revoked: set[tuple[int, int]] = set()  # (step, chunk) taken back: it drifted
-        self.drifted = False  # its state digest disagreed: it resyncs before more work
-        self._writable = asyncio.Event()  # set while its replies do not pile up
-        self._writable.set()
-        self.figures = WorkerFigures()  # its share of that step; a new one each step
-
-    @property
-    def authorized(self) -> bool:
-        """May this peer ask for work and send results? With a secret: once proven.
-        Without one: anyone, but a deggs worker only after its HELLO was answered."""
-        if self.coord.secret is not None:
-            return self.authenticated
-        return self.hello is None or self.welcomed
-
-    @property
-    def proven(self) -> bool:
-        """Has it shown it is a worker? With a secret: proven it. Without: a deggs worker
-        welcomed, or any peer that asked for work the protocol's way."""
-        if self.coord.secret is not None:
-            return self.authenticated
-        return self.welcomed or self.asked > self.opened
-
-    @property
-    def holding(self) -> bool:
-        """Does it hold a chunk of the step in progress (handed out, no RESULT yet)?"""
-        return self.step == self.coord.state.step and bool(self.figures.holding)
-
-    # --- asyncio.Protocol --------------------------------------------------------------
-
-    def connection_made(self, transport):
-        self.transport = transport
-        self.name = _peer_name(transport)
-        if not self.coord.admit(self):
-            transport.abort()
-            self.closing = True
-            return
-        set_keepalive(transport.get_extra_info("socket"))
-        transport.set_write_buffer_limits(high=self.coord.config.coordinator.max_send_buffer)
-        log.debug("%s connected", self.name)
-
-    def connection_lost(self, exc):
-        if self not in self.coord.peers:  # refused by admit(), or already forgotten
-            return
-        if self.reader.partial and not self.closing:
-            self.coord.say(self, logging.WARNING, "dropping: disconnected mid-frame")
-        elif self.proven:
-            self.coord.say(self, logging.INFO, "disconnected")
-        self.closing = True
-        self.coord.forget(self)
-
-    def data_received(self, data: bytes):
-        if self.closing:
-            return
-        self.coord.state.bytes_received += len(data)
-        try:
-            frames = self.reader.feed(data)
-        except ProtocolError as e:
-            self._close(f"dropping: {e}")
-            return
-        if not self.reader.partial:
-            self.partial_since = None
-        elif frames or self.partial_since is None:
-            self.partial_since = time.monotonic()
-        if frames:
-            self.got_frame = True
-            if self.channel is not None:
-                try:
-                    frames = self.channel.open_all(frames)
-                except ProtocolError as e:
-                    self._close(f"dropping: {e}")
-                    return
-            self.queue.extend(frames)
-            self._process()
-
-    def eof_received(self):
-        return False  # close our side too, once our replies are out
-
-    def pause_writing(self):
-        self.write_paused_since = time.monotonic()
-        self._writable.clear()
-        self.transport.pause_reading()
-
-    def resume_writing(self):
-        self.write_paused_since = None
-        self._writable.set()
-        if not self.busy and not self.closing:
-            self.transport.resume_reading()
-            self._process()
-
-    # --- frames ------------------------------------------------------------------------
-
-    def _process(self):
-        """Handle queued frames until one must wait for the disk or the peer stops reading
-        its replies (pause_writing); send each batch of replies as one write."""
-        limit = self.coord.config.coordinator.max_send_buffer
-        while self.queue and not self.busy and not self.closing and self.write_paused_since is None:
-            out, size = [], 0
-            while self.queue and size < limit and not self.busy:
-                opcode, payload = self.queue.popleft()
-                try:
-                    reply = self.coord.handle(self, opcode, payload)
-                except Drop as drop:
-                    self._write(out)
-                    self._close(f"closing: {drop}", drop.goodbye)
-                    return
-                except ProtocolError as e:
-                    self._write(out)
-                    self._close(f"dropping: {e}")
-                    return
-                except Exception as e:  # a bug of ours: this connection ends, the run goes on
-                    self._write(out)
-                    self._close(f"internal error handling its message: {e!r}", level=logging.ERROR)
-                    return
-                if isinstance(reply, bytes):
-                    out.append(reply)
-                    size += len(reply)
-                elif reply is not None:
-                    self.busy = True
-                    self.transport.pause_reading()
-                    asyncio.ensure_future(reply).add_done_callback(self._reply_ready)
-            self._write(out)
-
-    def _reply_ready(self, future: asyncio.Future):
-        self.busy = False
-        if future.cancelled():
-            return
-        error = future.exception()  # retrieved even when nobody is left to tell
-        if self.closing:
-            return
-        if isinstance(error, Drop):
-            self._close(f"closing: {error}", error.goodbye)
-            return
-        if error is not None:
-            self._close(f"internal error handling its message: {error!r}", level=logging.ERROR)
-            return
-        self._write([future.result()])
-        if self.write_paused_since is None:
-            self.transport.resume_reading()
-        self._process()
-
-    def send_now(self, frame: bytes):
-        """A frame out of turn (a request to the worker, or a streamed snapshot's part)."""
-        self._write([frame])
-
-    async def writable(self):
-        """Until the peer has read enough of what we sent (or its connection closes)."""
-        while not self._writable.is_set() and not self.closing:
-            try:
-                await asyncio.wait_for(self._writable.wait(), 1.0)
-            except TimeoutError:
-                pass
-
-    def _write(self, frames: list[bytes]):
-        if frames and not self.transport.is_closing():
-            if self.channel is not None:
-                frames = [self.channel.seal(f) for f in frames]
-            data = b"".join(frames)
-            self.coord.state.bytes_sent += len(data)
-            self.transport.write(data)
-
-    # --- closing -----------------------------------------------------------------------
-
-    def check_deadlines(self, now: float):
-        k = self.coord.config.coordinator
-        admitted = self.authenticated if self.coord.secret is not None else self.got_frame
-        if not admitted and now - self.opened > k.handshake_timeout_s:
-            self._close(f"closing: no handshake within {k.handshake_timeout_s:g} s")
-        elif self.partial_since is not None and now - self.partial_since > k.frame_timeout_s:
-            self._close(f"closing: a frame still unfinished after {k.frame_timeout_s:g} s")
-        elif (
-            self.write_paused_since is not None
-            and now - self.write_paused_since > k.frame_timeout_s
-        ):
-            self._close(f"closing: it has not read its replies for {k.frame_timeout_s:g} s")
-        elif now - self.asked > k.idle_timeout_s and not self.busy and not self.holding:
-            self._close(f"closing: it has not asked for work for {k.idle_timeout_s:g} s")
-
-    def _close(self, why: str, goodbye: bytes = b"", level: int = logging.WARNING):
-        if self.closing:
-            return
-        self.coord.say(self, level, why)
-        self.close_with(goodbye)
-
-    def evict(self):
-        """Close at once, replies unsent: its descriptor is wanted for a newcomer."""
-        self.closing = True
-        self.queue.clear()
-        self.transport.abort()
-
-    def close_with(self, goodbye: bytes = b""):
-        """Close, letting queued replies and a GOODBYE out for at most LINGER_S.
-
-        After a GOODBYE we half-close and read on (ignoring it) until the peer closes:
-        closing with its unread input (a worker pipelines JOB_REQUEST after HELLO) would
-        reset the connection and could destroy the explanation on its way. A peer that
-        reads nothing at all is cut off when LINGER_S runs out.
-        """
-        if self.closing:
-            return
-        self.closing = True
-        self.queue.clear()
-        transport = self.transport
-        if goodbye and not transport.is_closing():
-            self._write([goodbye])
-            try:
-                if transport.can_write_eof():
-                    transport.write_eof()
-            except OSError:  # the peer is already gone (reset): nothing left to tell it
-                transport.abort()
-                return
-            transport.resume_reading()
-        else:
-            transport.close()
-        asyncio.get_running_loop().call_later(LINGER_S, transport.abort)
-
-
-# Numbers and quoted bytes in a reason: blanked to tell the kind of a failure.
-_KIND_DETAILS = re.compile(r"b?'[^']*'|b?\"[^\"]*\"|\d+(\.\d+)?")
-
-
-class _Burst:
-    """Logs an event the first time, then at most once per `every` seconds with a count,
-    so a flood of refused connections costs a few lines, not one per connection. `alone`,
-    if given, is the line when there is nothing to count (a single event)."""
-
-    def __init__(
-        self,
-        logger: logging.Logger,
-        message: str,
-        every: float = 10.0,
-        level: int = logging.WARNING,
-        alone: str | None = None,
-    ):
-        self.logger, self.message, self.every, self.level = logger, message, every, level
-        self.alone = alone
-        self.last = -float("inf")
-        self.count = 0
-        self.details: dict = {}  # the last event's, for flush()
-
-    def note(self, **details):
-        self.count += 1
-        self.details = details
-        now = time.monotonic()
-        if now - self.last >= self.every:
-            line = self.alone if self.count == 1 and self.alone is not None else self.message
-            self.logger.log(self.level, line.format(n=self.count, **details))
-            self.last, self.count = now, 0
-
-    def flush(self):
-        """Say the events counted since the last line (at the coordinator's stop)."""
-        if self.count:
-            self.logger.log(self.level, self.message.format(n=self.count, **self.details))
-            self.count = 0
-
-
-def _connection_budget(wanted: int) -> int:
-    """max_connections, lowered so that connections never take the descriptors that
-    checkpoint and metrics writes need (the soft limit is raised toward the hard one)."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    need = wanted + FD_RESERVE
-    if soft != resource.RLIM_INFINITY and soft < need:
-        target = need if hard == resource.RLIM_INFINITY else min(need, hard)
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-            soft = target
-        except (ValueError, OSError):
-            pass
-    if soft == resource.RLIM_INFINITY:
-        return wanted
-    budget = max(1, min(wanted, soft - FD_RESERVE))
-    if budget < wanted:
-        log.warning(
-            "coordinator.max_connections lowered from %d to %d: the descriptor limit "
-            "is %d (ulimit -n)",
-            wanted,
-            budget,
-            soft,
-        )
-    return budget
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def calibration(record: dict) -> tuple[float, float] | None:
-    """(bits per unit of integer loss, bits per byte / bits per token) of a validation
-    record (the val_ keys of a metrics line), or None without one.
-
-    The integer loss has no exact conversion to bits: it floors the log-sum-exp to a
-    power of two and counts the logit gap at 1/8 bit a unit, where softmax(logit /
-    exp_scale) counts it at 1 / (exp_scale ln 2). The validation measures both on the
-    same windows, so their ratio puts any integer loss on the validation's scale."""
-    figures = [record.get(k) for k in ("val_loss", "val_bits_per_token", "val_bits_per_byte")]
-    if not all(isinstance(v, int | float) and math.isfinite(v) and v > 0 for v in figures):
-        return None
-    loss, bits, per_byte = (float(v) for v in figures)  # type: ignore[arg-type]
-    return bits / loss, per_byte / bits
-
-
-def bits_of(loss: float, calibration: tuple[float, float] | None) -> dict:
-    """The training loss in bits per token and per byte, on the latest validation's scale."""
-    if calibration is None:
-        return {}
-    per_unit, bytes_ratio = calibration
-    return {"bits_per_token": loss * per_unit, "bits_per_byte": loss * per_unit * bytes_ratio}
-
-
-def format_step_line(r: dict, prev_loss: float | None = None, population: int = 0) -> str:
-    """The human summary of a finished step, after the reference's: the training loss
-    (the mean over the step's perturbed members) and, on a validation step, the
-    validation's (the unperturbed model's) in bits per token when there is a validation
-    to convert it with, else the integer loss alone."""
-    trend = (
-        ""
-        if prev_loss is None
-        else (" v" if r["loss"] < prev_loss else " ^" if r["loss"] > prev_loss else " =")
-    )
-    members = f"mean of {population:,} perturbed members, " if population else ""
-    if "bits_per_token" in r:
-        loss = f"Train: {r['bits_per_token']:.3f} bits/token{trend} ({members}loss {r['loss']:.4f})"
-    else:
-        loss = f"Loss: {r['loss']:.4f}{trend}"
-    if "val_bits_per_token" in r:
-        loss += f" | Val: {r['val_bits_per_token']:.3f} bits/token (unperturbed model)"
-    net = (r["bytes_sent"] + r["bytes_received"]) / r["step_time_s"] / 2**20
-    return (
-        f"Step {r['step']} | Tokens: {_humanize(r['tokens'], 1000, ['', ' K', ' M', ' B'])}"
-        f" | {loss} | Time: {r['step_time_s'] * 1000:.2f} ms"
-        f" | Updates: {r['updates_total']} (n={r['transmissions']}, max={r['updates_max']})"
-        f" | Speed: {r['tokens_per_s']:.2f} tok/s"
-        f" | LR: {r['lr']:.3f} | Net: {net:.2f} MB/s"
-        f" (Tx: {_humanize(r['bytes_sent'], 1024, [' B', ' KB', ' MB', ' GB'])},"
-        f" Rx: {_humanize(r['bytes_received'], 1024, [' B', ' KB', ' MB', ' GB'])})"
-    )
-
-
-def format_workers_line(workers: dict) -> str:
-    """One line on the workers of a finished step, naming at most NAMED_WORKERS: the
-    slowest first, then the most idle of the rest, so that a slow GPU or one starved of
-    work shows however many there are."""
-    by_speed = sorted(workers, key=lambda name: workers[name]["member_tokens_per_s"])
-    slowest = by_speed[: NAMED_WORKERS // 2]
-    most_idle = sorted(by_speed[len(slowest) :], key=lambda name: -workers[name]["idle_s"])
-    named = slowest + most_idle[: NAMED_WORKERS - len(slowest)]
-    parts = [f"Workers {len(workers)}"]
-    for name in named:
-        w = workers[name]
-        speed = _humanize(round(w["member_tokens_per_s"]), 1000, ["", " K", " M", " B"])
-        chunks = f"{w['chunks']} chunk{'' if w['chunks'] == 1 else 's'}"
-        parts.append(f"{name} {chunks} {speed} tok/s idle {w['idle_s']:.2f} s")
-    if len(workers) > len(named):
-        parts.append(f"and {len(workers) - len(named)} more")
-    return " | ".join(parts)
-
-
-def _humanize(n: int, base: int, units: list[str]) -> str:
-    for power in range(len(units) - 1, 0, -1):
-        if n >= base**power:
-            return f"{n / base**power:.2f}{units[power]}"
-    return f"{n}{units[0]}"
-
-
-def _fitness_from_disk(dirs: list[Path], step: int, n_pairs: int, seed: int) -> bytes | None:
-    """Step `step`'s packed fitness from checkpoint step+1 in the first dir that has it
-    whole (its checksum, when recorded, and `seed`, the chain's at step+1, both hold)."""
-    for directory in dirs:
-        path = ckpt.checkpoint_path(directory, step + 1)
-        if path.exists():
-            try:
-                checkpoint = ckpt.read_checkpoint(path, n_pairs)
-                if checkpoint.seed != seed:
-                    raise ckpt.CheckpointError(
-                        f"{path}: seed {checkpoint.seed} is not the chain's {seed}; the file "
-                        "is corrupt or from another run"
-                    )
-                return checkpoint.fitness
-            except ckpt.CheckpointError as e:
-                log.error("cannot serve step %d from disk: %s", step, e)
-    return None
-
-
-def _peer_name(transport: asyncio.BaseTransport) -> str:
-    peer = transport.get_extra_info("peername")
-    if isinstance(peer, tuple) and len(peer) >= 2:
-        return f"{peer[0]}:{peer[1]}"
-    return str(peer)

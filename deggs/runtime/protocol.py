@@ -588,38 +588,6 @@ class SnapshotPart:
         return cls(offset, bytes(payload[cls._FIELDS.size :]))
 
 
-class Assembly:
-    """A snapshot arriving in SNAPSHOT_PARTs: its header's size bounded before anything is
-    held, then every part in order, with nothing missing, overlapping or past the end."""
-
-    def __init__(self, header: SnapshotHeader, bounds: tuple[int, int], who: str):
-        least, most = bounds
-        if not least <= header.size <= most:
-            raise ProtocolError(
-                f"{who} announces a snapshot of {header.size} bytes; this run's are {least}..{most}"
-            )
-        self.header, self.who = header, who
-        self.data = bytearray()
-
-    def add(self, part: SnapshotPart) -> bool:
-        """Take the next part; True once the file is whole."""
-        if part.offset != len(self.data) or not part.data:
-            raise ProtocolError(
-                f"{self.who} sent snapshot bytes at {part.offset}, expected {len(self.data)}"
-            )
-        if len(self.data) + len(part.data) > self.header.size:
-            raise ProtocolError(f"{self.who} sent more snapshot bytes than it announced")
-        self.data += part.data
-        return len(self.data) == self.header.size
-
-
-def snapshot_frames(header: SnapshotHeader, data: bytes):
-    """SNAPSHOT and its SNAPSHOT_PARTs, one encoded frame at a time."""
-    yield header.encode()
-    for offset in range(0, len(data), PART_SIZE):
-        yield SnapshotPart(offset, data[offset : offset + PART_SIZE]).encode()
-
-
 def health_size(entries: int) -> int:
     """The largest HEALTH payload of this many entries."""
     return Health._HEAD.size + entries * (1 + MAX_HEALTH_NAME + Health._FIGURES.size)

@@ -28,7 +28,6 @@ from .digests import DigestBook, Verdict
 from .export import ExportError
 from .protocol import (
     PART_SIZE,
-    Assembly,
     Digest,
     ProtocolError,
     SnapshotHeader,
@@ -61,7 +60,7 @@ class Upload:
     digest: bytes  # the agreed state's
     candidates: list[str]  # reporters of the agreed digest not asked yet
     peer: Peer | None = None  # the one asked now
-    assembly: Assembly | None = None
+    assembly: snapshots.Assembly | None = None
     asked: list[str] = field(default_factory=list)
 
 
@@ -196,7 +195,7 @@ class Replicas:
             return
         if header.digest != upload.digest:
             raise ProtocolError(f"a SNAPSHOT of step {header.step} with another digest")
-        upload.assembly = Assembly(header, snapshots.size_bounds(self.cfg), peer.name)
+        upload.assembly = snapshots.Assembly(header, snapshots.size_bounds(self.cfg), peer.name)
 
     def on_part(self, peer: Peer, part: SnapshotPart):
         upload = self.upload

@@ -41,14 +41,46 @@ from .export import (
     model_from_bytes,
     state_digest,
 )
+from .protocol import PART_SIZE, ProtocolError, SnapshotHeader, SnapshotPart
 
 log = logging.getLogger(__name__)
 
-PART_SIZE = 1 << 20  # bytes of a snapshot a SNAPSHOT_PART frame carries at most
 # The header beyond the tensors: the JSON of ~100 tensor entries and the config, padded.
 # A default model's is ~12 KiB; a 256-layer one's ~300 KiB.
 HEADER_ALLOWANCE = 1 << 20
 _NAME = re.compile(r"snapshot_(\d{8,})\.safetensors")
+
+
+class Assembly:
+    """A snapshot arriving in SNAPSHOT_PARTs: its header's size bounded before anything is
+    held, then every part in order, with nothing missing, overlapping or past the end."""
+
+    def __init__(self, header: SnapshotHeader, bounds: tuple[int, int], who: str):
+        least, most = bounds
+        if not least <= header.size <= most:
+            raise ProtocolError(
+                f"{who} announces a snapshot of {header.size} bytes; this run's are {least}..{most}"
+            )
+        self.header, self.who = header, who
+        self.data = bytearray()
+
+    def add(self, part: SnapshotPart) -> bool:
+        """Take the next part; True once the file is whole."""
+        if part.offset != len(self.data) or not part.data:
+            raise ProtocolError(
+                f"{self.who} sent snapshot bytes at {part.offset}, expected {len(self.data)}"
+            )
+        if len(self.data) + len(part.data) > self.header.size:
+            raise ProtocolError(f"{self.who} sent more snapshot bytes than it announced")
+        self.data += part.data
+        return len(self.data) == self.header.size
+
+
+def snapshot_frames(header: SnapshotHeader, data: bytes):
+    """SNAPSHOT and its SNAPSHOT_PARTs, one encoded frame at a time."""
+    yield header.encode()
+    for offset in range(0, len(data), PART_SIZE):
+        yield SnapshotPart(offset, data[offset : offset + PART_SIZE]).encode()
 
 
 def snapshot_path(directory: str | Path, step: int) -> Path:

@@ -51,8 +51,8 @@ from . import auth, protocol
 from . import snapshot as snapshots
 from .channel import Channel, sealed_limits
 from .export import ExportError, encode_model, load_into, model_of
+from .progress import PROGRESS_EVERY_S, ChunkProgress, duration
 from .protocol import (
-    Assembly,
     Auth,
     Challenge,
     Digest,
@@ -74,13 +74,11 @@ from .protocol import (
     SnapshotRequest,
     printable,
     set_keepalive,
-    snapshot_frames,
 )
 
 WAIT_S = 0.1  # the reference worker's pause after a WAIT
 FIRST_PAUSE_S = 0.5  # the first pause between reconnects; doubles to worker.retry_max_s
 CONNECT_TIMEOUT_S = 10.0
-PROGRESS_EVERY_S = 10.0  # a line this often while a long chunk is scored
 SLOW_CHUNK_S = 300.0  # a chunk estimated to take longer is warned about at start
 # A deggs coordinator answers HELLO at once (the reference, the JOB_REQUEST sent with it):
 # silence this long after connecting is news, and on SILENT_TRIES connections in a row,
@@ -108,36 +106,6 @@ class CoordinatorAway(Exception):
 class Unproven(ProtocolError):
     """With a secret: the peer said something before proving the secret. Believed by
     nobody: the connection failed and the worker retries."""
-
-
-def duration(seconds: float) -> str:
-    if seconds < 120:
-        return f"{seconds:.0f} s"
-    if seconds < 7200:
-        return f"{seconds / 60:.0f} min"
-    return f"{seconds / 3600:.1f} h"
-
-
-class ChunkProgress:
-    """Logs a chunk's progress every `every_s` seconds while it is scored: members done,
-    member-tokens/s and the time left at that speed (called as progress(done, total))."""
-
-    def __init__(self, log, what: str, seq_len: int, every_s=PROGRESS_EVERY_S, clock=None):
-        self.log, self.what, self.seq_len, self.every_s = log, what, seq_len, every_s
-        self.clock = clock or time.monotonic
-        self.started = self.last = self.clock()
-
-    def __call__(self, done: int, total: int):
-        now = self.clock()
-        if done >= total or now - self.last < self.every_s:
-            return  # the chunk's own line follows the last batch
-        self.last = now
-        elapsed = max(now - self.started, 1e-9)
-        self.log(
-            f"[worker] {self.what}: {done:,}/{total:,} members, "
-            f"{done * self.seq_len / elapsed:,.0f} member-tokens/s, "
-            f"about {duration((total - done) * elapsed / done)} left"
-        )
 
 
 @dataclass
@@ -667,7 +635,7 @@ class Worker:
             return
         started = time.perf_counter()
         header = SnapshotHeader(held.step, held.seed, len(held.data), held.digest)
-        for frame in snapshot_frames(header, held.data):
+        for frame in snapshots.snapshot_frames(header, held.data):
             self._send(sock, frame)
         self.log(
             f"[worker] uploaded the snapshot of step {step} ({len(held.data) / 2**20:.1f} MiB, "
@@ -686,7 +654,7 @@ class Worker:
             return
         started = time.perf_counter()
         name = f"the snapshot of step {header.step} from {self.address}"
-        assembly = Assembly(header, snapshots.size_bounds(trainer.cfg), name)
+        assembly = snapshots.Assembly(header, snapshots.size_bounds(trainer.cfg), name)
         while True:
             message = self._receive(sock)
             if not isinstance(message, SnapshotPart):

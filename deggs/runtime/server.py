@@ -1,0 +1,407 @@
+"""The coordinator's connections: one `Peer` per socket, and the limits around them.
+
+A Peer is an asyncio Protocol: it cuts frames from the bytes as they arrive (checking
+each header against the payload limits, and with a secret each frame's tag), hands them
+to the coordinator in order, and writes each batch of replies with one send. It keeps a
+peer to its deadlines (the handshake, each frame, asking for work, reading its replies)
+and closes it with one line when it breaks one. `Burst` summarises lines that a flood of
+connections could otherwise repeat without end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import logging
+import re
+import resource
+import time
+from collections import deque
+from typing import TYPE_CHECKING
+
+from .channel import Channel
+from .protocol import FrameReader, Hello, ProtocolError, set_keepalive
+from .steps import WorkerFigures
+
+if TYPE_CHECKING:
+    from .coordinator import Coordinator
+
+log = logging.getLogger("deggs.runtime.coordinator")  # the coordinator's lines, one logger
+
+FD_RESERVE = 64  # descriptors kept free of connections: checkpoints, metrics, logs
+LINGER_S = 1.0  # how long a GOODBYE waits for the peer to read it before the socket closes
+
+
+class Drop(Exception):
+    """Close this connection, after sending `goodbye` (a frame saying why) if any."""
+
+    def __init__(self, reason: str, goodbye: bytes = b""):
+        super().__init__(reason)
+        self.goodbye = goodbye
+
+
+class Peer(asyncio.Protocol):
+    """One connection: frames in, replies out, and the state of its handshake.
+
+    Frames are handled in order. A reply that must come from disk (old history) pauses
+    reading until it is written; so does a peer that leaves more than max_send_buffer
+    bytes of replies unread, which bounds what one connection can make us hold.
+    """
+
+    transport: asyncio.Transport  # set by connection_made, which asyncio calls first
+
+    def __init__(self, coordinator: Coordinator):
+        self.coord = coordinator
+        self.name = "?"
+        self.reader = FrameReader(coordinator.limits)
+        self.queue: deque[tuple[int, bytes]] = deque()
+        self.opened = self.coord.clock()
+        self.partial_since: float | None = None  # when the unfinished frame began
+        self.write_paused_since: float | None = None
+        self.busy = False  # waiting for a reply from disk
+        self.closing = False
+        self.got_frame = False
+        self.hello: Hello | None = None
+        self.nonce: bytes | None = None  # our challenge's
+        self.authenticated = False
+        self.channel: Channel | None = None  # every frame tagged, once the secret is proven
+        self.welcomed = False  # a deggs worker that passed the handshake
+        self.asked = self.opened  # when it last asked for work (JOB_REQUEST)
+        self.step: int | None = None  # the step it last asked for a chunk of
+        self.chunks: set[int] = set()  # chunks handed to this connection in that step
+        self.revoked: set[tuple[int, int]] = set()  # (step, chunk) taken back: it drifted
+        self.drifted = False  # its state digest disagreed: it resyncs before more work
+        self._writable = asyncio.Event()  # set while its replies do not pile up
+        self._writable.set()
+        self.figures = WorkerFigures()  # its share of that step; a new one each step
+
+    @property
+    def authorized(self) -> bool:
+        """May this peer ask for work and send results? With a secret: once proven.
+        Without one: anyone, but a deggs worker only after its HELLO was answered."""
+        if self.coord.secret is not None:
+            return self.authenticated
+        return self.hello is None or self.welcomed
+
+    @property
+    def proven(self) -> bool:
+        """Has it shown it is a worker? With a secret: proven it. Without: a deggs worker
+        welcomed, or any peer that asked for work the protocol's way."""
+        if self.coord.secret is not None:
+            return self.authenticated
+        return self.welcomed or self.asked > self.opened
+
+    @property
+    def holding(self) -> bool:
+        """Does it hold a chunk of the step in progress (handed out, no RESULT yet)?"""
+        return self.step == self.coord.state.step and bool(self.figures.holding)
+
+    # --- asyncio.Protocol --------------------------------------------------------------
+
+    def connection_made(self, transport):
+        self.transport = transport
+        self.name = _peer_name(transport)
+        if not self.coord.admit(self):
+            transport.abort()
+            self.closing = True
+            return
+        set_keepalive(transport.get_extra_info("socket"))
+        transport.set_write_buffer_limits(high=self.coord.config.coordinator.max_send_buffer)
+        log.debug("%s connected", self.name)
+
+    def connection_lost(self, exc):
+        if self not in self.coord.peers:  # refused by admit(), or already forgotten
+            return
+        if self.reader.partial and not self.closing:
+            self.coord.say(self, logging.WARNING, "dropping: disconnected mid-frame")
+        elif self.proven:
+            self.coord.say(self, logging.INFO, "disconnected")
+        self.closing = True
+        self.coord.forget(self)
+
+    def data_received(self, data: bytes):
+        if self.closing:
+            return
+        self.coord.state.bytes_received += len(data)
+        try:
+            frames = self.reader.feed(data)
+        except ProtocolError as e:
+            self._close(f"dropping: {e}")
+            return
+        if not self.reader.partial:
+            self.partial_since = None
+        elif frames or self.partial_since is None:
+            self.partial_since = self.coord.clock()
+        if frames:
+            self.got_frame = True
+            if self.channel is not None:
+                try:
+                    frames = self.channel.open_all(frames)
+                except ProtocolError as e:
+                    self._close(f"dropping: {e}")
+                    return
+            self.queue.extend(frames)
+            self._process()
+
+    def eof_received(self):
+        return False  # close our side too, once our replies are out
+
+    def pause_writing(self):
+        self.write_paused_since = self.coord.clock()
+        self._writable.clear()
+        self.transport.pause_reading()
+
+    def resume_writing(self):
+        self.write_paused_since = None
+        self._writable.set()
+        if not self.busy and not self.closing:
+            self.transport.resume_reading()
+            self._process()
+
+    # --- frames ------------------------------------------------------------------------
+
+    def _process(self):
+        """Handle queued frames until one must wait for the disk or the peer stops reading
+        its replies (pause_writing); send each batch of replies as one write."""
+        limit = self.coord.config.coordinator.max_send_buffer
+        while self.queue and not self.busy and not self.closing and self.write_paused_since is None:
+            out, size = [], 0
+            while self.queue and size < limit and not self.busy:
+                opcode, payload = self.queue.popleft()
+                try:
+                    reply = self.coord.handle(self, opcode, payload)
+                except Drop as drop:
+                    self._write(out)
+                    self._close(f"closing: {drop}", drop.goodbye)
+                    return
+                except ProtocolError as e:
+                    self._write(out)
+                    self._close(f"dropping: {e}")
+                    return
+                except Exception as e:  # a bug of ours: this connection ends, the run goes on
+                    self._write(out)
+                    self._close(f"internal error handling its message: {e!r}", level=logging.ERROR)
+                    return
+                if isinstance(reply, bytes):
+                    out.append(reply)
+                    size += len(reply)
+                elif reply is not None:
+                    self.busy = True
+                    self.transport.pause_reading()
+                    asyncio.ensure_future(reply).add_done_callback(self._reply_ready)
+            self._write(out)
+
+    def _reply_ready(self, future: asyncio.Future):
+        self.busy = False
+        if future.cancelled():
+            return
+        error = future.exception()  # retrieved even when nobody is left to tell
+        if self.closing:
+            return
+        if isinstance(error, Drop):
+            self._close(f"closing: {error}", error.goodbye)
+            return
+        if error is not None:
+            self._close(f"internal error handling its message: {error!r}", level=logging.ERROR)
+            return
+        self._write([future.result()])
+        if self.write_paused_since is None:
+            self.transport.resume_reading()
+        self._process()
+
+    def send_now(self, frame: bytes):
+        """A frame out of turn (a request to the worker, or a streamed snapshot's part)."""
+        self._write([frame])
+
+    async def writable(self):
+        """Until the peer has read enough of what we sent (or its connection closes)."""
+        while not self._writable.is_set() and not self.closing:
+            try:
+                await asyncio.wait_for(self._writable.wait(), 1.0)
+            except TimeoutError:
+                pass
+
+    def _write(self, frames: list[bytes]):
+        if frames and not self.transport.is_closing():
+            if self.channel is not None:
+                frames = [self.channel.seal(f) for f in frames]
+            data = b"".join(frames)
+            self.coord.state.bytes_sent += len(data)
+            self.transport.write(data)
+
+    # --- closing -----------------------------------------------------------------------
+
+    def check_deadlines(self, now: float):
+        k = self.coord.config.coordinator
+        admitted = self.authenticated if self.coord.secret is not None else self.got_frame
+        if not admitted and now - self.opened > k.handshake_timeout_s:
+            self._close(f"closing: no handshake within {k.handshake_timeout_s:g} s")
+        elif self.partial_since is not None and now - self.partial_since > k.frame_timeout_s:
+            self._close(f"closing: a frame still unfinished after {k.frame_timeout_s:g} s")
+        elif (
+            self.write_paused_since is not None
+            and now - self.write_paused_since > k.frame_timeout_s
+        ):
+            self._close(f"closing: it has not read its replies for {k.frame_timeout_s:g} s")
+        elif now - self.asked > k.idle_timeout_s and not self.busy and not self.holding:
+            self._close(f"closing: it has not asked for work for {k.idle_timeout_s:g} s")
+
+    def _close(self, why: str, goodbye: bytes = b"", level: int = logging.WARNING):
+        if self.closing:
+            return
+        self.coord.say(self, level, why)
+        self.close_with(goodbye)
+
+    def evict(self):
+        """Close at once, replies unsent: its descriptor is wanted for a newcomer."""
+        self.closing = True
+        self.queue.clear()
+        self.transport.abort()
+
+    def close_with(self, goodbye: bytes = b""):
+        """Close, letting queued replies and a GOODBYE out for at most LINGER_S.
+
+        After a GOODBYE we half-close and read on (ignoring it) until the peer closes:
+        closing with its unread input (a worker pipelines JOB_REQUEST after HELLO) would
+        reset the connection and could destroy the explanation on its way. A peer that
+        reads nothing at all is cut off when LINGER_S runs out.
+        """
+        if self.closing:
+            return
+        self.closing = True
+        self.queue.clear()
+        transport = self.transport
+        if goodbye and not transport.is_closing():
+            self._write([goodbye])
+            try:
+                if transport.can_write_eof():
+                    transport.write_eof()
+            except OSError:  # the peer is already gone (reset): nothing left to tell it
+                transport.abort()
+                return
+            transport.resume_reading()
+        else:
+            transport.close()
+        asyncio.get_running_loop().call_later(LINGER_S, transport.abort)
+
+
+# Numbers and quoted bytes in a reason: blanked to tell the kind of a failure.
+KIND_DETAILS = re.compile(r"b?'[^']*'|b?\"[^\"]*\"|\d+(\.\d+)?")
+
+
+class Burst:
+    """Logs an event the first time, then at most once per `every` seconds with a count,
+    so a flood of refused connections costs a few lines, not one per connection. `alone`,
+    if given, is the line when there is nothing to count (a single event)."""
+
+    def __init__(
+        self,
+        logger: logging.Logger,
+        message: str,
+        every: float = 10.0,
+        level: int = logging.WARNING,
+        alone: str | None = None,
+    ):
+        self.logger, self.message, self.every, self.level = logger, message, every, level
+        self.alone = alone
+        self.last = -float("inf")
+        self.count = 0
+        self.details: dict = {}  # the last event's, for flush()
+
+    def note(self, **details):
+        self.count += 1
+        self.details = details
+        now = time.monotonic()  # a rate of log lines: the wall's, not the run's clock
+        if now - self.last >= self.every:
+            line = self.alone if self.count == 1 and self.alone is not None else self.message
+            self.logger.log(self.level, line.format(n=self.count, **details))
+            self.last, self.count = now, 0
+
+    def flush(self):
+        """Say the events counted since the last line (at the coordinator's stop)."""
+        if self.count:
+            self.logger.log(self.level, self.message.format(n=self.count, **self.details))
+            self.count = 0
+
+
+UNPROVEN_KINDS = 64  # kinds of unproven peers' failures summarised apart; the rest as one
+
+
+class PeerLines:
+    """Lines about peers: as they are for one that proved the secret; for any other
+    (without a secret, everyone: anyone can open connections by the thousand) summarised
+    by kind, at most a line a second of each with a count. The kind is the text with its
+    numbers and quoted bytes blanked, so that a peer's input cannot make kinds without
+    end."""
+
+    def __init__(self, secret: bool):
+        self.secret = secret
+        self.bursts: dict[tuple[int, str], Burst] = {}  # by level and kind
+
+    def say(self, peer: Peer, level: int, text: str):
+        if self.secret and peer.authenticated:
+            log.log(level, "%s %s", peer.name, text)
+            return
+        key = (level, KIND_DETAILS.sub("#", text))
+        burst = self.bursts.get(key)
+        if burst is None:
+            if len(self.bursts) >= UNPROVEN_KINDS:
+                key, text = (level, "other"), f"{text} (and other reasons)"
+            burst = self.bursts.setdefault(
+                key,
+                Burst(
+                    log,
+                    "{name} {why} ({n} such from unproven peers since the last such line)",
+                    1.0,
+                    level,
+                    alone="{name} {why}",
+                ),
+            )
+        burst.note(name=peer.name, why=text)
+
+    def flush(self):
+        """Say the counts not said yet (at the coordinator's stop)."""
+        for burst in self.bursts.values():
+            burst.flush()
+
+
+def connection_budget(wanted: int) -> int:
+    """max_connections, lowered so that connections never take the descriptors that
+    checkpoint and metrics writes need (the soft limit is raised toward the hard one)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = wanted + FD_RESERVE
+    if soft != resource.RLIM_INFINITY and soft < need:
+        target = need if hard == resource.RLIM_INFINITY else min(need, hard)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):
+            pass
+    if soft == resource.RLIM_INFINITY:
+        return wanted
+    budget = max(1, min(wanted, soft - FD_RESERVE))
+    if budget < wanted:
+        log.warning(
+            "coordinator.max_connections lowered from %d to %d: the descriptor limit "
+            "is %d (ulimit -n)",
+            wanted,
+            budget,
+            soft,
+        )
+    return budget
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _peer_name(transport: asyncio.BaseTransport) -> str:
+    peer = transport.get_extra_info("peername")
+    if isinstance(peer, tuple) and len(peer) >= 2:
+        return f"{peer[0]}:{peer[1]}"
+    return str(peer)
