@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from .config import Config
-from .runtime.checkpoint import write_atomic
+from .files import write_atomic
 
 META_FILE = "meta.json"
 TRAIN_FILE = "input.bin"

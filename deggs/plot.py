@@ -36,7 +36,7 @@ from typing import Any
 
 import click
 
-from .runtime.checkpoint import read_metrics, write_atomic
+from .files import read_metrics, write_atomic
 
 log = logging.getLogger(__name__)
 

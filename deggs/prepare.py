@@ -49,7 +49,7 @@ from .data import (
     min_tokens,
     write_meta,
 )
-from .runtime.checkpoint import write_atomic
+from .files import write_atomic
 
 CHUNK_BYTES = 1 << 20  # text decoded and encoded at a time
 BATCH_PIECES = 4  # pieces per encode_batch call (the tokenizers library's threads share them)

@@ -26,7 +26,7 @@ import click
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1])]
 
-from deggs.runtime.checkpoint import read_metrics  # noqa: E402
+from deggs.files import read_metrics  # noqa: E402
 
 SKIP = 5  # steps not timed
 

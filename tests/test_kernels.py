@@ -337,7 +337,7 @@ def test_the_exp_table_head_loss_keeps_gives_every_lookup_the_same_entry(softmax
 
 
 def test_the_sm90a_program_is_compiled_once_and_a_damaged_copy_again(tmp_path):
-    from deggs.runtime.checkpoint import file_mode
+    from deggs.files import file_mode
 
     compiles = []
 

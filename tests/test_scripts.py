@@ -427,7 +427,7 @@ def test_a_port_in_use_suggests_port_0(tmp_path):
 @pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o027, 0o640), (0o077, 0o600)])
 def test_atomic_writes_follow_the_umask(tmp_path, umask, mode):
     code = (
-        "import os, sys; from deggs.runtime.checkpoint import write_atomic; "
+        "import os, sys; from deggs.files import write_atomic; "
         f"os.umask({umask}); write_atomic(sys.argv[1], b'x')"
     )
     done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "f")], timeout=60)

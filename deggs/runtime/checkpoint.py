@@ -45,16 +45,13 @@ import logging
 import os
 import re
 import struct
-import tempfile
 import time
 import zlib
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
 
 from ..config import Config, ConfigError
+from ..files import METRICS_FILE, read_metrics, write_atomic
 from ..seeds import next_step_seed
 from ..ternary import check_packed, packed_size
 
@@ -65,7 +62,6 @@ CHECKPOINT_VERSION = 1
 _HEADER = struct.Struct("<IIQQQ")
 _NAME = re.compile(r"checkpoint_(\d{8,})\.bin")
 CONFIG_FILE = "config.json"
-METRICS_FILE = "metrics.jsonl"
 MANIFEST_FILE = "checkpoints.sha256"
 
 
@@ -126,65 +122,6 @@ def decode_checkpoint(data: bytes, name: str, n_pairs: int | None = None) -> Che
         except ValueError as e:
             raise CheckpointError(f"{name}: corrupt fitness: {e}") from None
     return Checkpoint(step, seed, fitness)
-
-
-def current_umask() -> int:
-    """The process's umask, read without changing it where Linux tells it (os.umask can
-    only be read by setting it, which would race with the disk thread's files)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except (OSError, ValueError, IndexError):
-        pass
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
-def file_mode() -> int:
-    """The mode open() gives a new file: 0644 under umask 022."""
-    return 0o666 & ~current_umask()
-
-
-@contextmanager
-def atomic_file(path: str | Path) -> Iterator[BinaryIO]:
-    """A file to write that replaces `path` when the block ends: whole and fsynced, or,
-    on a crash or an error, not at all (and no temporary file is left behind). Its mode
-    follows the umask like any other new file's (mkstemp's own is 0600)."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        os.fchmod(fd, file_mode())
-        with os.fdopen(fd, "wb") as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)  # make the rename itself durable
-
-
-def write_atomic(path: str | Path, data: bytes) -> None:
-    """Replace `path` with `data` so that a crash never leaves a partial file."""
-    with atomic_file(path) as f:
-        f.write(data)
-
-
-def _fsync_dir(directory: Path) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return  # not every platform opens directories
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def save_checkpoint(directory: str | Path, checkpoint: Checkpoint) -> Path:
@@ -310,23 +247,6 @@ def append_metrics(directory: str | Path, record: dict) -> None:
         f.write((b"\n" if torn else b"") + json.dumps(record).encode() + b"\n")
         f.flush()
         os.fsync(f.fileno())
-
-
-def read_metrics(directory: str | Path) -> list[dict]:
-    """The records of metrics.jsonl by step: torn lines skipped, the last record of a step
-    that was run twice (around a crash) kept."""
-    path = Path(directory) / METRICS_FILE
-    if not path.exists():
-        return []
-    by_step = {}
-    for line in path.read_bytes().splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(record, dict) and isinstance(record.get("step"), int):
-            by_step[record["step"]] = record
-    return [by_step[s] for s in sorted(by_step)]
 
 
 def tidy_metrics(directory: str | Path, start_step: int) -> None:

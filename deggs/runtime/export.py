@@ -53,9 +53,10 @@ from typing import TYPE_CHECKING, NamedTuple
 import numpy as np
 
 from ..config import Config, ConfigError
+from ..files import atomic_file
 from ..numerics.params import overlay_shapes, param_shapes
 from ..numerics.state import OptimizerState
-from .checkpoint import atomic_file, list_checkpoints, read_checkpoint, saved_config
+from .checkpoint import list_checkpoints, read_checkpoint, saved_config
 
 if TYPE_CHECKING:  # the numerics need numba; the coordinator reads these files without it
     from ..numerics.es import Trainer

@@ -32,7 +32,8 @@ from pathlib import Path
 import numpy as np
 
 from ..config import Config
-from .checkpoint import atomic_file, forget_checkpoints, list_checkpoints
+from ..files import atomic_file
+from .checkpoint import forget_checkpoints, list_checkpoints
 from .export import (
     MAX_HEADER_BYTES,
     ExportError,

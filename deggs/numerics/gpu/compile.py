@@ -20,7 +20,7 @@ from importlib import resources
 from importlib.resources.abc import Traversable
 from pathlib import Path
 
-from ...runtime.checkpoint import file_mode
+from ...files import file_mode
 from .. import launch
 from .plan import PROGRAMS
 
