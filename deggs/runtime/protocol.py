@@ -73,40 +73,45 @@ PROOF_SIZE = 32  # HMAC-SHA256
 MAX_CONFIG_JSON = 64 * 1024  # a config is ~2 KB; anything near this is not one
 MAX_LOG_TEXT = 64 * 1024  # a generation is a few hundred bytes
 
-JOB_REQUEST = 0
-RESULT = 1
-JOB_RESPONSE = 2
-LOG_MESSAGE = 3
-HELLO = 4
-HELLO_REPLY = 5
-CHALLENGE = 6
-AUTH = 7
-GOODBYE = 8
-EVALUATION = 9  # deggs only: a worker's validation loss
-HEALTH = 10  # deggs only: a worker's weight and activation statistics
-DIGEST = 11  # deggs only: a worker's state digest at a step
-SNAPSHOT_REQUEST = 12  # deggs only: the coordinator asks for a worker's model at a step
-SNAPSHOT = 13  # deggs only: a model file follows in SNAPSHOT_PARTs
-SNAPSHOT_PART = 14
+class Opcode(IntEnum):
+    JOB_REQUEST = 0
+    RESULT = 1
+    JOB_RESPONSE = 2
+    LOG_MESSAGE = 3
+    HELLO = 4
+    HELLO_REPLY = 5
+    CHALLENGE = 6
+    AUTH = 7
+    GOODBYE = 8
+    EVALUATION = 9  # deggs only: a worker's validation loss
+    HEALTH = 10  # deggs only: a worker's weight and activation statistics
+    DIGEST = 11  # deggs only: a worker's state digest at a step
+    SNAPSHOT_REQUEST = 12  # deggs only: the coordinator asks for a worker's model at a step
+    SNAPSHOT = 13  # deggs only: a model file follows in SNAPSHOT_PARTs
+    SNAPSHOT_PART = 14
+
+
+# The opcodes by the names the modules use, and by number for messages about them.
+(
+    JOB_REQUEST,
+    RESULT,
+    JOB_RESPONSE,
+    LOG_MESSAGE,
+    HELLO,
+    HELLO_REPLY,
+    CHALLENGE,
+    AUTH,
+    GOODBYE,
+    EVALUATION,
+    HEALTH,
+    DIGEST,
+    SNAPSHOT_REQUEST,
+    SNAPSHOT,
+    SNAPSHOT_PART,
+) = Opcode
+OPCODE_NAMES = {op.value: op.name for op in Opcode}
 DIGEST_SIZE = 32  # SHA-256 (export.state_digest)
 PART_SIZE = 1 << 20  # a SNAPSHOT_PART's bytes of the file, at most
-OPCODE_NAMES = {
-    JOB_REQUEST: "JOB_REQUEST",
-    RESULT: "RESULT",
-    JOB_RESPONSE: "JOB_RESPONSE",
-    LOG_MESSAGE: "LOG_MESSAGE",
-    HELLO: "HELLO",
-    HELLO_REPLY: "HELLO_REPLY",
-    CHALLENGE: "CHALLENGE",
-    AUTH: "AUTH",
-    GOODBYE: "GOODBYE",
-    EVALUATION: "EVALUATION",
-    HEALTH: "HEALTH",
-    DIGEST: "DIGEST",
-    SNAPSHOT_REQUEST: "SNAPSHOT_REQUEST",
-    SNAPSHOT: "SNAPSHOT",
-    SNAPSHOT_PART: "SNAPSHOT_PART",
-}
 
 _HEADER = struct.Struct(">4sBBI")
 
