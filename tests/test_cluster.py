@@ -236,6 +236,20 @@ def test_two_workers_give_the_one_worker_losses(cluster, baseline):
     assert "using the coordinator's config" in log_of(b)
 
 
+def test_workers_that_ask_ahead_give_the_one_worker_losses(cluster, baseline):
+    """Workers that ask for their next chunk while one is being scored (a GPU worker's
+    way, forced here on the CPU by tests/ahead_worker.py): two chunks out at once, and
+    every step's loss the one-worker run's."""
+    coord = cluster.coordinator(cluster.root / "save", STEPS)
+    runner = [sys.executable, Path(__file__).with_name("ahead_worker.py")]
+    workers = [cluster.worker(coord.port, runner=runner) for _ in range(2)]
+    cluster.finish(coord)
+    assert losses(cluster.root / "save") == first(STEPS, baseline)
+    for worker in workers:
+        assert exit_code(worker) == 0, log_of(worker)
+    assert any("at most 2 chunks started at once" in log_of(w) for w in workers)
+
+
 def test_three_workers_each_get_their_figures(cluster, baseline):
     """Three worker processes, started before their coordinator so that all of them join
     the run at its start: each one's figures reach metrics.jsonl, the chunks they count

@@ -26,6 +26,7 @@ from tiny import tiny_config, toml_of
 
 from deggs.cli import worker_main
 from deggs.runtime import auth
+from deggs.runtime import progress as progress_module
 from deggs.runtime import worker as worker_module
 from deggs.runtime.channel import Channel
 from deggs.runtime.protocol import (
@@ -496,7 +497,7 @@ def test_a_long_chunk_logs_its_progress(data_dir, monkeypatch):
 
 def test_a_slow_chunk_is_warned_about_at_start(data_dir, monkeypatch):
     assert not any("warning" in line for line in make_worker(1, data_dir).lines)
-    monkeypatch.setattr(worker_module, "SLOW_CHUNK_S", 0.0)  # every chunk is slow now
+    monkeypatch.setattr(progress_module, "SLOW_CHUNK_S", 0.0)  # every chunk is slow now
     warnings = [line for line in make_worker(1, data_dir).lines if "warning" in line]
     assert len(warnings) == 1
     assert warnings[0].startswith("[worker] warning: a chunk of 16 members will take this CPU")

@@ -129,6 +129,19 @@ class Trainer:
         losses = self.backend.losses(data, self.step, self.seed, members, progress)
         return chunk_result(self.cfg, chunk, losses)
 
+    def start_chunk(self, data: np.ndarray, chunk: int) -> Callable[[], ChunkResult]:
+        """Start scoring a chunk (Backend.start_losses); returns the function that waits for
+        its result. A GPU scores it while the caller does something else (a worker asks for
+        its next chunk); call the function in any case, as start_losses says."""
+        wait = self.backend.start_losses(data, self.step, self.seed, chunk_members(self.cfg, chunk))
+        return lambda: chunk_result(self.cfg, chunk, wait())
+
+    @property
+    def asynchronous(self) -> bool:
+        """Does start_chunk return before the chunk is scored (a GPU), so that other work
+        overlaps it? The CPU backend scores inside it."""
+        return self.backend.name != "cpu"
+
     def score_population(self, data: np.ndarray) -> list[ChunkResult]:
         """Every chunk of the step, in order (what all workers together compute). Each
         chunk is started before the one ahead of it is collected, so that a GPU scores

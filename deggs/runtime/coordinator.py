@@ -646,8 +646,8 @@ class Coordinator:
         if s.pending:
             chunk = s.pending.popleft()
         elif s.in_progress:
-            chunk, waited = s.oldest_out(now)
-            if waited < self.config.coordinator.straggler_timeout_s:
+            chunk, waited = s.oldest_out(now)  # (never to the worker that holds it)
+            if waited < self.config.coordinator.straggler_timeout_s or chunk in peer.chunks:
                 return JobResponse(s.seed, s.step, WAIT)
             log.info("re-assigning chunk %d after %.1f s", chunk, waited)
         else:  # every chunk is in: the step is being sealed

@@ -35,3 +35,24 @@ class ChunkProgress:
             f"{done * self.seq_len / elapsed:,.0f} member-tokens/s, "
             f"about {duration((total - done) * elapsed / done)} left"
         )
+
+
+SLOW_CHUNK_S = 300.0  # a chunk estimated to take longer is warned about at start
+
+
+def warn_if_slow(log, trainer, data) -> None:
+    """Warn when a chunk will take this CPU longer than SLOW_CHUNK_S: a config sized for
+    a GPU leaves a CPU worker silent for a long time otherwise (Trainer.chunk_estimate_s
+    times one round of the backend's threads)."""
+    estimate = trainer.chunk_estimate_s(data)
+    if estimate is None:
+        return
+    seconds, probed = estimate
+    c = trainer.cfg.training.chunk_size
+    if seconds > SLOW_CHUNK_S:
+        log(
+            f"[worker] warning: a chunk of {c:,} members will take this CPU about "
+            f"{duration(seconds)} (an estimate from timing {probed} members): this "
+            "config is sized for a GPU (--backend gpu on one), or make training.chunk_size "
+            f"or the model smaller; progress is logged every {PROGRESS_EVERY_S:g} s"
+        )

@@ -73,6 +73,7 @@ PROOF_SIZE = 32  # HMAC-SHA256
 MAX_CONFIG_JSON = 64 * 1024  # a config is ~2 KB; anything near this is not one
 MAX_LOG_TEXT = 64 * 1024  # a generation is a few hundred bytes
 
+
 class Opcode(IntEnum):
     JOB_REQUEST = 0
     RESULT = 1

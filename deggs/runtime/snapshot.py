@@ -28,6 +28,7 @@ import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -38,11 +39,17 @@ from .export import (
     MAX_HEADER_BYTES,
     ExportError,
     Model,
+    encode_model,
     expected_tensors,
+    load_into,
     model_from_bytes,
+    model_of,
     state_digest,
 )
-from .protocol import PART_SIZE, ProtocolError, SnapshotHeader, SnapshotPart
+from .protocol import DIGEST_SIZE, PART_SIZE, Digest, ProtocolError, SnapshotHeader, SnapshotPart
+
+if TYPE_CHECKING:  # numba's: a coordinator reads snapshots without it
+    from ..numerics.es import Trainer
 
 log = logging.getLogger(__name__)
 
@@ -230,3 +237,52 @@ def prune(directory: str | Path, keep: int, history: bool) -> list[Path]:
     if gone:
         log.info("pruned %d file(s) from %s", len(gone), directory)
     return gone
+
+
+class Keeper:
+    """A worker's side of digests and snapshots: the digest it owes the coordinator (one
+    a digest step, sent with its next request) and its model kept at the last snapshot
+    step, until the coordinator asks for it or the next snapshot step comes."""
+
+    def __init__(self) -> None:
+        self.schedule: Config | None = None  # the coordinator's config: when they are due
+        self._owed = b""  # a DIGEST frame
+        self.reported = -1  # the last step whose digest was owed (once a step)
+        self.held: Snapshot | None = None
+
+    def reached(self, trainer: Trainer, loaded: Snapshot | None = None):
+        """The trainer's model reached its step (`loaded`: from that snapshot)."""
+        cfg, step = self.schedule, trainer.step
+        if cfg is None or not digest_due(cfg, step) or step == self.reported:
+            return
+        keep = snapshot_due(cfg, step)
+        if loaded is None:
+            model = model_of(trainer)  # host copies of the device's arrays on a GPU
+            loaded = Snapshot.of(model, encode_model(model) if keep else b"")
+        if keep:
+            self.held = loaded
+        self._owed = Digest(step, loaded.digest).encode()
+        self.reported = step
+
+    def owed(self) -> bytes:
+        owed, self._owed = self._owed, b""
+        return owed
+
+    def upload(self, step: int) -> list[bytes]:
+        """The frames answering SNAPSHOT_REQUEST(step): the file, or "not held"."""
+        held = self.held
+        if held is None or held.step != step or not held.data:
+            return [SnapshotHeader(step, 0, 0, bytes(DIGEST_SIZE)).encode()]
+        header = SnapshotHeader(held.step, held.seed, len(held.data), held.digest)
+        return list(snapshot_frames(header, held.data))
+
+    def load(self, trainer: Trainer, header: SnapshotHeader, data: bytes, name: str):
+        """Check a downloaded snapshot against its header and put it into the trainer."""
+        model = check(data, trainer.cfg, name, header.step, header.digest)
+        load_into(trainer, model)
+        self.reported = -1
+        self.reached(trainer, Snapshot(model.step, model.seed, header.digest, data))
+
+    def restart(self, trainer: Trainer):
+        trainer.restart()
+        self.reported = -1  # its digests are due again on the way back

@@ -37,6 +37,8 @@ from __future__ import annotations
 
 import socket
 import time
+from collections import deque
+from collections.abc import Callable
 from dataclasses import astuple, dataclass
 from pathlib import Path
 
@@ -45,17 +47,16 @@ import numpy as np
 from ..config import Config, ConfigError, WorkerConfig
 from ..data import DataError, check_meta, detokenize, load_decoding, load_tokens
 from ..numerics.backend import BackendError, make_backend
-from ..numerics.es import Trainer, evaluate, validation_windows
+from ..numerics.es import ChunkResult, Trainer, evaluate, validation_windows
 from ..ternary import packed_size, unpack_trits
 from . import auth, protocol
 from . import snapshot as snapshots
 from .channel import Channel, sealed_limits
-from .export import ExportError, encode_model, load_into, model_of
-from .progress import PROGRESS_EVERY_S, ChunkProgress, duration
+from .export import ExportError
+from .progress import ChunkProgress, warn_if_slow
 from .protocol import (
     Auth,
     Challenge,
-    Digest,
     Evaluation,
     Goodbye,
     Health,
@@ -79,7 +80,6 @@ from .protocol import (
 WAIT_S = 0.1  # the reference worker's pause after a WAIT
 FIRST_PAUSE_S = 0.5  # the first pause between reconnects; doubles to worker.retry_max_s
 CONNECT_TIMEOUT_S = 10.0
-SLOW_CHUNK_S = 300.0  # a chunk estimated to take longer is warned about at start
 # A deggs coordinator answers HELLO at once (the reference, the JOB_REQUEST sent with it):
 # silence this long after connecting is news, and on SILENT_TRIES connections in a row,
 # something else listens there (an HTTP server waiting for its request, say).
@@ -106,6 +106,16 @@ class CoordinatorAway(Exception):
 class Unproven(ProtocolError):
     """With a secret: the peer said something before proving the secret. Believed by
     nobody: the connection failed and the worker retries."""
+
+
+@dataclass
+class Started:
+    """A chunk started on the device (Trainer.start_chunk), not yet collected."""
+
+    response: JobResponse
+    chunk: int
+    wait: Callable[[], ChunkResult]
+    since: float  # perf_counter at its start
 
 
 @dataclass
@@ -152,12 +162,7 @@ class Worker:
         self._windows: np.ndarray | None = None  # validation windows, once loaded
         self._pause = FIRST_PAUSE_S  # before the next reconnect
         self._heard = False  # has this connection delivered a frame yet?
-        # The coordinator's config: its [coordinator] table says when digests and
-        # snapshots are due (ours may differ there, outside the fingerprint).
-        self.schedule: Config | None = None
-        self._digest = b""  # a DIGEST frame to send with the next request
-        self._reported = -1  # the last step whose digest we reported (once a step)
-        self.held: snapshots.Snapshot | None = None  # our model at the last snapshot step
+        self.keeper = snapshots.Keeper()  # digests owed and the model kept for a snapshot
         self._silent = 0  # connections in a row that answered nothing
         self.scoring = False  # inside a chunk's member losses (a stop waits for the batch)
         self.stop_requested: str | None = None  # why we were asked to stop
@@ -190,22 +195,7 @@ class Worker:
         self._warn_if_slow(self.training)
 
     def _warn_if_slow(self, training: Training):
-        """Warn when a chunk will take this CPU longer than SLOW_CHUNK_S: a config sized
-        for a GPU leaves a CPU worker silent for a long time otherwise. The estimate times
-        one round of the backend's threads, after a pair that loads numba's compiled code."""
-        trainer = training.trainer
-        estimate = trainer.chunk_estimate_s(training.tokens)
-        if estimate is None:
-            return
-        seconds, probed = estimate
-        c = trainer.cfg.training.chunk_size
-        if seconds > SLOW_CHUNK_S:
-            self.log(
-                f"[worker] warning: a chunk of {c:,} members will take this CPU about "
-                f"{duration(seconds)} (an estimate from timing {probed} members): this "
-                "config is sized for a GPU (--backend gpu on one), or make training.chunk_size "
-                f"or the model smaller; progress is logged every {PROGRESS_EVERY_S:g} s"
-            )
+        warn_if_slow(self.log, training.trainer, training.tokens)
 
     def stop(self, why: str) -> None:
         """Asked to stop (a signal handler calls this): StopWorker now, or, while a chunk
@@ -313,7 +303,12 @@ class Worker:
     # --- one connection ----------------------------------------------------------------
 
     def _serve(self, sock: socket.socket, max_steps: int | None):
-        """Handshake, then request and do jobs until max_steps (or an exception)."""
+        """Handshake, then request and do jobs until max_steps (or an exception).
+
+        Against a deggs coordinator a GPU worker asks for its next chunk as soon as it has
+        started one, so that the round trip and the coordinator's answer overlap the GPU's
+        work: at most two chunks are out, the older one being scored, the newer queued
+        behind it on the device."""
         self._heard = False
         self.deggs_coordinator = False
         self.channel = None
@@ -321,22 +316,39 @@ class Worker:
         job = self._handshake(sock, pipelined)
         # A pipelined JOB_REQUEST is answered after the HELLO_REPLY: do not ask twice.
         asked = pipelined and job is None
-        result = b""  # a chunk's RESULT, sent with the next request in one write
-        while not self._reached(max_steps):
-            if job is None:
-                if not asked:
-                    self._ask(sock, result)
-                    result = b""
-                asked = False
-                job = self._next_job(sock)
-            result = self._do_job(sock, job)
-            job = None
-        if result:
-            self._send(sock, result)
+        results: list[bytes] = []  # RESULTs, sent with the next request in one write
+        started: deque[Started] = deque()  # chunks on the device, oldest first
+        try:
+            while not self._reached(max_steps):
+                if job is None:
+                    if not asked:
+                        self._ask(sock, *results)
+                        results = []
+                    asked = False
+                    job = self._next_job(sock)
+                kind = self._classify(job)
+                if kind == "chunk" and self._prefetching():
+                    started.append(self._start_chunk(sock, job))
+                    job = None
+                    if len(started) < 2:
+                        continue  # ask for the next one while this one is scored
+                elif kind == "wait" and started:
+                    job = None  # no more chunks now: finish ours, then ask again
+                else:
+                    results.append(self._do_job(sock, job))
+                    job = None
+                    continue
+                results.append(self._finish_chunk(started.popleft()))
+            while started:
+                results.append(self._finish_chunk(started.popleft()))
+        finally:
+            for chunk in started:  # a chunk's copy still in flight is waited for
+                chunk.wait()
+        if any(results):
+            self._send(sock, *results)
 
     def _ask(self, sock: socket.socket, *before: bytes):
-        digest, self._digest = self._digest, b""
-        self._send(sock, *before, digest, JobRequest(self.seed, self.step).encode())
+        self._send(sock, *before, self.keeper.owed(), JobRequest(self.seed, self.step).encode())
         self._asked_at = time.monotonic()
 
     def _handshake(self, sock: socket.socket, pipelined: bool) -> JobResponse | None:
@@ -424,7 +436,7 @@ class Worker:
         elif theirs.fingerprint() != self.cfg.fingerprint():
             diff = "; ".join(self.cfg.differences(theirs))
             raise WorkerError(f"the coordinator's config differs from ours: {diff}")
-        self.schedule = theirs
+        self.keeper.schedule = theirs  # its [coordinator] table says when digests are due
 
     def _send(self, sock: socket.socket, *frames: bytes):
         # The last read may have left a short timeout on the socket: sending has its own.
@@ -602,54 +614,28 @@ class Worker:
         )
         self._reached_step()
 
-    # --- digests and snapshots -----------------------------------------------------------
+    # --- digests and snapshots (snapshot.Keeper keeps them) ---------------------------
 
-    def _reached_step(self, snapshot: snapshots.Snapshot | None = None):
-        """Our model has reached a step: owe its digest when one is due (once a step), and
-        keep a copy at a snapshot step. `snapshot`: the model was just loaded from it."""
-        cfg, training = self.schedule, self.training
-        if cfg is None or training is None or not self.deggs_coordinator:
-            return
-        step = training.trainer.step
-        if not snapshots.digest_due(cfg, step) or step == self._reported:
-            return
-        if snapshot is None:
-            snapshot = self._snapshot_of(training, keep=snapshots.snapshot_due(cfg, step))
-        if snapshots.snapshot_due(cfg, step):
-            self.held = snapshot
-        self._digest = Digest(step, snapshot.digest).encode()
-        self._reported = step
-
-    def _snapshot_of(self, training: Training, keep: bool) -> snapshots.Snapshot:
-        """Our model's digest, and its file's bytes when `keep` (else none)."""
-        model = model_of(training.trainer)  # host copies of the device's arrays on a GPU
-        data = encode_model(model) if keep else b""
-        return snapshots.Snapshot.of(model, data)
+    def _reached_step(self):
+        """Our model reached a step: owe its digest (and keep it) where one is due."""
+        if self.training is not None and self.deggs_coordinator:
+            self.keeper.reached(self.training.trainer)
 
     def _upload(self, sock: socket.socket, step: int):
         """The coordinator asks for our model at `step`: send it if we still hold it."""
-        held = self.held
-        if held is None or held.step != step or not held.data:
-            self.log(f"[worker] asked for the snapshot of step {step}, which we do not hold")
-            self._send(sock, SnapshotHeader(step, 0, 0, bytes(protocol.DIGEST_SIZE)).encode())
-            return
         started = time.perf_counter()
-        header = SnapshotHeader(held.step, held.seed, len(held.data), held.digest)
-        for frame in snapshots.snapshot_frames(header, held.data):
+        frames = self.keeper.upload(step)
+        for frame in frames:
             self._send(sock, frame)
-        self.log(
-            f"[worker] uploaded the snapshot of step {step} ({len(held.data) / 2**20:.1f} MiB, "
-            f"{time.perf_counter() - started:.2f} s)"
-        )
+        what = "uploaded the snapshot" if len(frames) > 1 else "was asked for the snapshot"
+        self.log(f"[worker] {what} of step {step} ({time.perf_counter() - started:.2f} s)")
 
     def _download(self, sock: socket.socket, header: SnapshotHeader):
         """Load the snapshot the coordinator sends instead of a catch-up step (or the
         initial weights, for step 0 and no bytes)."""
-        training = self._ready()
-        trainer = training.trainer
+        trainer = self._ready().trainer
         if header.step == 0 and header.size == 0:
-            trainer.restart()
-            self._reported = -1  # its digests are due again on the way back
+            self.keeper.restart(trainer)
             self.log("[worker] starting over from the initial weights, as the coordinator asks")
             return
         started = time.perf_counter()
@@ -661,27 +647,39 @@ class Worker:
                 raise ProtocolError(f"a {type(message).__name__} inside {name}")
             if assembly.add(message):
                 break
-        data = bytes(assembly.data)
         try:
-            model = snapshots.check(data, trainer.cfg, name, header.step, header.digest)
+            self.keeper.load(trainer, header, bytes(assembly.data), name)
         except ExportError as e:
             raise ProtocolError(str(e)) from None
-        load_into(trainer, model)
-        self._reported = -1
-        self._reached_step(snapshots.Snapshot(model.step, model.seed, header.digest, data))
         self.log(
-            f"[worker] loaded the snapshot of step {header.step} ({len(data) / 2**20:.1f} MiB "
+            f"[worker] loaded the snapshot of step {header.step} ({header.size / 2**20:.1f} MiB "
             f"in {time.perf_counter() - started:.2f} s)"
         )
 
-    def _run_chunk(self, sock: socket.socket, response: JobResponse) -> bytes:
+    def _prefetching(self) -> bool:
+        """Ask for the next chunk before this one is scored? Against a deggs coordinator,
+        which gives a worker that holds a chunk another one or WAIT at once, and on a
+        backend that scores asynchronously (on a CPU it would only hold a chunk back)."""
         training = self._ready()
+        return self.deggs_coordinator and training.trainer.asynchronous
+
+    def _start_chunk(self, sock: socket.socket, response: JobResponse) -> Started:
+        """What is due at the chunk first (_due), then the chunk started on the device."""
+        self._stop_if_asked()
+        training = self._ready()
+        chunk = response.data_position // training.trainer.cfg.training.chunk_size
+        self._due(sock, training, chunk)
+        wait = training.trainer.start_chunk(training.tokens, chunk)
+        return Started(response, chunk, wait, time.perf_counter())
+
+    def _finish_chunk(self, chunk: Started) -> bytes:
+        """Wait for a started chunk; its RESULT frame."""
+        return self._result(chunk.response, chunk.wait(), chunk.since)
+
+    def _due(self, sock: socket.socket, training: Training, chunk: int):
+        """The first chunk of a step brings what is due at it (an interval of 0: never)."""
         trainer = training.trainer
         cfg = trainer.cfg
-        c = cfg.training.chunk_size
-        start = response.data_position
-        chunk = start // c
-        # The first chunk of a step brings what is due at it (an interval of 0: never).
         due = lambda every: chunk == 0 and every > 0 and trainer.step % every == 0
         if due(cfg.sampling.every_steps):
             self._send(sock, LogMessage(self.generation_text()).encode())
@@ -689,6 +687,36 @@ class Worker:
             self._send_validation(sock, training)
         if due(cfg.eval.health_every_steps) and self.deggs_coordinator:
             self._send_health(sock, trainer)
+
+    def _result(self, response: JobResponse, result: ChunkResult, since: float) -> bytes:
+        """A scored chunk's RESULT frame, and its line in the log."""
+        trainer = self._ready().trainer
+        cfg = trainer.cfg
+        frame = Result(
+            trainer.seed,
+            trainer.step,
+            response.data_position,
+            self.last_updates,
+            result.sum_loss,
+            result.packed,
+        ).encode()
+        self.last_updates = 0  # counted once, with the first chunk after the update
+        self.chunks_done += 1
+        seconds = time.perf_counter() - since
+        self.log(
+            f"[worker] step {trainer.step} chunk {result.chunk}: {seconds:.2f} s, "
+            f"{cfg.training.chunk_size * cfg.model.seq_len / seconds:,.0f} member-tokens/s"
+        )
+        return frame
+
+    def _run_chunk(self, sock: socket.socket, response: JobResponse) -> bytes:
+        """Score a chunk here and now, stopping between its batches when asked; its
+        RESULT frame."""
+        training = self._ready()
+        trainer = training.trainer
+        cfg = trainer.cfg
+        chunk = response.data_position // cfg.training.chunk_size
+        self._due(sock, training, chunk)
         started = time.perf_counter()
         progress = ChunkProgress(self.log, f"step {trainer.step} chunk {chunk}", cfg.model.seq_len)
 
@@ -702,17 +730,7 @@ class Worker:
             result = trainer.score_chunk(training.tokens, chunk, between_batches)
         finally:
             self.scoring = False
-        frame = Result(
-            trainer.seed, trainer.step, start, self.last_updates, result.sum_loss, result.packed
-        ).encode()
-        self.last_updates = 0  # counted once, with the first chunk after the update
-        self.chunks_done += 1
-        seconds = time.perf_counter() - started
-        self.log(
-            f"[worker] step {trainer.step} chunk {chunk}: {seconds:.2f} s, "
-            f"{c * cfg.model.seq_len / seconds:,.0f} member-tokens/s"
-        )
-        return frame
+        return self._result(response, result, started)
 
     def _validation_windows(self, cfg: Config) -> np.ndarray:
         """The eval.windows windows of val.bin beside input.bin (none without one)."""
