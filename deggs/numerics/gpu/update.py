@@ -110,6 +110,22 @@ class DeviceOptimizer(Protocol):
         ...
 
 
+def _slice_args(param: DeviceParam, vote, changes: Changes) -> dict:
+    """What every optimizer kernel takes: the slice's weights and vote, its learning rate,
+    and where the weights it changes are counted."""
+    return dict(
+        w=param.w,
+        vote=vote,
+        n=param.n,
+        inner=param.inner,
+        lr_buf=param.lr,
+        lr_index=param.lr_index,
+        row_counts=changes.rows,
+        col_counts=changes.cols,
+        changes=changes.total,
+    )
+
+
 class AdamWDevice:
     """optimizer.AdamW on the device (optimizer.cu's adamw_step)."""
 
@@ -122,18 +138,10 @@ class AdamWDevice:
             "adamw_step",
             ((param.n + 255) // 256,),
             (256,),
-            w=param.w,
+            **_slice_args(param, vote, changes),
             m=param.m,
             v=param.v,
             acc=param.acc,
-            vote=vote,
-            n=param.n,
-            inner=param.inner,
-            lr_buf=param.lr,
-            lr_index=param.lr_index,
-            row_counts=changes.rows,
-            col_counts=changes.cols,
-            changes=changes.total,
             b1=f(o.beta1),
             omb1=f(1) - f(o.beta1),
             b2=f(o.beta2),
@@ -155,16 +163,8 @@ class SgdDevice:
             "sgd_step",
             ((param.n + 255) // 256,),
             (256,),
-            w=param.w,
+            **_slice_args(param, vote, changes),
             acc=param.acc,
-            vote=vote,
-            n=param.n,
-            inner=param.inner,
-            lr_buf=param.lr,
-            lr_index=param.lr_index,
-            row_counts=changes.rows,
-            col_counts=changes.cols,
-            changes=changes.total,
             wd=f(o.weight_decay),
             sgd_scale=f(o.sgd_vote_scale),
         )
