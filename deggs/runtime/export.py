@@ -192,16 +192,16 @@ def encode_model(model: Model) -> bytes:
 
 def save_model(
     path: str | Path,
-    trainer: Trainer | Model,
+    trainer: Trainer,
     progress: Callable[[int, int], None] | None = None,
     files: dict[str, bytes] | None = None,
 ) -> Path:
-    """Write the trainer's model (or a Model) to `path` atomically; returns the path.
+    """Write the trainer's model to `path` atomically; returns the path.
 
     progress(bytes written, bytes in all) is called after the header and each tensor.
     files: the training data's DATA_FILES to carry, by name (their bytes)."""
     path = Path(path)
-    model = trainer if isinstance(trainer, Model) else model_of(trainer)
+    model = model_of(trainer)
     if files:
         model = model._replace(files=dict(files))
     head, arrays = _layout(model, str(path))
@@ -373,7 +373,7 @@ def load_model(path: str | Path) -> Model:
     name = str(path)
     try:
         with open(path, "rb") as f:
-            return _read_model(f, name, os.fstat(f.fileno()).st_size)
+            return _read_model(f, name, os.fstat(f.fileno()).st_size)[0]
     except OSError as e:
         raise ExportError(f"{name}: cannot read: {e.strerror or e}") from None
 
@@ -381,10 +381,18 @@ def load_model(path: str | Path) -> Model:
 def model_from_bytes(data: bytes, name: str) -> Model:
     """A model file's bytes (an uploaded or downloaded snapshot), validated as load_model
     validates a file; `name` says where they came from in errors."""
-    return _read_model(io.BytesIO(data), name, len(data))
+    return model_and_digest(data, name)[0]
 
 
-def _read_model(f: io.BufferedIOBase, name: str, size: int) -> Model:
+def model_and_digest(data: bytes, name: str) -> tuple[Model, bytes]:
+    """model_from_bytes, and the model's state digest: the one the file records (checked
+    against its tensors when read), else computed; either way hashed once."""
+    model, recorded = _read_model(io.BytesIO(data), name, len(data))
+    return model, recorded if recorded is not None else state_digest(model)
+
+
+def _read_model(f: io.BufferedIOBase, name: str, size: int) -> tuple[Model, bytes | None]:
+    """The model, and the digest its metadata records (checked), if it records one."""
     header, start = _read_header(f, name, size)
     cfg, step, seed, digest = _read_metadata(header, name)
     spans, expected = _check_entries(header, expected_tensors(cfg), name, size - start)
@@ -412,7 +420,7 @@ def _read_model(f: io.BufferedIOBase, name: str, size: int) -> Model:
         raise ExportError(
             f"{name}: the tensors' digest is not the one the file records: a corrupt or edited file"
         )
-    return model
+    return model, digest
 
 
 # --- training and replaying from an export ---------------------------------------------

@@ -79,6 +79,9 @@ class Replicas:
         """Find the newest good snapshot at or before `at_most` (a resumed run's step);
         runs on the disk thread at start."""
         for directory in directories:
+            steps = [step for step in snapshots.list_snapshots(directory) if step <= at_most]
+            if not steps or (self.newest is not None and max(steps) <= self.newest.step):
+                continue  # nothing newer here (a resumed run's save dir holds load-dir copies)
             newest = snapshots.newest_valid(directory, self.cfg, at_most)
             found = newest[1] if newest is not None else None
             if found is not None and (self.newest is None or found.step > self.newest.step):

@@ -42,7 +42,7 @@ from .export import (
     encode_model,
     expected_tensors,
     load_into,
-    model_from_bytes,
+    model_and_digest,
     model_of,
     state_digest,
 )
@@ -150,18 +150,24 @@ class Snapshot:
         return cls(model.step, model.seed, state_digest(model), data)
 
 
-def check(data: bytes, cfg: Config, name: str, step: int, digest: bytes) -> Model:
-    """The model in a snapshot's bytes, refused (ExportError) unless it is a valid model
-    file of this config's run at `step` whose tensors have `digest`."""
-    model = model_from_bytes(data, name)
+def _read_checked(data: bytes, cfg: Config, name: str, step: int | None) -> tuple[Model, bytes]:
+    """The model in a snapshot's bytes and its state digest, refused (ExportError) unless
+    it is a valid model file of this config's run (at `step`, when one is expected)."""
+    model, digest = model_and_digest(data, name)
     if model.cfg.fingerprint() != cfg.fingerprint():
         raise ExportError(
             f"{name}: a model of another config (fingerprint {model.cfg.fingerprint().hex()}, "
             f"the run's {cfg.fingerprint().hex()})"
         )
-    if model.step != step:
+    if step is not None and model.step != step:
         raise ExportError(f"{name}: a model of step {model.step}, announced as step {step}")
-    actual = state_digest(model)
+    return model, digest
+
+
+def check(data: bytes, cfg: Config, name: str, step: int, digest: bytes) -> Model:
+    """The model in a snapshot's bytes, refused (ExportError) unless it is a valid model
+    file of this config's run at `step` whose tensors have `digest`."""
+    model, actual = _read_checked(data, cfg, name, step)
     if actual != digest:
         raise ExportError(
             f"{name}: state digest {actual.hex()[:16]} is not the announced {digest.hex()[:16]}"
@@ -178,19 +184,16 @@ def write_snapshot(directory: str | Path, step: int, data: bytes) -> Path:
 
 
 def read_snapshot(path: str | Path, cfg: Config) -> tuple[Model, Snapshot]:
-    """A snapshot file, checked (load_model's checks, the config's fingerprint, the
-    digest it records, the step its name says); ExportError names the file."""
+    """A snapshot file, checked (load_model's checks with the digest it records, the
+    run's config, the step its name says); ExportError names the file."""
     try:
         data = Path(path).read_bytes()
     except OSError as e:
         raise ExportError(f"{path}: cannot read: {e.strerror or e}") from None
-    model = model_from_bytes(data, str(path))
-    if model.cfg.fingerprint() != cfg.fingerprint():
-        raise ExportError(f"{path}: a model of another config than the run's")
-    match = _NAME.fullmatch(Path(path).name)
-    if match and int(match.group(1)) != model.step:
-        raise ExportError(f"{path}: holds the model of step {model.step}")
-    return model, Snapshot.of(model, data)
+    match = _NAME.fullmatch(Path(path).name)  # its name announces its step
+    step = int(match.group(1)) if match else None
+    model, digest = _read_checked(data, cfg, str(path), step)
+    return model, Snapshot(model.step, model.seed, digest, data)
 
 
 def newest_valid(
