@@ -234,6 +234,15 @@ class Config:
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
 
+    def to_toml(self) -> str:
+        """The config as config.toml text, every key written (JSON's numbers, strings,
+        booleans and arrays are TOML's too)."""
+        lines = []
+        for table, values in self.to_dict().items():
+            lines.append(f"[{table}]")
+            lines += [f"{key} = {json.dumps(value)}" for key, value in values.items()]
+        return "\n".join(lines) + "\n"
+
     @classmethod
     def from_json(cls, text: str) -> Config:
         """Parse config JSON, which may come from a peer: bounded in size, depth and

@@ -42,7 +42,15 @@ import tomllib
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from loadtest import HOST, CoordinatorProcess, Load, LoadError, log, metrics_lines  # noqa: E402
+from loadtest import (
+    HOST,
+    CoordinatorProcess,
+    Load,
+    LoadError,
+    config_text,
+    log,
+    metrics_lines,
+)  # noqa: E402
 
 from deggs.config import Config  # noqa: E402
 from deggs.runtime.protocol import (  # noqa: E402
@@ -57,25 +65,6 @@ from deggs.seeds import next_step_seed  # noqa: E402
 
 MAX_CONNECTIONS = 1024
 JOIN_TIMEOUT_S = 60.0
-
-
-def config_text(population: int, chunk: int) -> str:
-    return f"""\
-[model]
-hidden_dim = 32
-head_dim = 32
-n_layers = 1
-seq_len = 8
-vocab_size = 256
-
-[training]
-population_size = {population}
-chunk_size = {chunk}
-
-[coordinator]
-host = "{HOST}"
-max_connections = {MAX_CONNECTIONS}
-"""
 
 
 # --- the attackers, in a process of their own ----------------------------------------
@@ -207,7 +196,9 @@ def main(argv=None) -> int:
     p.add_argument("--seconds", type=float, default=15.0, help="each measured window")
     args = p.parse_args(argv)
     attackers = args.attackers or (100 if args.mode == "pipeline" else 1100)
-    config = Config.from_dict(tomllib.loads(config_text(args.population, args.chunk)))
+    config = Config.from_dict(
+        tomllib.loads(config_text(args.population, args.chunk, MAX_CONNECTIONS))
+    )
     opts = {
         "secret": None,
         "hello": True,
@@ -225,7 +216,9 @@ def main(argv=None) -> int:
     coord = attacker = None
     result: dict = {"mode": args.mode, "attackers": attackers, "workers": args.workers}
     try:
-        (workdir / "flood.toml").write_text(config_text(args.population, args.chunk))
+        (workdir / "flood.toml").write_text(
+            config_text(args.population, args.chunk, MAX_CONNECTIONS)
+        )
         save = workdir / "save"
         coord = CoordinatorProcess(workdir / "flood.toml", save, workdir, None, None)
         port = coord.wait_listening(30)

@@ -123,8 +123,9 @@ def log(text: str):
 # --- the coordinator process ---------------------------------------------------------
 
 
-def write_config(path: Path, population: int, chunk: int, connections: int):
-    path.write_text(f"""\
+def config_text(population: int, chunk: int, max_connections: int) -> str:
+    """The load test's config: the smallest model, the coordinator on HOST."""
+    return f"""\
 [model]
 hidden_dim = 32
 head_dim = 32
@@ -138,8 +139,12 @@ chunk_size = {chunk}
 
 [coordinator]
 host = "{HOST}"
-max_connections = {max(1024, connections + 64)}
-""")
+max_connections = {max_connections}
+"""
+
+
+def write_config(path: Path, population: int, chunk: int, connections: int):
+    path.write_text(config_text(population, chunk, max(1024, connections + 64)))
 
 
 def _die_with_parent():

@@ -133,7 +133,7 @@ def main(steps, config_path, backend, every, tail, synthetic, time_export, repea
         with tempfile.TemporaryDirectory() as tmp:
             work = Path(tmp)
             config = work / "config.toml"
-            config.write_text(toml_of(cfg))
+            config.write_text(cfg.to_toml())
             input_tokens = np.random.default_rng(1).integers(0, cfg.model.vocab_size, 1 << 16)
             dtype = np.uint8 if cfg.model.byte_tokens else np.uint32
             input_tokens.astype(dtype).tofile(work / "input.bin")
@@ -155,14 +155,6 @@ def main(steps, config_path, backend, every, tail, synthetic, time_export, repea
                 )  # fmt: skip
                 row["export_s"] = round(time.perf_counter() - started, 2)
             print(json.dumps(row), flush=True)
-
-
-def toml_of(cfg) -> str:
-    lines = []
-    for table, values in cfg.to_dict().items():
-        lines.append(f"[{table}]")
-        lines += [f"{key} = {json.dumps(value)}" for key, value in values.items()]
-    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

@@ -1,7 +1,5 @@
 """The smallest model the tests train: shared, so each test states only what it changes."""
 
-import json
-
 from deggs.config import Config
 
 TINY = Config().replace(
@@ -16,10 +14,6 @@ def tiny_config(**tables) -> Config:
 
 
 def toml_of(cfg: Config) -> str:
-    """A config as config.toml text (JSON arrays and numbers are valid TOML), for the
-    tests that start deggs commands with --config."""
-    lines = []
-    for table, values in cfg.to_dict().items():
-        lines.append(f"[{table}]")
-        lines += [f"{key} = {json.dumps(value)}" for key, value in values.items()]
-    return "\n".join(lines) + "\n"
+    """A config as config.toml text, for the tests that start deggs commands with
+    --config."""
+    return cfg.to_toml()
