@@ -146,16 +146,13 @@ class Trainer:
         """Every chunk of the step, in order (what all workers together compute). Each
         chunk is started before the one ahead of it is collected, so that a GPU scores
         it while the host takes the fitness of the other."""
-        start = lambda chunk: self.backend.start_losses(
-            data, self.step, self.seed, chunk_members(self.cfg, chunk)
-        )
         n_chunks = self.cfg.training.n_chunks
-        results, pending = [], [start(0)]
+        results, pending = [], [self.start_chunk(data, 0)]
         try:
             for chunk in range(n_chunks):
                 if chunk + 1 < n_chunks:
-                    pending.append(start(chunk + 1))
-                results.append(chunk_result(self.cfg, chunk, pending.pop(0)()))
+                    pending.append(self.start_chunk(data, chunk + 1))
+                results.append(pending.pop(0)())
         finally:  # on an error, a chunk still queued is waited for (start_losses says why)
             for wait in pending:
                 wait()
