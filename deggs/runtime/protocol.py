@@ -57,7 +57,7 @@ import struct
 import time
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import Any, ClassVar, cast
+from typing import Any, ClassVar, Self, cast
 
 MAGIC = b"JOBS"
 VERSION = 1
@@ -183,22 +183,29 @@ def printable(text: str) -> str:
 # --- messages ------------------------------------------------------------------------
 
 
+class _Fixed:
+    """A message that is its dataclass fields packed as `_FIELDS`, nothing more."""
+
+    OPCODE: ClassVar[int]
+    _FIELDS: ClassVar[struct.Struct]
+
+    def encode(self) -> bytes:
+        return frame(self.OPCODE, self._FIELDS.pack(*vars(self).values()))
+
+    @classmethod
+    def decode(cls, payload: bytes) -> Self:
+        _need(payload, cls._FIELDS.size, OPCODE_NAMES[cls.OPCODE])
+        return cast(Any, cls)(*cls._FIELDS.unpack_from(payload))  # a dataclass's constructor
+
+
 @dataclass(frozen=True)
-class JobRequest:
+class JobRequest(_Fixed):
     seed: int
     last_step: int
     data_position: int = 0
 
     OPCODE: ClassVar[int] = JOB_REQUEST
     _FIELDS: ClassVar[struct.Struct] = struct.Struct(">QQQ")
-
-    def encode(self) -> bytes:
-        return frame(self.OPCODE, self._FIELDS.pack(self.seed, self.last_step, self.data_position))
-
-    @classmethod
-    def decode(cls, payload: bytes) -> JobRequest:
-        _need(payload, cls._FIELDS.size, "JOB_REQUEST")
-        return cls(*cls._FIELDS.unpack_from(payload))
 
 
 class _FieldsThenData:
@@ -521,21 +528,6 @@ class Health:
         if r.pos != len(payload):
             raise ProtocolError(f"HEALTH has {len(payload) - r.pos} bytes after its last entry")
         return cls(step, tuple(entries))
-
-
-class _Fixed:
-    """A message that is its dataclass fields packed as `_FIELDS`, nothing more."""
-
-    OPCODE: ClassVar[int]
-    _FIELDS: ClassVar[struct.Struct]
-
-    def encode(self) -> bytes:
-        return frame(self.OPCODE, self._FIELDS.pack(*vars(self).values()))
-
-    @classmethod
-    def decode(cls, payload: bytes):
-        _need(payload, cls._FIELDS.size, OPCODE_NAMES[cls.OPCODE])
-        return cast(Any, cls)(*cls._FIELDS.unpack_from(payload))  # a dataclass's constructor
 
 
 @dataclass(frozen=True)
