@@ -124,9 +124,9 @@ class Replicas:
         return record
 
     def _apply(self, verdict: Verdict):
+        start = f"the snapshot of step {self.newest.step}" if self.newest else "step 0"
         if verdict.split:
             named = ", ".join(f"{who} {d.hex()[:12]}" for who, d in verdict.drifted.items())
-            start = f"the snapshot of step {self.newest.step}" if self.newest else "step 0"
             log.error(
                 "the workers disagree about the model at step %d with no majority (%s): no "
                 "chunks are handed out until they agree. Restart the workers: each rebuilds "
@@ -143,7 +143,6 @@ class Replicas:
             self.coord.tell_held()
         for who, digest in verdict.drifted.items():
             peer = self.coord.peer_named(who)
-            start = f"the snapshot of step {self.newest.step}" if self.newest else "step 0"
             log.warning(
                 "worker %s drifted: its state at step %d has digest %s, the agreed one %s; it "
                 "gets no more chunks and rebuilds its model from %s",

@@ -335,7 +335,7 @@ class Worker:
                 elif kind == "wait" and started:
                     job = None  # no more chunks now: finish ours, then ask again
                 else:
-                    results.append(self._do_job(sock, job))
+                    results.append(self._do_job(sock, job, kind))
                     job = None
                     continue
                 results.append(self._finish_chunk(started.popleft()))
@@ -587,9 +587,8 @@ class Worker:
             )
         return "chunk"
 
-    def _do_job(self, sock: socket.socket, job: JobResponse) -> bytes:
-        """Do one job; returns a chunk's RESULT frame for the caller to send (else b"")."""
-        kind = self._classify(job)
+    def _do_job(self, sock: socket.socket, job: JobResponse, kind: str) -> bytes:
+        """Do one job of its kind (_classify's); a chunk's RESULT frame to send, else b""."""
         if kind == "update":
             self._apply_update(job)
         elif kind == "wait":
