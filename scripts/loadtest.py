@@ -21,8 +21,8 @@ worker's would), and asks again after --wait-ms when told to WAIT. With --chunk-
 models the runtime's share of a step on eight GPUs (see docs/PERFORMANCE.md). Without --secret a
 connection starts with JOB_REQUEST like the reference worker (or HELLO first with
 --hello); with --secret the coordinator gets a random DEGGS_SECRET and every connection
-does the HELLO / CHALLENGE / AUTH handshake first, then tags every frame it sends and
-checks the tag of every frame it gets (deggs/runtime/channel.py), as a worker does.
+does the HELLO / CHALLENGE / AUTH handshake first, then seals every write it sends and
+checks the tag of every record it gets (deggs/runtime/channel.py), as a worker does.
 
 After --warmup seconds it measures over a window of --seconds:
 
@@ -78,13 +78,14 @@ sys.path.insert(0, str(ROOT))
 
 from deggs.config import Config  # noqa: E402
 from deggs.runtime import auth  # noqa: E402
-from deggs.runtime.channel import TAG_SIZE, Channel  # noqa: E402
+from deggs.runtime.channel import SEALED, TAG_SIZE, Channel  # noqa: E402
 from deggs.runtime.protocol import (  # noqa: E402
     CHALLENGE,
     GOODBYE,
     HELLO_REPLY,
     JOB_RESPONSE,  # noqa: E402
     LOG_MESSAGE,
+    OPCODE_NAMES,
     WAIT,
     Auth,
     Challenge,
@@ -104,6 +105,7 @@ _RESPONSE = struct.Struct(">QQQI")  # JOB_RESPONSE's fixed fields
 _SEED_STEP_POS = struct.Struct(">QQQ")  # the first fields of RESULT and JOB_REQUEST
 _RESPONSE_FRAME = 10 + _RESPONSE.size  # a JOB_RESPONSE without data: a chunk or a WAIT
 _RESPONSE_PREFIX = b"JOBS\x01" + bytes([JOB_RESPONSE])
+ANY_FRAME = dict.fromkeys(OPCODE_NAMES, 1 << 24)  # what a fake worker accepts
 RECV_SIZE = 1 << 16  # 256 KiB would cost an mmap + munmap per recv (glibc)
 CLOSE_TIMEOUT_S = 10.0  # SIGTERM -> SIGKILL
 
@@ -424,7 +426,7 @@ class Load:
     def _frames(self, c: Conn):
         """Whole frames in c.buf (the slow path: catch-ups, handshakes, anything split)."""
         buf = c.buf
-        while len(buf) >= 10:
+        while c.channel is None and len(buf) >= 10:
             magic, version, opcode, length = _HEADER.unpack_from(buf)
             if magic != b"JOBS" or version != 1:
                 raise LoadError(f"bad frame header from the coordinator: {bytes(buf[:10])!r}")
@@ -433,9 +435,12 @@ class Load:
                 return
             payload = bytes(buf[10:end])
             del buf[:end]
-            if c.channel is not None:
-                payload = c.channel.open(opcode, payload)
             self._frame(c, opcode, payload)
+        if c.channel is not None and buf:  # records: frames once their tag is checked
+            frames = c.channel.feed(bytes(buf))
+            buf.clear()
+            for opcode, payload in frames:
+                self._frame(c, opcode, payload)
 
     def _frame(self, c: Conn, opcode: int, payload: bytes):
         if opcode == JOB_RESPONSE:
@@ -450,7 +455,7 @@ class Load:
             if not auth.verify(self.secret, "coordinator", c.nonce, ch.nonce, ch.proof):
                 raise LoadError("the coordinator's proof of the secret is wrong")
             self._send(c, Auth(auth.proof(self.secret, "worker", c.nonce, ch.nonce)).encode())
-            c.channel = Channel.for_worker(self.secret, c.nonce, ch.nonce)
+            c.channel = Channel.for_worker(self.secret, c.nonce, ch.nonce, ANY_FRAME)
         elif opcode == HELLO_REPLY and self.hello and not c.ready:
             reply = HelloReply.decode(payload)
             if reply.fingerprint != self.fingerprint:
@@ -517,7 +522,9 @@ class Load:
         counts, conns, waiting, ep = self.counts, self.conns, self.waiting, self.ep
         response = self._response
         unpack = _RESPONSE.unpack_from
-        prefix, frame_size = _RESPONSE_PREFIX, _RESPONSE_FRAME + (TAG_SIZE if self.secret else 0)
+        prefix, frame_size = _RESPONSE_PREFIX, _RESPONSE_FRAME
+        if self.secret is not None:  # each reply a record of its own: marked and tagged
+            prefix, frame_size = prefix[:5] + bytes([JOB_RESPONSE | SEALED]), frame_size + TAG_SIZE
         EPOLLIN, EPOLLOUT = select.EPOLLIN, select.EPOLLOUT
         clock = time.monotonic
         self.start()
@@ -551,7 +558,7 @@ class Load:
                     counts[RX_BYTES] += len(data)
                     if not c.buf and len(data) == frame_size and data.startswith(prefix):
                         if c.channel is not None:  # raises ProtocolError on a bad tag
-                            c.channel.open(JOB_RESPONSE, data[10:])
+                            c.channel.feed(data)
                         response(c, *unpack(data, 10))  # the common case: a chunk, a WAIT
                     else:
                         c.buf += data

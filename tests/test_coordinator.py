@@ -2,7 +2,6 @@
 
 import asyncio
 import contextlib
-import copy
 import hashlib
 import json
 import logging
@@ -28,7 +27,7 @@ from deggs.config import Config, ConfigError
 from deggs.runtime import auth
 from deggs.runtime import checkpoint as ckpt
 from deggs.runtime import coordinator as coordinator_module
-from deggs.runtime.channel import TAG_SIZE, Channel
+from deggs.runtime.channel import SEALED, TAG_SIZE, Channel, sealed_limits
 from deggs.runtime.coordinator import Coordinator, format_workers_line
 from deggs.runtime.protocol import (
     NO_FINGERPRINT,
@@ -46,6 +45,7 @@ from deggs.runtime.protocol import (
     JobRequest,
     JobResponse,
     LogMessage,
+    Opcode,
     Reason,
     Result,
     decode_message,
@@ -132,10 +132,7 @@ class Client:
             data = await asyncio.wait_for(self.reader.read(1 << 16), 5)
             assert data, "the coordinator closed the connection"
             self.received.extend(self.frames.feed(data))
-        opcode, payload = self.received.popleft()
-        if self.channel is not None:
-            payload = self.channel.open(opcode, payload)
-        return decode_message(opcode, payload)
+        return decode_message(*self.received.popleft())
 
     async def hello(self, config=SMALL, secret=None):
         """The deggs handshake (with the shared secret's proofs when one is given)."""
@@ -146,7 +143,8 @@ class Client:
             assert isinstance(reply, Challenge)
             assert auth.verify(secret, "coordinator", nonce, reply.nonce, reply.proof)
             await self.send(Auth(auth.proof(secret, "worker", nonce, reply.nonce)))
-            self.channel = Channel.for_worker(secret, nonce, reply.nonce)
+            self.channel = Channel.for_worker(secret, nonce, reply.nonce, ANY_FRAME)
+            self.frames = self.channel  # it checks each record's tag before giving frames
             reply = await self.recv()
         assert isinstance(reply, HelloReply), reply
         return reply
@@ -750,7 +748,8 @@ def test_a_recorded_handshake_cannot_be_replayed():
             challenge = await honest.recv()
             recorded = Auth(auth.proof(SECRET, "worker", nonce, challenge.nonce))
             await honest.send(recorded)
-            assert isinstance(await honest.recv(), HelloReply)
+            reply = await asyncio.wait_for(honest.reader.read(1 << 16), 5)
+            assert reply[5] == Opcode.HELLO_REPLY | SEALED  # the honest worker is in
             replay = await Client.connect(coord)  # same HELLO, same AUTH: a new challenge
             await replay.send(Hello(SMALL.fingerprint(), "", nonce))
             second = await replay.recv()
@@ -799,7 +798,7 @@ class Proxy:
         up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.coord.port)
 
         async def pump(source, sink, change):
-            frames = FrameReader(ANY_FRAME)
+            frames = FrameReader(sealed_limits(ANY_FRAME))
             with contextlib.suppress(OSError):
                 while data := await source.read(1 << 16):
                     for opcode, payload in frames.feed(data):
@@ -817,12 +816,12 @@ def protocol_frame(opcode, payload):
 
 
 def forge_result(opcode, payload):
-    """The attack of issue [11]: every RESULT's sum_loss 0 and its fitness all +1, with the
+    """The attack of issue [11]: every RESULT's sum_loss 0 and its fitness all +1, with a
     tag left as it came."""
-    if opcode != Result.OPCODE:
+    if opcode & ~SEALED != Result.OPCODE:
         return protocol_frame(opcode, payload)
-    body, tag = payload[:-TAG_SIZE], payload[-TAG_SIZE:]
-    r = Result.decode(body)
+    tag = payload[-TAG_SIZE:] if opcode & SEALED else b""
+    r = Result.decode(payload[: len(payload) - len(tag)])
     forged = Result(r.seed, r.last_step, r.data_position, r.updates_count, 0, pack_trits([1] * 5))
     return protocol_frame(opcode, forged.encode()[10:] + tag)
 
@@ -851,7 +850,7 @@ def test_a_man_in_the_middle_cannot_change_a_result(tmp_path, info_logs):
     run(go())
     assert [r["sum_loss"] for r in ckpt.read_metrics(tmp_path)] == [10, 10]  # chunks 1+2+3+4
     failed = [r.getMessage() for r in info_logs.records if "authentication" in r.getMessage()]
-    assert len(failed) == 1 and "frame 1 (RESULT) failed authentication" in failed[0], failed
+    assert len(failed) == 1 and "a record (RESULT) failed authentication" in failed[0], failed
 
 
 def _sealed(client, *messages) -> list[bytes]:
@@ -863,17 +862,39 @@ TAMPERING = {
     "replayed": lambda c, other: _sealed(c, LogMessage("a")) * 2,
     "reordered": lambda c, other: _sealed(c, LogMessage("a"), JobRequest(SEED0, 0))[::-1],
     "dropped": lambda c, other: _sealed(c, LogMessage("a"), JobRequest(SEED0, 0))[1:],
-    "from another connection": lambda c, other: [  # a copy: other's own sequence stays
-        copy.copy(other.channel).seal(JobRequest(SEED0, 0).encode())
+    "from another connection": lambda c, other: [
+        Channel.for_worker(SECRET, bytes(16), bytes(16), ANY_FRAME).seal(
+            JobRequest(SEED0, 0).encode()
+        )
     ],
-    "untagged": lambda c, other: [JobRequest(SEED0, 0).encode()],
+    "untagged, ahead of a record": lambda c, other: [
+        JobRequest(SEED0, 0).encode(),
+        *_sealed(c, LogMessage("a")),
+    ],
     "tag cut short": lambda c, other: [_cut(_sealed(c, JobRequest(SEED0, 0))[0])],
+    "a frame dropped from a record": lambda c, other: [
+        _without_first(c.channel.seal(LogMessage("a").encode() + JobRequest(SEED0, 0).encode()))
+    ],
+    "unmarked": lambda c, other: [
+        _unmarked(_sealed(c, LogMessage("a"))[0]),
+        *_sealed(c, JobRequest(SEED0, 0)),
+    ],
 }
 
 
 def _cut(frame: bytes) -> bytes:
     """The frame one byte shorter, header included."""
     return _header(frame[5], len(frame) - 11) + frame[10:-1]
+
+
+def _without_first(record: bytes) -> bytes:
+    """A sealed record less its first frame."""
+    return record[10 + int.from_bytes(record[6:10], "big") :]
+
+
+def _unmarked(frame: bytes) -> bytes:
+    """A sealed frame with its SEALED bit cleared: the tag now reads as payload."""
+    return _header(frame[5] & ~SEALED, len(frame) - 10) + frame[10:]
 
 
 @pytest.mark.parametrize("name", TAMPERING)
@@ -1268,6 +1289,25 @@ def test_stalled_and_silent_connections_are_closed_within_their_deadlines(info_l
     run(go())
     messages = " ".join(r.getMessage() for r in info_logs.records)
     assert "no handshake within 0.5 s" in messages
+    assert "a frame still unfinished after 0.5 s" in messages
+
+
+def test_frames_whose_tag_never_comes_are_held_to_the_frame_deadline(info_logs):
+    """With a secret, whole frames without their record's tag are not handled, and the
+    connection is closed like one with a frame unfinished."""
+
+    async def go():
+        async with coordinator(QUICK, secret=SECRET) as coord:
+            client = await Client.connect(coord)
+            await client.hello(secret=SECRET)
+            client.writer.write(JobRequest(SEED0, 0).encode())  # unmarked: a record begun
+            started = time.monotonic()
+            assert await client.closed(timeout=3)
+            assert time.monotonic() - started < 3
+            assert list(coord.state.pending) == list(range(N_CHUNKS))  # nothing handed out
+
+    run(go())
+    messages = " ".join(r.getMessage() for r in info_logs.records)
     assert "a frame still unfinished after 0.5 s" in messages
 
 

@@ -12,6 +12,7 @@ from deggs.runtime.protocol import (
     HELLO,
     JOB_REQUEST,
     LOG_MESSAGE,
+    OPCODE_NAMES,
     RESULT,
     WAIT,
     Auth,
@@ -129,15 +130,15 @@ def test_log_message_replaces_bad_utf8():
 
 def test_hello():
     fp, nonce = bytes(range(1, 9)), bytes(range(16))
-    raw = header(4, 2 + 8 + 4 + 2 + 16) + b"\x00\x04" + fp + u32(2) + b"{}" + nonce
+    raw = header(4, 2 + 8 + 4 + 2 + 16) + b"\x00\x05" + fp + u32(2) + b"{}" + nonce
     assert Hello(fp, "{}", nonce).encode() == raw
-    assert Hello.decode(raw[10:]) == Hello(fp, "{}", nonce, 4)
+    assert Hello.decode(raw[10:]) == Hello(fp, "{}", nonce, 5)
     with pytest.raises(ProtocolError, match="HELLO payload ends inside nonce"):
         Hello.decode(raw[10:-1])
     with pytest.raises(ProtocolError, match="inside fingerprint"):
-        Hello.decode(b"\x00\x04\x00")
+        Hello.decode(b"\x00\x05\x00")
     with pytest.raises(ProtocolError, match="config of 70000 bytes exceeds 65536"):
-        Hello.decode(b"\x00\x04" + fp + u32(70000))
+        Hello.decode(b"\x00\x05" + fp + u32(70000))
     with pytest.raises(ValueError, match="8 bytes"):
         Hello(b"short").encode()
     # another version's HELLO is read only as far as its version
@@ -338,43 +339,61 @@ def test_health_frames_are_bounded_by_the_models_entries():
         FrameReader(limits_from_worker(1, health_entries=60)).feed(header(10, 4871))
 
 
-def test_sealed_frames_are_the_frame_and_a_tag_of_the_sequence_opcode_and_payload():
-    """channel.py's wire format, built by hand: HKDF-SHA256 keys per direction, and
-    BLAKE2s-128 of sequence u64, opcode u8 and payload appended, counted in the length."""
+def test_a_sealed_write_is_its_frames_with_the_last_marked_and_a_running_tag():
+    """channel.py's wire format, built by hand: HKDF-SHA256 keys per direction; a write
+    is a record whose last frame has opcode bit 0x80 and ends in BLAKE2s-128 over every
+    record so far on the connection (less tags), counted in that frame's length."""
     secret, wn, cn = b"s" * 32, bytes(range(16)), bytes(range(16, 32))
     prk = hmac.new(b"deggs frames 1\0" + wn + cn, secret, hashlib.sha256).digest()
     up = hmac.new(prk, b"worker to coordinator\x01", hashlib.sha256).digest()
     down = hmac.new(prk, b"coordinator to worker\x01", hashlib.sha256).digest()
     assert channel_keys(secret, wn, cn) == (up, down)
 
-    def tag(key, seq, opcode, payload):
-        message = seq.to_bytes(8, "big") + bytes([opcode]) + payload
-        return hashlib.blake2s(message, key=key, digest_size=16).digest()
+    def tag(key, *records):
+        return hashlib.blake2s(b"".join(records), key=key, digest_size=16).digest()
 
-    worker, coordinator = (
-        Channel.for_worker(secret, wn, cn),
-        Channel.for_coordinator(secret, wn, cn),
-    )
-    request = u64(1) + u64(2) + u64(0)
-    log = b"hi"
+    limits = dict.fromkeys(OPCODE_NAMES, 1 << 20)
+    worker = Channel.for_worker(secret, wn, cn, limits)
+    coordinator = Channel.for_coordinator(secret, wn, cn, limits)
+    request, log = u64(1) + u64(2) + u64(0), b"hi"
     sealed = worker.seal(JobRequest(1, 2).encode() + LogMessage("hi").encode())
-    assert sealed == (
-        header(0, 24 + 16) + request + tag(up, 0, 0, request)
-        + header(3, 2 + 16) + log + tag(up, 1, 3, log)
-    )  # fmt: skip
-    assert coordinator.open(0, sealed[10:50]) == request
-    assert coordinator.open(3, sealed[60:]) == log
+    first = header(0, 24) + request + header(0x80 | 3, 2 + 16) + log
+    assert sealed == first + tag(up, first)
+    # The receiver holds the request until the record's tag is in, byte by byte too.
+    assert [coordinator.feed(sealed[i : i + 1]) for i in range(len(sealed) - 1)] == [[]] * (
+        len(sealed) - 1
+    )
+    assert coordinator.feed(sealed[-1:]) == [(0, request), (3, log)]
+    second = header(0x80 | 0, 24 + 16) + request
+    assert worker.seal(JobRequest(1, 2).encode()) == second + tag(up, first, second)
+
     reply = coordinator.seal(JobResponse(1, 2, 3).encode())
-    assert reply[10:-16] == u64(1) + u64(2) + u64(3) + u32(0)
-    assert reply[-16:] == tag(down, 0, 2, reply[10:-16])
-    # A payload over channel.BIG bytes is tagged through its SHA-256.
+    body = u64(1) + u64(2) + u64(3) + u32(0)
+    assert reply == header(0x80 | 2, len(body) + 16) + body + tag(down, reply[:-16])
+    # A payload over channel.BIG bytes is hashed through its SHA-256.
     update = JobResponse(1, 2, 0, bytes(range(256)) * 8)
     big = coordinator.seal(update.encode())
     payload = update.encode()[10:]
-    assert big == header(2, len(payload) + 16) + payload + tag(
-        down, 1, 2, hashlib.sha256(payload).digest()
+    marked = header(0x80 | 2, len(payload) + 16)
+    assert big == marked + payload + tag(
+        down, reply[:-16], marked + hashlib.sha256(payload).digest()
     )
-    assert worker.open(2, reply[10:]) == reply[10:-16]
-    assert worker.open(2, big[10:]) == payload
-    with pytest.raises(ProtocolError, match=r"frame 2 \(JOB_RESPONSE\) failed authentication"):
-        worker.open(2, big[10:])  # the same again: a replay
+    assert worker.feed(reply + big) == [(2, body), (2, payload)]
+    with pytest.raises(ProtocolError, match=r"a record \(JOB_RESPONSE\) failed authentication"):
+        worker.feed(big)  # the same again: a replay
+
+
+def test_a_write_over_a_record_is_cut_into_records():
+    """What a receiver holds unchecked is bounded: unmarked frames end within
+    RECORD_BYTES of their record's start, and a peer that sends more is dropped."""
+    limits = dict.fromkeys(OPCODE_NAMES, 1 << 20)
+    sender = Channel.for_worker(b"s" * 32, bytes(16), bytes(16), limits)
+    receiver = Channel.for_coordinator(b"s" * 32, bytes(16), bytes(16), limits)
+    logs = [LogMessage("x" * 1000).encode() for _ in range(200)]  # 202,000 bytes
+    sealed = sender.seal(b"".join(logs))
+    marked = sealed.count(bytes([0x80 | 3, 0, 0, 0x03, 0xF8]))  # opcode, length 1000 + 16
+    assert marked == 4  # 65 frames of 1,010 bytes, then a tag, ...
+    assert receiver.feed(sealed) == [(3, b"x" * 1000)] * 200
+    flood = Channel.for_coordinator(b"s" * 32, bytes(16), bytes(16), limits)
+    with pytest.raises(ProtocolError, match="65536 bytes of frames without a tag"):
+        flood.feed(b"".join(logs))

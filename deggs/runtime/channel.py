@@ -1,27 +1,39 @@
-"""Authenticated frames: after the shared secret's handshake, every frame carries a tag.
+"""Authenticated frames: after the shared secret's handshake, every write carries a tag.
 
 The handshake (auth.py) proves who connected; the tags prove that every frame after it
 came from them, unchanged, in order and once. Both sides derive two keys from the secret
 and both nonces (HKDF-SHA256, one key per direction, so a frame cannot be reflected back
-to its sender) and append a 16-byte tag to every frame's payload:
+to its sender).
 
-    tag = BLAKE2s-128(key of the direction, sequence u64 || opcode u8 || body)
-    body = the payload, or SHA-256(payload) when the payload is over BIG bytes
+A sender's write is one record: its frames back to back, the last one marked by the
+SEALED bit (0x80) in its opcode and ending in a 16-byte tag, which its header's length
+counts. Frames without the bit wait at the receiver until the marked frame's tag is
+checked, and only then are handled. Each direction keeps one running MAC over all its
+records so far, and a record's tag is its value at the record's end:
 
-The sequence counts the frames sent that way on the connection from 0 and is never sent;
-the header's length covers the tag. A frame that was changed, replayed, reordered,
-dropped before another, or spliced in from another connection (other nonces, other keys)
-fails its tag, and the connection is closed. Every opcode gets this at the framing layer:
-the coordinator's Peer seals what it writes and opens what it reads, the worker likewise.
+    tag of record i = BLAKE2s-128(key of the direction, R_1 || R_2 || ... || R_i)
+    R_j = record j as sent, less its tag, each payload of over BIG bytes replaced by
+          its SHA-256
 
-What it costs decides the two hashes. Keyed BLAKE2s is a MAC by design (RFC 7693, as in
-WireGuard) and costs CPython a third of HMAC-SHA256 on the frames of every chunk, which
-are tens of bytes (0.3 against 1.4 us a tag). A step's update goes to every worker as
-the same JOB_RESPONSE of up to hundreds of KB: its SHA-256 (1.3 GB/s with the CPU's SHA
-instructions, against 0.5 for BLAKE2s) is taken once for all of them (DigestCache), and
-each connection's tag covers only the digest. Together they cost the coordinator 10-21%
-of its RESULTs a second in the load test (docs/RELIABILITY.md, Measured): CPython's
-work around each tag, about 0.5 us a frame.
+so a tag vouches for the record and for everything before it on the connection. A record
+that was changed, cut, replayed, reordered, dropped before another, or spliced in from
+another connection (other nonces, other keys) fails its tag, and the connection is
+closed. The headers are hashed too, so where frames and records end is covered. Every
+opcode gets this at the framing layer: the coordinator's Peer seals what it writes and
+reads through its Channel, the worker likewise. A record's unmarked frames end within
+RECORD_BYTES of its start (a larger write is cut into several records), so what a
+receiver holds unchecked stays bounded.
+
+What it costs decides the design: CPython's work around a tag, hashing included, is a
+good part of what the coordinator spends on a RESULT. So there is one tag per write, not
+per frame: a worker's RESULT and its next JOB_REQUEST go out as one record, checked with
+one hash over the bytes where they lie in the receive buffer, and the running MAC needs
+no copy or sequence number per record. Keyed BLAKE2s is a MAC by design (RFC 7693, as in
+WireGuard) and costs a third of HMAC-SHA256 on records of tens of bytes. A step's update
+goes to every worker as the same JOB_RESPONSE of up to hundreds of KB: its SHA-256 (1.3
+GB/s with the CPU's SHA instructions, against 0.5 for BLAKE2s) is taken once for all of
+them (DigestCache), and each connection's MAC covers only the digest. The load test's
+figures are in docs/RELIABILITY.md (Measured).
 
 Nothing is encrypted: anyone on the path can read the traffic, but not change it.
 Without a secret nothing here runs and the bytes on the wire are the reference's.
@@ -33,12 +45,17 @@ import hashlib
 import hmac
 import struct
 
-from .protocol import HEADER_SIZE, OPCODE_NAMES, ProtocolError
+from .protocol import HEADER_SIZE, MAGIC, OPCODE_NAMES, VERSION, FrameReader, ProtocolError
+from .protocol import check_length as _check_length
+from .protocol import parse_header as _parse_header
 
 TAG_SIZE = 16
+SEALED = 0x80  # opcode bit: this frame ends a record and carries its tag
 BIG = 1024  # payloads over this many bytes are tagged through their SHA-256
-_SEQ_OPCODE = struct.Struct(">QB")
-_LENGTH = struct.Struct(">I")  # a frame header's last field
+RECORD_BYTES = 1 << 16  # a record's unmarked frames end within this many bytes of it
+_HEADER = struct.Struct(">4sBBI")
+_OPCODE_LENGTH = struct.Struct(">BI")  # a frame header's last two fields
+_LENGTH = struct.Struct(">I")
 
 
 def channel_keys(
@@ -74,21 +91,33 @@ class DigestCache:
         return digest
 
 
-class Channel:
-    """One side's sealing and opening of a connection's frames, with both sequences."""
+class Channel(FrameReader):
+    """One side of a proven connection: seal() what we send; feed() what arrives, as a
+    FrameReader does, getting frames only once their record's tag is checked."""
 
-    def __init__(self, send_key: bytes, receive_key: bytes, digests: DigestCache | None = None):
-        # Keyed once; a frame's MAC starts from a copy (half the cost of keying anew).
+    def __init__(
+        self,
+        send_key: bytes,
+        receive_key: bytes,
+        limits: dict[int, int],
+        digests: DigestCache | None = None,
+        unread: bytes = b"",
+    ):
+        super().__init__(limits)  # the payload limits without tags
+        self._buf += unread  # what arrived after AUTH: the start of a frame at most
+        # One running MAC a direction: a record's tag is the digest of everything so far.
         self._send = hashlib.blake2s(key=send_key, digest_size=TAG_SIZE)
         self._receive = hashlib.blake2s(key=receive_key, digest_size=TAG_SIZE)
         self._digests = digests if digests is not None else DigestCache()
-        self.sent = 0  # frames sealed so far: the next one's sequence
-        self.received = 0
+        self._unchecked: list[tuple[int, bytes]] = []  # frames of a record still open
+        self._parsed = 0  # bytes of the buffer cut into frames so far
 
     @classmethod
-    def for_worker(cls, secret: bytes, worker_nonce: bytes, coordinator_nonce: bytes) -> Channel:
+    def for_worker(
+        cls, secret: bytes, worker_nonce: bytes, coordinator_nonce: bytes, limits: dict[int, int]
+    ) -> Channel:
         up, down = channel_keys(secret, worker_nonce, coordinator_nonce)
-        return cls(up, down)
+        return cls(up, down, limits)
 
     @classmethod
     def for_coordinator(
@@ -96,70 +125,127 @@ class Channel:
         secret: bytes,
         worker_nonce: bytes,
         coordinator_nonce: bytes,
+        limits: dict[int, int],
         digests: DigestCache | None = None,
+        unread: bytes = b"",
     ) -> Channel:
         up, down = channel_keys(secret, worker_nonce, coordinator_nonce)
-        return cls(down, up, digests)
+        return cls(down, up, limits, digests, unread)
+
+    # --- sending -----------------------------------------------------------------------
 
     def seal(self, data: bytes) -> bytes:
-        """Encoded frames (one or several back to back, all ours), each with its tag."""
+        """One write's encoded frames (one or several back to back, all ours) as records."""
+        mac = self._send
         (length,) = _LENGTH.unpack_from(data, 6)
-        if length <= BIG and HEADER_SIZE + length == len(data):  # most frames: one, small
-            payload = data[HEADER_SIZE:]
-            mac = self._send.copy()
-            mac.update(_SEQ_OPCODE.pack(self.sent, data[5]) + payload)
-            self.sent += 1
-            return data[:6] + _LENGTH.pack(length + TAG_SIZE) + payload + mac.digest()
-        out: list[bytes] = []
-        pos = 0
+        if length <= BIG and HEADER_SIZE + length == len(data):  # most writes: one small frame
+            sealed = data[:5] + _OPCODE_LENGTH.pack(data[5] | SEALED, length + TAG_SIZE)
+            sealed += data[HEADER_SIZE:]
+            mac.update(sealed)
+            return sealed + mac.digest()
+        out: list[bytes | memoryview] = []
+        record = pos = 0  # the record's bytes so far; where the next frame starts
+        view = memoryview(data)
         while pos < len(data):
-            (length,) = _LENGTH.unpack_from(data, pos + 6)
+            opcode, length = _OPCODE_LENGTH.unpack_from(data, pos + 5)
             end = pos + HEADER_SIZE + length
-            view = memoryview(data)[pos + HEADER_SIZE : end]  # copied once, by join
-            whole = pos == 0 and end == len(data)
-            if length > BIG:
-                body = self._digests.digest(data, view) if whole else _sha256(view)
+            record += HEADER_SIZE + length
+            payload = view[pos + HEADER_SIZE : end]
+            body: bytes | memoryview
+            if length > BIG:  # a step's update, written alike to every worker: hashed once
+                whole = pos == 0 and end == len(data)
+                body = self._digests.digest(data, payload) if whole else _sha256(payload)
             else:
-                body = bytes(view)
-            mac = self._send.copy()
-            mac.update(_SEQ_OPCODE.pack(self.sent, data[pos + 5]) + body)
-            self.sent += 1
-            # magic, version and opcode as they were; the length now counts the tag
-            sealed = b"".join(
-                (data[pos : pos + 6], _LENGTH.pack(length + TAG_SIZE), view, mac.digest())
-            )
-            if whole:
-                return sealed
-            out.append(sealed)
+                body = payload
+            last = end == len(data) or record > RECORD_BYTES  # this frame ends a record
+            header: bytes | memoryview
+            if last:
+                header = data[pos : pos + 5] + _OPCODE_LENGTH.pack(
+                    opcode | SEALED, length + TAG_SIZE
+                )
+                record = 0
+            else:
+                header = view[pos : pos + HEADER_SIZE]
+            mac.update(header)
+            mac.update(body)
+            out += (header, payload, mac.digest()) if last else (header, payload)
             pos = end
         return b"".join(out)
 
-    def open_all(self, frames: list[tuple[int, bytes]]) -> list[tuple[int, bytes]]:
-        """Received (opcode, payload) frames, their tags checked and removed in place, in
-        order; ProtocolError at the first that does not match (the connection must end).
-        One call for a batch, names bound once: the coordinator's hot path."""
-        start, pack, equal = self._receive.copy, _SEQ_OPCODE.pack, hmac.compare_digest
-        sequence = self.received
-        for i, (opcode, payload) in enumerate(frames):
-            body = payload[:-TAG_SIZE]
-            mac = start()
-            mac.update(pack(sequence, opcode) + (body if len(body) <= BIG else _sha256(body)))
-            # A payload shorter than a tag compares unequal too.
-            if not equal(mac.digest(), payload[-TAG_SIZE:]):
-                self.received = sequence
-                name = OPCODE_NAMES.get(opcode, f"opcode {opcode}")
+    # --- receiving ---------------------------------------------------------------------
+
+    def feed(self, data: bytes) -> list[tuple[int, bytes]]:
+        """The frames of every record completed by new bytes, tags checked and removed, in
+        order; ProtocolError at the first record whose tag does not match (the connection
+        must end). The coordinator's hot path: a record is hashed where it lies."""
+        buf = self._buf
+        buf += data
+        frames = self._unchecked  # the open record's frames come first
+        checked = start = 0  # frames[:checked] are checked; the open record starts at start
+        pos = self._parsed
+        limits = self.limits
+        while len(buf) - pos >= HEADER_SIZE:
+            magic, version, opcode, length = _HEADER.unpack_from(buf, pos)
+            if magic != MAGIC or version != VERSION:
+                _parse_header(bytes(buf[pos : pos + HEADER_SIZE]))  # raises, saying which
+            end = pos + HEADER_SIZE + length
+            if opcode < SEALED:
+                limit = limits.get(opcode)
+                if limit is None or length > limit:
+                    _check_length(opcode, length, limits)  # raises, saying which
+                if end - start > RECORD_BYTES:
+                    raise ProtocolError(f"over {RECORD_BYTES} bytes of frames without a tag")
+                if len(buf) < end:
+                    break
+                frames.append((opcode, bytes(buf[pos + HEADER_SIZE : end])))
+                pos = end
+                continue
+            opcode ^= SEALED
+            limit = limits.get(opcode)
+            if limit is None or not TAG_SIZE <= length <= limit + TAG_SIZE:
+                if length < TAG_SIZE:
+                    raise ProtocolError(f"a tagged frame of {length} bytes, shorter than a tag")
+                _check_length(opcode, length - TAG_SIZE, limits)
+            if len(buf) < end:
+                break
+            tag = end - TAG_SIZE
+            mac = self._receive
+            if tag - start <= BIG + HEADER_SIZE:  # no payload over BIG: hashed as it lies
+                mac.update(buf[start:tag])
+            else:
+                _update_piecewise(mac, buf, start, tag)
+            if not hmac.compare_digest(mac.digest(), buf[tag:end]):
+                names = [OPCODE_NAMES.get(op, str(op)) for op, _ in frames[checked:]]
+                names.append(OPCODE_NAMES.get(opcode, str(opcode)))
                 raise ProtocolError(
-                    f"frame {sequence} ({name}) failed authentication: changed, replayed, "
-                    "reordered, dropped or from another connection"
+                    f"a record ({', '.join(names)}) failed authentication: changed, cut, "
+                    "replayed, reordered, dropped or from another connection"
                 )
-            sequence += 1
-            frames[i] = opcode, body
-        self.received = sequence
+            frames.append((opcode, bytes(buf[pos + HEADER_SIZE : tag])))
+            checked = len(frames)
+            pos = start = end
+        del buf[:start]
+        self._parsed = pos - start
+        if checked == len(frames):
+            self._unchecked = []
+            return frames
+        self._unchecked = frames[checked:]
+        del frames[checked:]
         return frames
 
-    def open(self, opcode: int, payload: bytes) -> bytes:
-        """One received frame's payload without its tag (see open_all)."""
-        return self.open_all([(opcode, payload)])[0][1]
+
+def _update_piecewise(mac, buf: bytearray, start: int, tag: int):
+    """Hash the record buf[start:tag] as sealed: each payload of over BIG bytes through
+    its SHA-256."""
+    with memoryview(buf) as view:
+        pos = start
+        while pos < tag:
+            opcode, length = _OPCODE_LENGTH.unpack_from(buf, pos + 5)
+            end = min(pos + HEADER_SIZE + length, tag)  # the last frame's payload ends at tag
+            mac.update(view[pos : pos + HEADER_SIZE])
+            payload = view[pos + HEADER_SIZE : end]
+            mac.update(payload if len(payload) <= BIG else _sha256(payload))
+            pos = end
 
 
 def _sha256(data: bytes | memoryview) -> bytes:
@@ -167,5 +253,6 @@ def _sha256(data: bytes | memoryview) -> bytes:
 
 
 def sealed_limits(limits: dict[int, int]) -> dict[int, int]:
-    """A reader's payload limits once every frame carries a tag."""
-    return {opcode: size + TAG_SIZE for opcode, size in limits.items()}
+    """Payload limits for a reader that takes one frame at a time before a Channel's
+    feed() (the worker's blocking socket): each opcode both unmarked and SEALED."""
+    return limits | {opcode | SEALED: size + TAG_SIZE for opcode, size in limits.items()}

@@ -53,7 +53,7 @@ from ..ternary import check_packed, pack_trits, packed_size
 from . import auth
 from . import checkpoint as ckpt
 from . import snapshot as snapshots
-from .channel import Channel, DigestCache, sealed_limits
+from .channel import Channel, DigestCache
 from .protocol import (
     AUTH,
     DEGGS_PROTOCOL,
@@ -482,10 +482,9 @@ class Coordinator:
         peer.authenticated = True
         # From here every frame both ways carries a tag, this HELLO_REPLY first. No reply
         # of before is still unsent: the proof needs our CHALLENGE, which went out first.
-        peer.channel = Channel.for_coordinator(
-            self.secret, peer.hello.nonce, peer.nonce, self.digests
+        peer.channel = peer.reader = Channel.for_coordinator(
+            self.secret, peer.hello.nonce, peer.nonce, self.limits, self.digests, peer.reader.unread
         )
-        peer.reader.limits = sealed_limits(self.limits)
         return self._welcome(peer, peer.hello)
 
     def _welcome(self, peer: Peer, hello: Hello) -> bytes:

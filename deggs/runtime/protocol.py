@@ -62,10 +62,10 @@ from typing import Any, ClassVar, Self, cast
 MAGIC = b"JOBS"
 VERSION = 1
 HEADER_SIZE = 10
-DEGGS_PROTOCOL = 4  # version of the HELLO handshake (2: nonces, CHALLENGE/AUTH, GOODBYE;
+DEGGS_PROTOCOL = 5  # version of the HELLO handshake (2: nonces, CHALLENGE/AUTH, GOODBYE;
 # 3: EVALUATION and HEALTH, which an older coordinator would drop a worker for; 4: with a
 # secret, every frame after AUTH carries a tag (channel.py); DIGEST and the SNAPSHOT
-# messages; GOODBYE STOPPED)
+# messages; GOODBYE STOPPED; 5: one tag per write, not per frame)
 WAIT = 2**64 - 1  # JOB_RESPONSE.data_position: nothing to do yet
 NO_FINGERPRINT = bytes(8)  # HELLO from a worker that has no config yet
 NONCE_SIZE = 16
@@ -661,7 +661,7 @@ def limits_from_coordinator(population_bytes: int) -> dict[int, int]:
     }
 
 
-def _check_length(opcode: int, length: int, limits: dict[int, int]):
+def check_length(opcode: int, length: int, limits: dict[int, int]):
     limit = limits.get(opcode)
     if limit is not None and length <= limit:
         return
@@ -690,6 +690,11 @@ class FrameReader:
     def partial(self) -> bool:
         return bool(self._buf)
 
+    @property
+    def unread(self) -> bytes:
+        """The bytes of a frame not yet complete."""
+        return bytes(self._buf)
+
     def feed(self, data: bytes) -> list[tuple[int, bytes]]:
         buf = self._buf
         buf += data
@@ -698,7 +703,7 @@ class FrameReader:
             magic, version, opcode, length = _HEADER.unpack_from(buf, pos)
             if magic != MAGIC or version != VERSION:
                 parse_header(bytes(buf[pos : pos + HEADER_SIZE]))  # raises, saying which
-            _check_length(opcode, length, self.limits)
+            check_length(opcode, length, self.limits)
             end = pos + HEADER_SIZE + length
             if len(buf) < end:
                 break
@@ -748,7 +753,7 @@ def recv_frame(
     deadline = None if frame_s is None else time.monotonic() + frame_s
     header = _recv_exact(sock, HEADER_SIZE, "header", deadline, first)
     opcode, length = parse_header(header)
-    _check_length(opcode, length, limits)
+    check_length(opcode, length, limits)
     return opcode, _recv_exact(sock, length, "payload", deadline)
 
 

@@ -134,12 +134,6 @@ class Peer(asyncio.Protocol):
             self.partial_since = self.coord.clock()
         if frames:
             self.got_frame = True
-            if self.channel is not None:
-                try:
-                    frames = self.channel.open_all(frames)
-                except ProtocolError as e:
-                    self._close(f"dropping: {e}")
-                    return
             self.queue.extend(frames)
             self._process()
 
@@ -223,9 +217,9 @@ class Peer(asyncio.Protocol):
 
     def _write(self, frames: list[bytes]):
         if frames and not self.transport.is_closing():
-            if self.channel is not None:
-                frames = [self.channel.seal(f) for f in frames]
             data = b"".join(frames)
+            if self.channel is not None:
+                data = self.channel.seal(data)  # one write, one record: one tag
             self.coord.state.bytes_sent += len(data)
             self.transport.write(data)
 

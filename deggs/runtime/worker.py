@@ -151,6 +151,7 @@ class Worker:
         self.cfg = cfg
         self.secret = None if secret is None else auth.check_secret(secret)
         self.channel: Channel | None = None  # this connection's tags, once proven
+        self._checked: deque[tuple[int, bytes]] = deque()  # frames whose tag was checked
         self.data_dir = Path(data_dir)
         self.backend_name, self.threads = backend, threads
         self.log = log
@@ -231,8 +232,7 @@ class Worker:
     def _limits(self) -> dict[int, int]:
         """The largest payload we accept of each message a coordinator sends."""
         pairs = self.cfg.training.n_pairs if self.cfg is not None else 0
-        limits = protocol.limits_from_coordinator(max(1 << 20, packed_size(pairs)))
-        return limits if self.channel is None else sealed_limits(limits)
+        return protocol.limits_from_coordinator(max(1 << 20, packed_size(pairs)))
 
     # --- connecting and reconnecting ---------------------------------------------------
 
@@ -312,6 +312,7 @@ class Worker:
         self._heard = False
         self.deggs_coordinator = False
         self.channel = None
+        self._checked.clear()
         pipelined = self.secret is None and self.cfg is not None
         job = self._handshake(sock, pipelined)
         # A pipelined JOB_REQUEST is answered after the HELLO_REPLY: do not ask twice.
@@ -407,7 +408,7 @@ class Worker:
                 f"{auth.SECRET_ENV} differs between it and this worker"
             )
         self._send(sock, Auth(auth.proof(secret, "worker", ours, challenge.nonce)).encode())
-        self.channel = Channel.for_worker(secret, ours, challenge.nonce)
+        self.channel = Channel.for_worker(secret, ours, challenge.nonce, self._limits())
         message = self._receive(sock)  # every frame authenticated from here on
         if not isinstance(message, HelloReply):
             raise ProtocolError(f"a {type(message).__name__} in answer to AUTH")
@@ -455,20 +456,18 @@ class Worker:
         busy (or stopped) and did not read. Its GOODBYE is still in our socket and says
         more than a broken pipe: above all whether the run is finished, so that we end
         instead of retrying an address where nobody will listen again."""
-        reader = protocol.FrameReader(self._limits())
-        frames = []
+        if self.secret is not None and self.channel is None:
+            return  # an unproven peer's word is believed by nobody
+        reader = self.channel or protocol.FrameReader(self._limits())  # a Channel checks tags
+        frames = list(self._checked)
         sock.settimeout(0)  # only what has already arrived
         try:
             while data := sock.recv(1 << 16):
                 frames += reader.feed(data)
         except (OSError, ProtocolError):
             pass  # nothing more, or not a frame: the send's own error is the news
-        if self.secret is not None and self.channel is None:
-            return  # an unproven peer's word is believed by nobody
         for opcode, payload in frames:
             try:
-                if self.channel is not None:
-                    payload = self.channel.open(opcode, payload)
                 message = protocol.decode_message(opcode, payload)
             except ProtocolError:
                 return
@@ -501,11 +500,21 @@ class Worker:
                 return message
 
     def _read_frame(self, sock: socket.socket, hint: str) -> tuple[int, bytes]:
+        """The coordinator's next frame; once proven, the next whose record's tag is checked."""
+        if self.channel is None:
+            return self._next_frame(sock, hint, self._limits())
+        while not self._checked:
+            self.channel.limits = self._limits()  # they grow once we have the config
+            item = self._next_frame(sock, hint, sealed_limits(self.channel.limits))
+            self._checked += self.channel.feed(protocol.frame(*item))
+        return self._checked.popleft()
+
+    def _next_frame(self, sock: socket.socket, hint: str, limits: dict[int, int]):
         w = self.settings
         first, self._heard = not self._heard, True
         wait = min(w.reply_timeout_s, FIRST_REPLY_S) if first else w.reply_timeout_s
         try:
-            item = protocol.recv_frame(sock, self._limits(), wait, w.frame_timeout_s)
+            item = protocol.recv_frame(sock, limits, wait, w.frame_timeout_s)
         except TimeoutError as e:
             if first and isinstance(e, protocol.NoFrame):  # not one byte since HELLO
                 self._silent += 1
@@ -533,8 +542,6 @@ class Worker:
         if item is None:
             raise ConnectionError("the coordinator closed the connection")
         self._silent = 0
-        if self.channel is not None:
-            return item[0], self.channel.open(*item)
         return item
 
     def _goodbye(self, goodbye: Goodbye):
