@@ -29,6 +29,7 @@ from deggs.runtime import checkpoint as ckpt
 from deggs.runtime import coordinator as coordinator_module
 from deggs.runtime.channel import SEALED, TAG_SIZE, Channel, sealed_limits
 from deggs.runtime.coordinator import Coordinator, format_workers_line
+from deggs.runtime.steps import StepState
 from deggs.runtime.protocol import (
     NO_FINGERPRINT,
     OPCODE_NAMES,
@@ -2082,3 +2083,12 @@ def test_cli_keeps_an_ignored_sighup_ignored(tmp_path):
             proc.kill()
     assert proc.returncode == 0, output
     assert "SIGTERM: the run ends here" in output and "SIGHUP" not in output, output
+
+
+@pytest.mark.parametrize("chunk", [10, 8])  # 5 pairs a chunk fill whole bytes; 4 do not
+def test_a_steps_packed_fitness_is_its_fitness_packed(chunk):
+    s = StepState.fresh(SMALL.replace(training={"chunk_size": chunk}), 0, SEED0, 0.0)
+    rng = np.random.default_rng(chunk)
+    for i in range(s.n_chunks - 1):  # the last chunk not in: zeros
+        s.packed[i] = pack_trits(rng.integers(-1, 2, s.chunk_pairs))
+    assert s.packed_fitness() == pack_trits(s.fitness())

@@ -49,7 +49,7 @@ from pathlib import Path
 from ..config import Config, ConfigError
 from ..numerics.params import health_entries
 from ..seeds import next_step_seed
-from ..ternary import check_packed, pack_trits, packed_size
+from ..ternary import check_packed, packed_size
 from . import auth
 from . import checkpoint as ckpt
 from . import snapshot as snapshots
@@ -743,7 +743,7 @@ class Coordinator:
 
     async def _seal(self, s: StepState):
         """Make a finished step durable, then move every worker on to the next one."""
-        packed = pack_trits(s.fitness())
+        packed = s.packed_fitness()
         digests = self.replicas.sealed(s.step)
         record = step_record(self.config, s, self.clock(), self._calibration, self._resumed_at)
         record |= digests

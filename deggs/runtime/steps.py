@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..config import Config
-from ..ternary import packed_size, unpack_blocks
+from ..ternary import TRITS_PER_BYTE, pack_trits, packed_size, unpack_blocks
 from .protocol import Evaluation, Health
 
 LOSS_SCALE = 16  # the worker sums losses in Q.4 fixed point
@@ -143,12 +143,19 @@ class StepState:
 
     def fitness(self) -> np.ndarray:
         """The population's fitness (zeros for chunks not in yet), unpacked in one go."""
+        return unpack_blocks(self._chunks_packed(), self.n_chunks, self.chunk_pairs)
+
+    def packed_fitness(self) -> bytes:
+        """The population's fitness packed as one run, as a checkpoint and a catch-up hold
+        it. Where a chunk fills whole bytes (the default's 20,480 pairs), that is its
+        chunks' own bytes end to end: 2 ms less of the seal, on every worker's clock."""
+        if self.chunk_pairs % TRITS_PER_BYTE == 0:
+            return self._chunks_packed()
+        return pack_trits(self.fitness())
+
+    def _chunks_packed(self) -> bytes:
         zeros = bytes(packed_size(self.chunk_pairs))
-        return unpack_blocks(
-            b"".join(zeros if p is None else p for p in self.packed),
-            self.n_chunks,
-            self.chunk_pairs,
-        )
+        return b"".join(zeros if p is None else p for p in self.packed)
 
 
 def step_record(
