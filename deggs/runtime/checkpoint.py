@@ -39,6 +39,7 @@ not the run.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -275,8 +276,6 @@ def commit_step(
 
 # --- checksums and the seed chain ------------------------------------------------------
 
-_manifests: dict[Path, tuple[tuple[int, int, int], dict[str, str]]] = {}  # read_manifest's
-
 
 def _manifest_line(name: str, digest: str) -> bytes:
     return f"{digest}  {name}\n".encode()
@@ -302,16 +301,19 @@ def read_manifest(directory: str | Path) -> dict[str, str]:
         st = path.stat()
     except FileNotFoundError:
         return {}
-    signature = (st.st_ino, st.st_size, st.st_mtime_ns)
-    cached = _manifests.get(path)
-    if cached is not None and cached[0] == signature:
-        return cached[1]
+    return _parsed_manifest(path, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=8)
+def _parsed_manifest(path: Path, inode: int, size: int, mtime_ns: int) -> dict[str, str]:
+    """A manifest's lines, parsed once per version of the file (its inode, size and time
+    name the version): a catch-up from disk reads one for every step it serves. The
+    caller must not change the dict."""
     recorded = {}
     for line in path.read_bytes().splitlines():
         digest, _, name = line.decode("ascii", "replace").partition("  ")
         if len(digest) == 64 and _NAME.fullmatch(name):
             recorded[name] = digest
-    _manifests[path] = (signature, recorded)
     return recorded
 
 
