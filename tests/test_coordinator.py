@@ -29,7 +29,6 @@ from deggs.runtime import checkpoint as ckpt
 from deggs.runtime import coordinator as coordinator_module
 from deggs.runtime.channel import SEALED, TAG_SIZE, Channel, sealed_limits
 from deggs.runtime.coordinator import Coordinator, format_workers_line
-from deggs.runtime.steps import StepState
 from deggs.runtime.protocol import (
     NO_FINGERPRINT,
     OPCODE_NAMES,
@@ -53,6 +52,7 @@ from deggs.runtime.protocol import (
     recv_frame,
     send_frame,
 )
+from deggs.runtime.steps import StepState
 from deggs.seeds import next_step_seed
 from deggs.ternary import pack_trits
 

@@ -385,7 +385,8 @@ def test_a_sealed_write_is_its_frames_with_the_last_marked_and_a_running_tag():
 
 def test_a_write_over_a_record_is_cut_into_records():
     """What a receiver holds unchecked is bounded: unmarked frames end within
-    RECORD_BYTES of their record's start, and a peer that sends more is dropped."""
+    RECORD_BYTES of their record's start, at most RECORD_FRAMES in a record, and a peer
+    that sends more is dropped."""
     limits = dict.fromkeys(OPCODE_NAMES, 1 << 20)
     sender = Channel.for_worker(b"s" * 32, bytes(16), bytes(16), limits)
     receiver = Channel.for_coordinator(b"s" * 32, bytes(16), bytes(16), limits)
@@ -394,6 +395,9 @@ def test_a_write_over_a_record_is_cut_into_records():
     marked = sealed.count(bytes([0x80 | 3, 0, 0, 0x03, 0xF8]))  # opcode, length 1000 + 16
     assert marked == 4  # 65 frames of 1,010 bytes, then a tag, ...
     assert receiver.feed(sealed) == [(3, b"x" * 1000)] * 200
-    flood = Channel.for_coordinator(b"s" * 32, bytes(16), bytes(16), limits)
-    with pytest.raises(ProtocolError, match="65536 bytes of frames without a tag"):
-        flood.feed(b"".join(logs))
+    empty = sender.seal(LogMessage("").encode() * 130)
+    assert empty.count(b"JOBS\x01\x83") == 3  # records of 64, 64 and 2 frames
+    for flood in (b"".join(logs), LogMessage("").encode() * 64):  # bytes, or frames
+        receiver = Channel.for_coordinator(b"s" * 32, bytes(16), bytes(16), limits)
+        with pytest.raises(ProtocolError, match="65536 bytes or 63 frames without a tag"):
+            receiver.feed(flood)

@@ -6,6 +6,7 @@ sleeps to synchronise: scripts block on the worker's frames, tests on queues, an
 worker's pauses between reconnects are recorded instead of slept where they matter.
 """
 
+import contextlib
 import os
 import queue
 import select
@@ -409,6 +410,33 @@ def test_a_forged_frame_after_the_handshake_fails_the_connection(data_dir, pause
     assert len(failed) == 2, worker.lines
     assert "(JOB_RESPONSE)" in failed[0] and "(GOODBYE)" in failed[1]
     assert worker.chunks_done == 0 and len(pauses) == 2
+
+
+def test_a_record_whose_tag_never_comes_gets_one_frame_deadline(data_dir, pauses):
+    """Frames without a tag, each well within reply_timeout_s of the last, are not a way to
+    hold a worker: the record gets frame_timeout_s (1 s here) from its first frame."""
+    sent = []
+
+    def dribble(peer):
+        prove(peer)
+        peer.expect(JobRequest)
+        with contextlib.suppress(OSError):  # the worker's close ends it
+            for _ in range(20):
+                peer.sock.sendall(LogMessage("").encode())  # unmarked: a record begun
+                sent.append(time.monotonic())
+                time.sleep(0.25)  # the pace under test, not a wait for anything
+
+    def real(peer):
+        prove(peer)
+        peer.expect(JobRequest)
+        finish(peer)
+
+    fake = FakeCoordinator(dribble, real)
+    worker = make_worker(fake.port, data_dir, secret=SECRET)
+    run_worker(worker)
+    fake.check()
+    assert any("no tag ending a record in 1 s" in line for line in worker.lines), worker.lines
+    assert len(sent) < 20 and sent[-1] - sent[0] < 3
 
 
 def test_a_worker_without_secret_is_told_to_set_one(data_dir):

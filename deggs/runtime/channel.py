@@ -21,8 +21,8 @@ another connection (other nonces, other keys) fails its tag, and the connection 
 closed. The headers are hashed too, so where frames and records end is covered. Every
 opcode gets this at the framing layer: the coordinator's Peer seals what it writes and
 reads through its Channel, the worker likewise. A record's unmarked frames end within
-RECORD_BYTES of its start (a larger write is cut into several records), so what a
-receiver holds unchecked stays bounded.
+RECORD_BYTES of its start, and it has at most RECORD_FRAMES frames (a larger write is
+cut into several records), so what a receiver holds unchecked stays bounded.
 
 What it costs decides the design: CPython's work around a tag, hashing included, is a
 good part of what the coordinator spends on a RESULT. So there is one tag per write, not
@@ -53,6 +53,7 @@ TAG_SIZE = 16
 SEALED = 0x80  # opcode bit: this frame ends a record and carries its tag
 BIG = 1024  # payloads over this many bytes are tagged through their SHA-256
 RECORD_BYTES = 1 << 16  # a record's unmarked frames end within this many bytes of it
+RECORD_FRAMES = 64  # and a record has at most this many frames
 _HEADER = struct.Struct(">4sBBI")
 _OPCODE_LENGTH = struct.Struct(">BI")  # a frame header's last two fields
 _LENGTH = struct.Struct(">I")
@@ -144,12 +145,13 @@ class Channel(FrameReader):
             mac.update(sealed)
             return sealed + mac.digest()
         out: list[bytes | memoryview] = []
-        record = pos = 0  # the record's bytes so far; where the next frame starts
+        record = frames = pos = 0  # the record's bytes and frames so far; the next frame
         view = memoryview(data)
         while pos < len(data):
             opcode, length = _OPCODE_LENGTH.unpack_from(data, pos + 5)
             end = pos + HEADER_SIZE + length
             record += HEADER_SIZE + length
+            frames += 1
             payload = view[pos + HEADER_SIZE : end]
             body: bytes | memoryview
             if length > BIG:  # a step's update, written alike to every worker: hashed once
@@ -157,13 +159,14 @@ class Channel(FrameReader):
                 body = self._digests.digest(data, payload) if whole else _sha256(payload)
             else:
                 body = payload
-            last = end == len(data) or record > RECORD_BYTES  # this frame ends a record
+            # this frame ends a record
+            last = end == len(data) or record > RECORD_BYTES or frames == RECORD_FRAMES
             header: bytes | memoryview
             if last:
                 header = data[pos : pos + 5] + _OPCODE_LENGTH.pack(
                     opcode | SEALED, length + TAG_SIZE
                 )
-                record = 0
+                record = frames = 0
             else:
                 header = view[pos : pos + HEADER_SIZE]
             mac.update(header)
@@ -193,8 +196,10 @@ class Channel(FrameReader):
                 limit = limits.get(opcode)
                 if limit is None or length > limit:
                     _check_length(opcode, length, limits)  # raises, saying which
-                if end - start > RECORD_BYTES:
-                    raise ProtocolError(f"over {RECORD_BYTES} bytes of frames without a tag")
+                if end - start > RECORD_BYTES or len(frames) - checked == RECORD_FRAMES - 1:
+                    raise ProtocolError(
+                        f"over {RECORD_BYTES} bytes or {RECORD_FRAMES - 1} frames without a tag"
+                    )
                 if len(buf) < end:
                     break
                 frames.append((opcode, bytes(buf[pos + HEADER_SIZE : end])))

@@ -14,8 +14,8 @@ Every connection starts with deggs' handshake (protocol.py, auth.py):
                           answers the JOB_REQUEST, which is how it joins us.
     no secret, no config: HELLO, then wait for the HELLO_REPLY whose config we adopt.
     a shared secret:      HELLO -> CHALLENGE (the coordinator's proof, checked first)
-                          -> AUTH (ours) -> HELLO_REPLY, and from AUTH on every frame
-                          both ways carries a tag (channel.py).
+                          -> AUTH (ours) -> HELLO_REPLY, and from AUTH on every write
+                          both ways is a record with a tag (channel.py).
 
 The model lives on the worker, not on the wire: a worker that falls behind catches up
 one step per request from the coordinator's fitness history, after loading the newest
@@ -25,16 +25,16 @@ next one, for the coordinator to ask for. How a run ends for it:
 
 - GOODBYE(FINISHED), or the model reaches max_steps: run() returns.
 - A refusal that retrying cannot fix (another config, a coordinator that lost the history
-  we need, something that is not a coordinator at all): WorkerError.
-- With a secret, only a coordinator that has proven it is believed: anything said before
-  (a GOODBYE, a refusal, a wrong proof, a HELLO_REPLY) fails that connection, and the
-  worker retries. An impostor on the coordinator's port cannot stop it.
+  we need, not a coordinator at all): WorkerError. With a secret, only a coordinator that
+  has proven it is believed: anything said before fails that connection, and the worker
+  retries, so an impostor on the coordinator's port cannot stop it.
 - Anything else (refused or dropped connections, silence, a coordinator restarting):
   the worker keeps its model and reconnects with backoff.
 """
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import time
 from collections import deque
@@ -156,8 +156,7 @@ class Worker:
         self.backend_name, self.threads = backend, threads
         self.log = log
         self.training: Training | None = None  # once the config is known
-        self.last_updates = 0
-        self.chunks_done = 0
+        self.last_updates = self.chunks_done = 0
         self._asked_at = 0.0  # when our last JOB_REQUEST went out
         self.deggs_coordinator = False  # may we send deggs messages (EVALUATION, HEALTH)?
         self._windows: np.ndarray | None = None  # validation windows, once loaded
@@ -231,7 +230,7 @@ class Worker:
 
     def _limits(self) -> dict[int, int]:
         """The largest payload we accept of each message a coordinator sends."""
-        pairs = self.cfg.training.n_pairs if self.cfg is not None else 0
+        pairs = 0 if self.cfg is None else self.cfg.training.n_pairs
         return protocol.limits_from_coordinator(max(1 << 20, packed_size(pairs)))
 
     # --- connecting and reconnecting ---------------------------------------------------
@@ -466,13 +465,10 @@ class Worker:
                 frames += reader.feed(data)
         except (OSError, ProtocolError):
             pass  # nothing more, or not a frame: the send's own error is the news
-        for opcode, payload in frames:
-            try:
-                message = protocol.decode_message(opcode, payload)
-            except ProtocolError:
-                return
-            if isinstance(message, Goodbye):
-                self._goodbye(message)
+        goodbyes = [payload for opcode, payload in frames if opcode == protocol.GOODBYE]
+        if goodbyes:
+            with contextlib.suppress(ProtocolError):  # a malformed one tells nothing
+                self._goodbye(Goodbye.decode(goodbyes[0]))
 
     def _next_job(self, sock: socket.socket) -> JobResponse:
         """The answer to our request; a snapshot sent instead is loaded, and we ask again."""
@@ -503,19 +499,24 @@ class Worker:
         """The coordinator's next frame; once proven, the next whose record's tag is checked."""
         if self.channel is None:
             return self._next_frame(sock, hint, self._limits())
+        by = None  # a record's frames come within frame_timeout_s of its first, or none
         while not self._checked:
             self.channel.limits = self._limits()  # they grow once we have the config
-            item = self._next_frame(sock, hint, sealed_limits(self.channel.limits))
+            item = self._next_frame(sock, hint, sealed_limits(self.channel.limits), by)
             self._checked += self.channel.feed(protocol.frame(*item))
+            by = by or time.monotonic() + self.settings.frame_timeout_s
         return self._checked.popleft()
 
-    def _next_frame(self, sock: socket.socket, hint: str, limits: dict[int, int]):
+    def _next_frame(self, sock, hint: str, limits: dict[int, int], by: float | None = None):
         w = self.settings
         first, self._heard = not self._heard, True
         wait = min(w.reply_timeout_s, FIRST_REPLY_S) if first else w.reply_timeout_s
+        left = w.frame_timeout_s if by is None else max(by - time.monotonic(), 1e-3)
         try:
-            item = protocol.recv_frame(sock, limits, wait, w.frame_timeout_s)
+            item = protocol.recv_frame(sock, limits, min(wait, left), min(w.frame_timeout_s, left))
         except TimeoutError as e:
+            if by is not None:  # a record begun: its tag is late, whatever the read said
+                raise TimeoutError(f"no tag ending a record in {w.frame_timeout_s:g} s") from None
             if first and isinstance(e, protocol.NoFrame):  # not one byte since HELLO
                 self._silent += 1
                 what = (
