@@ -22,7 +22,8 @@ closed. The headers are hashed too, so where frames and records end is covered. 
 opcode gets this at the framing layer: the coordinator's Peer seals what it writes and
 reads through its Channel, the worker likewise. A record's unmarked frames end within
 RECORD_BYTES of its start, and it has at most RECORD_FRAMES frames (a larger write is
-cut into several records), so what a receiver holds unchecked stays bounded.
+cut into several records), so what a receiver holds unchecked stays bounded; both
+readers give a record frame_timeout_s from its first byte, as they would one frame.
 
 What it costs decides the design: CPython's work around a tag, hashing included, is a
 good part of what the coordinator spends on a RESULT. So there is one tag per write, not

@@ -480,8 +480,8 @@ class Coordinator:
         if peer.queue:  # a worker waits for HELLO_REPLY; later frames would need tags
             raise ProtocolError("frames after AUTH before its reply")
         peer.authenticated = True
-        # From here every frame both ways carries a tag, this HELLO_REPLY first. No reply
-        # of before is still unsent: the proof needs our CHALLENGE, which went out first.
+        # From here every write both ways is a sealed record, this HELLO_REPLY first. No
+        # reply of before is still unsent: the proof needs our CHALLENGE, sent first.
         peer.channel = peer.reader = Channel.for_coordinator(
             self.secret, peer.hello.nonce, peer.nonce, self.limits, self.digests, peer.reader.unread
         )
