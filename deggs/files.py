@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -60,6 +61,20 @@ def atomic_file(path: str | Path) -> Iterator[BinaryIO]:
         Path(tmp).unlink(missing_ok=True)
         raise
     _fsync_dir(path.parent)  # make the rename itself durable
+
+
+def files_by_step(directory: str | Path, name: re.Pattern[str]) -> dict[int, Path]:
+    """step -> path of the files of `directory` whose whole name matches `name` (its first
+    group the step), in step order; none if the directory does not exist."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return {}
+    found = {}
+    for entry in directory.iterdir():
+        match = name.fullmatch(entry.name)
+        if match:
+            found[int(match.group(1))] = entry
+    return dict(sorted(found.items()))
 
 
 def write_atomic(path: str | Path, data: bytes) -> None:

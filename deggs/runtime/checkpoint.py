@@ -52,7 +52,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import Config, ConfigError
-from ..files import METRICS_FILE, read_metrics, write_atomic
+from ..files import METRICS_FILE, files_by_step, read_metrics, write_atomic
 from ..seeds import next_step_seed
 from ..ternary import check_packed, packed_size
 
@@ -150,15 +150,7 @@ def read_checkpoint(path: str | Path, n_pairs: int | None = None) -> Checkpoint:
 
 def list_checkpoints(directory: str | Path) -> dict[int, Path]:
     """Checkpoint files of a directory by step (from their names; contents unchecked)."""
-    directory = Path(directory)
-    if not directory.is_dir():
-        return {}
-    found = {}
-    for entry in directory.iterdir():
-        match = _NAME.fullmatch(entry.name)
-        if match:
-            found[int(match.group(1))] = entry
-    return dict(sorted(found.items()))
+    return files_by_step(directory, _NAME)
 
 
 def load_latest(directory: str | Path, n_pairs: int | None = None) -> Checkpoint | None:

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..config import Config
-from ..files import atomic_file
+from ..files import atomic_file, files_by_step
 from .checkpoint import forget_checkpoints, list_checkpoints
 from .export import (
     MAX_HEADER_BYTES,
@@ -96,16 +96,9 @@ def snapshot_path(directory: str | Path, step: int) -> Path:
 
 
 def list_snapshots(directory: str | Path) -> dict[int, Path]:
-    """step -> path of every snapshot file in a directory (none if it does not exist)."""
-    directory = Path(directory)
-    if not directory.is_dir():
-        return {}
-    out = {}
-    for path in directory.iterdir():
-        match = _NAME.fullmatch(path.name)
-        if match:
-            out[int(match.group(1))] = path
-    return out
+    """step -> path of every snapshot file in a directory, in step order (none if it
+    does not exist)."""
+    return files_by_step(directory, _NAME)
 
 
 def data_bytes(cfg: Config) -> int:
@@ -201,7 +194,7 @@ def newest_valid(
 ) -> tuple[Model, Snapshot] | None:
     """The newest snapshot in a directory (at or before `at_most`) that passes its checks;
     a bad one is logged and passed over: an older snapshot is only a longer replay."""
-    for step, path in sorted(list_snapshots(directory).items(), reverse=True):
+    for step, path in reversed(list_snapshots(directory).items()):
         if at_most is not None and step > at_most:
             continue
         try:
@@ -226,13 +219,13 @@ def copy_snapshots(source: str | Path, target: str | Path) -> int:
 def prune(directory: str | Path, keep: int, history: bool) -> list[Path]:
     """Delete all but the newest `keep` snapshots and, with `history`, the checkpoints
     before the oldest kept snapshot. Returns what was deleted."""
-    snapshots = sorted(list_snapshots(directory).items())
+    snapshots = list(list_snapshots(directory).items())
     gone = [path for _, path in snapshots[:-keep]] if keep < len(snapshots) else []
     kept = snapshots[-keep:]
     if history and kept:
         oldest = kept[0][0]
         checkpoints = list_checkpoints(directory)
-        gone += [path for step, path in sorted(checkpoints.items()) if step < oldest]
+        gone += [path for step, path in checkpoints.items() if step < oldest]
     for path in gone:
         path.unlink(missing_ok=True)
     if history and kept:
