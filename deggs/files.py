@@ -63,6 +63,18 @@ def atomic_file(path: str | Path) -> Iterator[BinaryIO]:
     _fsync_dir(path.parent)  # make the rename itself durable
 
 
+def append_line(path: str | Path, line: bytes) -> None:
+    """Append one newline-ended line to a file, durably (fsynced). A file whose last
+    line was torn by a crash gets a newline first, so the torn part stays a line of its
+    own that readers skip instead of spoiling this one."""
+    with open(path, "a+b") as f:
+        end = f.seek(0, os.SEEK_END)
+        torn = end > 0 and f.seek(end - 1) >= 0 and f.read(1) != b"\n"
+        f.write((b"\n" if torn else b"") + line)
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def files_by_step(directory: str | Path, name: re.Pattern[str]) -> dict[int, Path]:
     """step -> path of the files of `directory` whose whole name matches `name` (its first
     group the step), in step order; none if the directory does not exist."""

@@ -43,7 +43,6 @@ import functools
 import hashlib
 import json
 import logging
-import os
 import re
 import struct
 import time
@@ -52,7 +51,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import Config, ConfigError
-from ..files import METRICS_FILE, files_by_step, read_metrics, write_atomic
+from ..files import METRICS_FILE, append_line, files_by_step, read_metrics, write_atomic
 from ..seeds import next_step_seed
 from ..ternary import check_packed, packed_size
 
@@ -228,18 +227,9 @@ def copy_history(source: str | Path, target: str | Path) -> int:
 
 
 def append_metrics(directory: str | Path, record: dict) -> None:
-    """Append one finished step's record as a JSON line, durably.
-
-    A file whose last line was torn by a crash gets a newline first, so the torn part
-    stays a line of its own that readers skip instead of spoiling this record.
-    """
+    """Append one finished step's record as a JSON line, durably (files.append_line)."""
     record = {**record, "time": record.get("time", time.time())}
-    with open(Path(directory) / METRICS_FILE, "a+b") as f:
-        end = f.seek(0, os.SEEK_END)
-        torn = end > 0 and f.seek(end - 1) >= 0 and f.read(1) != b"\n"
-        f.write((b"\n" if torn else b"") + json.dumps(record).encode() + b"\n")
-        f.flush()
-        os.fsync(f.fileno())
+    append_line(Path(directory) / METRICS_FILE, json.dumps(record).encode() + b"\n")
 
 
 def tidy_metrics(directory: str | Path, start_step: int) -> None:
@@ -275,14 +265,9 @@ def _manifest_line(name: str, digest: str) -> bytes:
 
 def record_checksum(directory: str | Path, name: str, data: bytes) -> None:
     """Append the SHA-256 of a checkpoint's bytes to the manifest, durably (a torn last
-    line from a crash gets a newline first and is skipped by readers, as in metrics)."""
-    path = Path(directory) / MANIFEST_FILE
-    with open(path, "a+b") as f:
-        end = f.seek(0, os.SEEK_END)
-        torn = end > 0 and f.seek(end - 1) >= 0 and f.read(1) != b"\n"
-        f.write((b"\n" if torn else b"") + _manifest_line(name, hashlib.sha256(data).hexdigest()))
-        f.flush()
-        os.fsync(f.fileno())
+    line from a crash is skipped by readers, as in metrics)."""
+    digest = hashlib.sha256(data).hexdigest()
+    append_line(Path(directory) / MANIFEST_FILE, _manifest_line(name, digest))
 
 
 def read_manifest(directory: str | Path) -> dict[str, str]:

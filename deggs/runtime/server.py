@@ -1,7 +1,7 @@
 """The coordinator's connections: one `Peer` per socket, and the limits around them.
 
 A Peer is an asyncio Protocol: it cuts frames from the bytes as they arrive (checking
-each header against the payload limits, and with a secret each frame's tag), hands them
+each header against the payload limits, and with a secret each record's tag), hands them
 to the coordinator in order, and writes each batch of replies with one send. It keeps a
 peer to its deadlines (the handshake, each frame, asking for work, reading its replies)
 and closes it with one line when it breaks one. `Burst` summarises lines that a flood of
@@ -64,7 +64,7 @@ class Peer(asyncio.Protocol):
         self.hello: Hello | None = None
         self.nonce: bytes | None = None  # our challenge's
         self.authenticated = False
-        self.channel: Channel | None = None  # every frame tagged, once the secret is proven
+        self.channel: Channel | None = None  # seals our writes, once the secret is proven
         self.welcomed = False  # a deggs worker that passed the handshake
         self.asked = self.opened  # when it last asked for work (JOB_REQUEST)
         self.step: int | None = None  # the step it last asked for a chunk of

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..config import Config
-from ..files import atomic_file, files_by_step
+from ..files import atomic_file, files_by_step, write_atomic
 from .checkpoint import forget_checkpoints, list_checkpoints
 from .export import (
     MAX_HEADER_BYTES,
@@ -171,8 +171,7 @@ def check(data: bytes, cfg: Config, name: str, step: int, digest: bytes) -> Mode
 def write_snapshot(directory: str | Path, step: int, data: bytes) -> Path:
     """Store checked snapshot bytes atomically (fsynced, then renamed)."""
     path = snapshot_path(directory, step)
-    with atomic_file(path) as f:
-        f.write(data)
+    write_atomic(path, data)
     return path
 
 
