@@ -1101,7 +1101,7 @@ def test_write_atomic_leaves_the_old_file_when_interrupted(tmp_path, monkeypatch
     def crash(fd):
         raise OSError("disk on fire")
 
-    monkeypatch.setattr(ckpt.os, "fsync", crash)
+    monkeypatch.setattr(os, "fsync", crash)  # files.write_atomic's
     with pytest.raises(OSError, match="disk on fire"):
         ckpt.write_atomic(path, b"new contents")
     assert path.read_bytes() == b"old"
