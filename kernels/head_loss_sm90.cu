@@ -5,6 +5,14 @@
 // registers, for each vocabulary tile again, and the tensor cores wait while the warps
 // run a tile's epilogue; here the products of the next tile run during the epilogue.
 // A block of 256 rows reads the embedding table from L2 once per pass, as head_loss.
+//
+// One pass where it is sure (deggs/numerics/gpu/one_pass.py says why): the sweep sums
+// against each row's running peak, its quad sharing it tile by tile, and keeps an
+// interval for the terms summed before the peak last rose. A row needs floor(log2) of
+// its sum only; where the interval leaves that open, the row is summed again with its
+// peak known: on the CUDA cores where the block has at most OPEN_ROWS such rows, else
+// by a second sweep (head_loss's second pass). again[0] counts the blocks that swept
+// twice, again[1] the rows summed on the CUDA cores.
 
 #include "common.cuh"
 #include "tiles.cuh"
@@ -19,16 +27,48 @@
 #ifndef HEAD_FOLD
 #define HEAD_FOLD (HEAD_REGS_A && FOLD_FITS(SHIFT_LOGIT, 0))
 #endif
+// One pass where sure (below); at HIDDEN > 256 the interval's registers spill: two there.
+#ifndef HEAD_ONE_PASS
+#define HEAD_ONE_PASS HEAD_REGS_A
+#endif
+// Open rows a block sums again on the CUDA cores, a group of TILE_N threads each (the
+// embedding read once for all), at most one a group; with more it sweeps again. The
+// embedding's tiles come OPEN_DEPTH ahead of the products (its reads from L2 bound this;
+// at narrow rows a deeper ring spills the sweep's registers).
+#ifndef OPEN_ROWS
+#define OPEN_ROWS (SM90_THREADS / TILE_N)
+#endif
+#ifndef OPEN_DEPTH
+#define OPEN_DEPTH (HIDDEN >= 256 ? 4 : 1)
+#endif
+static_assert(OPEN_ROWS >= 1 && OPEN_ROWS <= SM90_THREADS / TILE_N && TILE_N % 32 == 0, "OPEN_ROWS");
 #if HEAD_FOLD
 #define LOOKUP_SHIFT (SHIFT_LOGIT + MSHIFT)
 #else
 #define LOOKUP_SHIFT SHIFT_LOGIT
 #endif
 
+#define ROW32 (EXP_MAX * ((VOCAB + TILE_N - 1) / TILE_N * TILE_N / 4) < 4294967296)  // preprocessor: 64-bit
+#if ROW32
+typedef u32 row_sum_t;
+#else
+typedef unsigned long long row_sum_t;
+#endif
+
+// A quad's sum of one float each, rounded down or up (each thread gets the same sum).
+__device__ __forceinline__ float quad_sum_rd(float v) {
+    v = __fadd_rd(v, __shfl_xor_sync(0xffffffffu, v, 1));
+    return __fadd_rd(v, __shfl_xor_sync(0xffffffffu, v, 2));
+}
+__device__ __forceinline__ float quad_sum_ru(float v) {
+    v = __fadd_ru(v, __shfl_xor_sync(0xffffffffu, v, 1));
+    return __fadd_ru(v, __shfl_xor_sync(0xffffffffu, v, 2));
+}
+
 extern "C" __global__ void __launch_bounds__(SM90_THREADS, 1)
 head_loss_sm90(const i8* y, const i8* emb_t, const i8* emb_cores, const int* sb, const int* tokens,
                const u32* seeds, const int* signs, const i8* ov_out, u32 off_a, const int* exp_tab,
-               u32* loss, int rows) {
+               const float* exp_bounds, u32* loss, u64* again, int rows) {
     extern __shared__ __align__(128) unsigned char head_loss_sm90_shared[];
     i8* s_a = (i8*)head_loss_sm90_shared;          // TILE_M rows, core matrices
     i8* s_b = s_a + TILE_M * HIDDEN;               // [2] tiles of TILE_N rows, core matrices
@@ -64,13 +104,54 @@ head_loss_sm90(const i8* y, const i8* emb_t, const i8* emb_cores, const int* sb,
     const int n_pairs = (m0 + n_members - 1) / 2 - m0 / 2 + 1;
     tile_noise(s_av, n_pairs, m0, seeds, off_a, ov_out, 0, VOCAB, TILES * TILE_N, true);
 
-    int peak[2] = {INT_MIN_, INT_MIN_};
-    unsigned long long total[2] = {0ull, 0ull};
+    int peak[2] = {INT_MIN_, INT_MIN_};  // the rows' running peaks, shifted logits
+    // exact, since the peak last rose: a thread's whole row fits 32 bits where ROW32
+    row_sum_t total[2] = {0, 0};
+    float lo[2] = {0.f, 0.f}, hi[2] = {0.f, 0.f};  // the terms summed before
 
-    // Tile t's epilogue on its products d: pass 0 the rows' peaks, pass 1 their sums.
+    // A value's key: its logit is key >> LOOKUP_SHIFT (HEAD_FOLD: the folded term).
+    auto key_of = [&](const int (&d)[32], auto av, int j, int e, int s) {
+        const int a_v = mine.of_pair(av, s, 8 * j + 2 * tig + e, TILES * TILE_N);
+#if HEAD_FOLD
+        return (int)folded_term(d[4 * j + 2 * s + e], mine.sbs[s], a_v);
+#else
+        return wrap_add(d[4 * j + 2 * s + e], rank1_term(mine.sbs[s], a_v));
+#endif
+    };
+
+    // Tile t's epilogue on its products d: pass 0 moves the peaks, then both passes sum.
     auto epilogue = [&](const int (&d)[32], int tile, int pass) {
         const int* av = s_av + tile * TILE_N;
         const int v0 = tile * TILE_N;
+        if (pass == 0) {
+            int top[2] = {INT_MIN_, INT_MIN_};
+#pragma unroll
+            for (int j = 0; j < TILE_N / 8; j++)
+#pragma unroll
+                for (int e = 0; e < 2; e++)
+#pragma unroll
+                    for (int s = 0; s < 2; s++)
+                        // (volatile: the lookups below load the noise again; held
+                        // in registers across them, it spilled)
+                        if (!VOCAB_PAD || v0 + 8 * j + 2 * tig + e < VOCAB)
+                            top[s] = max(top[s], key_of(d, (const volatile int*)av, j, e, s));
+#pragma unroll
+            for (int s = 0; s < 2; s++) {
+                top[s] = quad_max(top[s]) >> LOOKUP_SHIFT;
+                if (top[s] <= peak[s]) continue;
+                if (HEAD_ONE_PASS && tile > 0) {  // move what the thread summed: exp_bounds' row d
+                    const float4 b = __ldg((const float4*)exp_bounds + min(top[s] - peak[s], EXP_LAST));
+                    const float n = (float)(tile * (TILE_N / 4));  // values summed, >= terms
+                    const float x_lo = __fadd_rd(lo[s], __ull2float_rd(total[s]));
+                    const float x_hi = __fadd_ru(hi[s], __ull2float_ru(total[s]));
+                    lo[s] = fmaxf(0.f, __fmaf_rd(b.x, x_lo, -__fmul_ru(n, b.y)));
+                    hi[s] = __fmaf_ru(b.x, x_hi, __fmul_ru(n, b.z));
+                    total[s] = 0;
+                }
+                peak[s] = top[s];
+            }
+            if (!HEAD_ONE_PASS) return;
+        }
 #if HEAD_REGS_A
         // Pass 1's lookups in a clamp, a shift and a multiply-add a logit (the integer
         // pipe bounds this epilogue): entry min(peak - (key >> LOOKUP_SHIFT), EXP_LAST) is
@@ -89,7 +170,7 @@ head_loss_sm90(const i8* y, const i8* emb_t, const i8* emb_cores, const int* sb,
 #if TOTAL32
         u32 part[2] = {0u, 0u};
 #else
-        unsigned long long* part = total;
+        row_sum_t* part = total;
 #endif
 #pragma unroll
         for (int j = 0; j < TILE_N / 8; j++)
@@ -99,56 +180,138 @@ head_loss_sm90(const i8* y, const i8* emb_t, const i8* emb_cores, const int* sb,
                 if (VOCAB_PAD && v0 + col >= VOCAB) continue;
 #pragma unroll
                 for (int s = 0; s < 2; s++) {
-                    const int a_v = mine.of_pair(av, s, col, TILES * TILE_N);
-                    const int raw = wrap_add(d[4 * j + 2 * s + e], rank1_term(mine.sbs[s], a_v));
-                    if (pass == 0) {
-                        peak[s] = max(peak[s], raw);
-                        continue;
-                    }
+                    const int key = key_of(d, av, j, e, s);
 #if HEAD_REGS_A
-#if HEAD_FOLD
-                    const int key = (int)folded_term(d[4 * j + 2 * s + e], mine.sbs[s], a_v);
-#else
-                    const int key = raw;
-#endif
                     part[s] += shared_word(last[s] - (u32)(max(key, lowest[s]) >> LOOKUP_SHIFT) * (4 * EXP_COPIES));
 #else
-                    const u32 dist = (u32)peak[s] - (u32)(raw >> SHIFT_LOGIT);  // >= 0
+                    const u32 dist = (u32)peak[s] - (u32)(key >> LOOKUP_SHIFT);  // >= 0
                     part[s] += shared_word(my_exp + min(dist, (u32)EXP_LAST) * (4 * EXP_COPIES));
 #endif
                 }
             }
 #if TOTAL32
-        if (pass == 1)
 #pragma unroll
-            for (int s = 0; s < 2; s++) total[s] += part[s];
+        for (int s = 0; s < 2; s++) total[s] += part[s];
 #endif
     };
 
-    // Unrolled, so that `pass` is a constant in each copy (as in head_loss).
-#pragma unroll
-    for (int pass = 0; pass < 2; pass++) {
-        sweep_async<TILE_N * HIDDEN>(
-            TILES, s_b, emb_cores, [&](int (&d)[32], const i8* tile) {
+    auto products = [&](int (&d)[32], const i8* tile) {
 #if HEAD_REGS_A
-                tile_product_regs(d, a, tile);
+        tile_product_regs(d, a, tile);
 #else
-                tile_product_async(d, s_rows, tile);
+        tile_product_async(d, s_rows, tile);
 #endif
-            },
-            [&](const int (&d)[32], int tile) { epilogue(d, tile, pass); });
-        if (pass == 0) {  // the quad of threads holding a row shares its peak
+    };
+    // `pass` a constant in each sweep's epilogue, as in head_loss
+    sweep_async<TILE_N * HIDDEN>(TILES, s_b, emb_cores, products,
+                                 [&](const int (&d)[32], int tile) { epilogue(d, tile, 0); });
+    // A row's sum: exact where no term was moved, else 2^floor(log2) where the interval
+    // [lo, hi] leaves one (it holds the sum, which is at least the peak's 2^SCALE_BIT).
+    unsigned long long sums[2];
+    bool open[2] = {false, false};
 #pragma unroll
-            for (int s = 0; s < 2; s++) {
-                peak[s] = quad_max(peak[s]) >> SHIFT_LOGIT;
+    for (int s = 0; s < 2; s++) {
+        sums[s] = quad_sum((unsigned long long)total[s]);
+        const float l = quad_sum_rd(lo[s]), h = quad_sum_ru(hi[s]);
+        if (h == 0.f) continue;
+        const float low = fmaxf(__fadd_rd(l, __ull2float_rd(sums[s])), (float)(1u << SCALE_BIT));
+        const int e_low = __float_as_int(low) >> 23;
+        open[s] = mine.valid[s] && e_low != __float_as_int(__fadd_ru(h, __ull2float_ru(sums[s]))) >> 23;
+        sums[s] = 1ull << (e_low - 127);
+    }
+
+    // Rows left open: up to OPEN_ROWS summed again on the CUDA cores, more by a sweep.
+    __shared__ int s_open;
+    __shared__ int s_open_row[OPEN_ROWS], s_open_peak[OPEN_ROWS];  // of the block's rows
+    __shared__ unsigned long long s_open_sum[OPEN_ROWS];
+    if (threadIdx.x == 0) s_open = 0;
+    __syncthreads();
+    int slot[2] = {-1, -1};
+#pragma unroll
+    for (int s = 0; s < 2; s++) {
+        if (!open[s] || tig != 0) continue;
+        slot[s] = atomicAdd(&s_open, 1);
+        if (slot[s] >= OPEN_ROWS) continue;
+        s_open_row[slot[s]] = 16 * warp + g + 8 * s;
+        s_open_peak[slot[s]] = peak[s];
+        s_open_sum[slot[s]] = 0ull;
+    }
+    __syncthreads();
+    const int n_open = HEAD_ONE_PASS ? s_open : OPEN_ROWS + 1;  // block-uniform
+    if (n_open > OPEN_ROWS) {  // sweep_async synchronizes the block
+        if (threadIdx.x == 0) atomicAdd(again, 1ull);
+        total[0] = total[1] = 0;
+        sweep_async<TILE_N * HIDDEN>(TILES, s_b, emb_cores, products,
+                                     [&](const int (&d)[32], int tile) { epilogue(d, tile, 1); });
+#pragma unroll
+        for (int s = 0; s < 2; s++) sums[s] = quad_sum((unsigned long long)total[s]);
+    } else if (n_open > 0) {
+        if (threadIdx.x == 0) atomicAdd(again + 1, (unsigned long long)n_open);
+        // The embedding a tile at a time into s_b (the sweeps are done with it), its rows
+        // padded by 16 bytes so that lanes reading their own rows use every bank; the
+        // next tile's loads in flight during this one's products. Thread (i, vr) makes
+        // the logit of vocabulary row vr of the tile for open row i, and its entry.
+        constexpr int LD = HIDDEN + 16, PIECES = TILE_N * TILE_PIECES;
+        constexpr int PER = (PIECES + SM90_THREADS - 1) / SM90_THREADS;
+        const int vr = threadIdx.x % TILE_N, i = threadIdx.x / TILE_N;  // warp-uniform i
+        const bool active = i < n_open;
+        const int r = active ? s_open_row[i] : 0, row = row0 + r, m = row / SEQ;
+        const u32 sbs = active ? (u32)sb[row] * (u32)signs[m] : 0u;
+        const int* av = s_av + (m / 2 - m0 / 2) * (TILES * TILE_N);
+        const u32 top = active ? (u32)s_open_peak[i] : 0u;
+        const i8* x = s_a + (r >> 3) * CORE_SBO + (r & 7) * 16;
+        auto load = [&](int4 (&w)[PER], int tile) {
+#pragma unroll
+            for (int k = 0; k < PER; k++) {
+                const int at = threadIdx.x + k * SM90_THREADS, v = tile * TILE_N + at / TILE_PIECES;
+                w[k] = at < PIECES && v < VOCAB ? __ldg((const int4*)(emb_t + (long)v * HIDDEN) + at % TILE_PIECES)
+                                                 : make_int4(0, 0, 0, 0);
             }
+        };
+        int4 ring[OPEN_DEPTH][PER];  // tile t's loads in ring[t % OPEN_DEPTH]
+#pragma unroll
+        for (int k = 0; k < OPEN_DEPTH; k++) load(ring[k], k);
+        unsigned long long part = 0ull;
+        for (int t0 = 0; t0 < TILES; t0 += OPEN_DEPTH)
+#pragma unroll
+            for (int k = 0; k < OPEN_DEPTH; k++) {  // unrolled: ring's index a constant
+                const int tile = t0 + k;
+                if (tile >= TILES) break;
+                __syncthreads();  // the tile before is read
+#pragma unroll
+                for (int q = 0; q < PER; q++) {
+                    const int at = threadIdx.x + q * SM90_THREADS;
+                    if (at < PIECES) *(int4*)(s_b + at / TILE_PIECES * LD + at % TILE_PIECES * 16) = ring[k][q];
+                }
+                __syncthreads();
+                load(ring[k], tile + OPEN_DEPTH);
+                const int v = tile * TILE_N + vr;
+                if (!active || v >= VOCAB) continue;
+                int dot = 0;
+                for (int piece = 0; piece < TILE_PIECES; piece++) {
+                    const int4 e = *(const int4*)(s_b + vr * LD + piece * 16);
+                    const int4 y4 = *(const int4*)(x + piece * CORE_LBO);
+                    dot = __dp4a(y4.w, e.w, __dp4a(y4.z, e.z, __dp4a(y4.y, e.y, __dp4a(y4.x, e.x, dot))));
+                }
+                const int logit = wrap_add(dot, rank1_term(sbs, av[v])) >> SHIFT_LOGIT;
+                part += shared_word(my_exp + min(top - (u32)logit, (u32)EXP_LAST) * (4 * EXP_COPIES));
+            }
+        if (active) {
+            for (int o = 16; o > 0; o >>= 1) part += __shfl_xor_sync(0xffffffffu, part, o);
+            if (lane == 0) atomicAdd(&s_open_sum[i], part);
+        }
+        __syncthreads();
+#pragma unroll
+        for (int s = 0; s < 2; s++) {
+            const int i = __shfl_sync(0xffffffffu, slot[s], lane & ~3);  // the quad's tig 0
+            if (i >= 0) sums[s] = s_open_sum[i];
         }
     }
 
     // The target's logit: the quad splits the row's dot product with its embedding row.
 #pragma unroll
     for (int s = 0; s < 2; s++) {
-        const unsigned long long t = quad_sum(total[s]);
+        const unsigned long long t = sums[s];
         const int r = 16 * warp + g + 8 * s;  // of the block's rows
         const int m = m0 + mine.member[s];
         const int target = mine.valid[s] ? tokens[m * (SEQ + 1) + (row0 + r) % SEQ + 1] : 0;

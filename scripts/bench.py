@@ -220,6 +220,7 @@ def main(
             qkv="qkv_rope_sm90" if engine.plan.fused_qkv else "cuBLAS + qkv_rope",
             graph=engine.graph is not None,
             graph_error=engine.graph_error,
+            head_again=engine.forward.head_again_shares(),
         )
         if profile:
             engine.start_profile()

@@ -4,6 +4,8 @@ Every test is marked requires_gpu: conftest.py skips them without CuPy and a CUD
 (fails them instead under DEGGS_REQUIRE_GPU=1). The module imports without CuPy.
 """
 
+import re
+
 import numpy as np
 import pytest
 
@@ -352,6 +354,28 @@ def test_every_kernel_matches_its_cpu_reference(switches, not_used):
     assert built == cp_device_is_hopper(), "\n".join(lines)  # the *_sm90 on Hopper
     skipped = [line.split()[0] for line in lines if "not used" in line]
     assert skipped == (not_used if built else []), "\n".join(lines)
+
+
+def test_the_one_pass_head_sums_open_rows_both_ways():
+    """head_loss_sm90 at the default shapes (deggs/numerics/gpu/one_pass.py): the rows its
+    one sweep leaves open are summed again on the CUDA cores where a block has a few, by
+    a second sweep where it has more than OPEN_ROWS (1 here), bit-exact with the CPU's
+    two passes either way."""
+    import kernels as harness
+
+    if not cp_device_is_hopper():
+        pytest.skip("head_loss_sm90 is built for H100s and H200s only")
+    cfg = Config().replace(model=dict(DEFAULT_MODEL, n_layers=1))
+    shares = {}
+    for open_rows in (None, 1):
+        lines = []
+        defines = {"OPEN_ROWS": open_rows} if open_rows else None
+        ok = harness.run(cfg, ["head_loss_sm90_near"], 64, 1, out=lines.append, defines=defines)
+        assert ok, lines
+        found = re.search(r"swept twice ([\d.]+)%, rows summed again ([\d.]+)%", lines[0])
+        shares[open_rows] = float(found.group(1)), float(found.group(2))
+    assert shares[None][1] > 0, shares  # a few open rows a block, summed on the CUDA cores
+    assert shares[1][0] > 0, shares  # blocks with two or more open rows swept again
 
 
 @pytest.mark.parametrize(

@@ -15,6 +15,7 @@ import numpy as np
 from ...config import Config
 from ..params import EMB_MLP, LAYER_MLP, Mlp
 from .cuda import DeviceArray, Launcher, cp
+from .one_pass import exp_bounds
 from .plan import Plan
 from .state import QKV, DeviceState
 
@@ -120,6 +121,10 @@ class Forward:
     ):
         self.cfg, self.plan, self.launch, self.state = cfg, plan, launch, state
         self.exp = cp.asarray(tables.exp.astype(np.int32))
+        self.exp_bounds = cp.asarray(exp_bounds(tables.exp, plan.defines["EXP_LAST"]))
+        # head_loss_sm90's blocks; of them, those that swept twice and the open rows
+        # summed again on the CUDA cores (one_pass.py); every launch since made
+        self.head_blocks, self.head_again = 0, cp.zeros(2, cp.uint64)
         self.gelu = cp.asarray(tables.gelu.astype(np.int32))
         self.rope = cp.asarray(tables.rope.astype(np.int32).ravel())
         self.rope_positions = tables.rope.shape[0]
@@ -575,6 +580,15 @@ class Forward:
             loss=loss,
         )
 
+    def head_again_shares(self) -> dict | None:
+        """Of head_loss_sm90's blocks so far, the share that swept the vocabulary twice;
+        of their rows, the share summed again on the CUDA cores (None: none ran)."""
+        if not self.head_blocks:
+            return None
+        twice, rows = (int(x) for x in self.head_again.get())
+        rows_at_most = self.head_blocks * self.plan.tile_rows
+        return dict(swept_twice=twice / self.head_blocks, rows_summed_again=rows / rows_at_most)
+
     def head_loss(self, batch: Batch, tokens, loss, kernel: str | None = None) -> None:
         """sequence_loss of the logits of rows.y (the final norm, input dot in rows.sb)
         without writing them: the head's GEMM and the loss in one kernel (`kernel`, by
@@ -582,16 +596,24 @@ class Forward:
         table, (_, ov_vocab), (off_a, _) = self.state.param("embedding")
         kernel = kernel or self.plan.head
         sm90 = kernel == "head_loss_sm90"
-        cores = dict(emb_cores=self.state.cores["embedding", None].out) if sm90 else {}
+        sm90_args: dict = {}
+        if sm90:
+            sm90_args = dict(
+                emb_cores=self.state.cores["embedding", None].out,
+                exp_bounds=self.exp_bounds,
+                again=self.head_again,
+            )
         tile_rows = self.plan.tile_rows
+        blocks = -(-batch.n_rows // tile_rows)
+        self.head_blocks += blocks if sm90 else 0
         loss.fill(0)  # rows add to their member's loss
         self.launch(
             kernel,
-            (-(-batch.n_rows // tile_rows),),
+            (blocks,),
             (tile_rows * (2 if sm90 else 1),),  # sm90: warpgroups
             y=batch.rows.y,
             emb_t=table,
-            **cores,
+            **sm90_args,
             sb=batch.rows.sb,
             tokens=tokens,
             seeds=batch.seeds,
