@@ -140,7 +140,9 @@ head_loss_sm90(const i8* y, const i8* emb_t, const i8* emb_cores, const int* sb,
                 top[s] = quad_max(top[s]) >> LOOKUP_SHIFT;
                 if (top[s] <= peak[s]) continue;
                 if (HEAD_ONE_PASS && tile > 0) {  // move what the thread summed: exp_bounds' row d
-                    const float4 b = __ldg((const float4*)exp_bounds + min(top[s] - peak[s], EXP_LAST));
+                    // (the rise in u32: logits 2^31 or more apart, at LOOKUP_SHIFT 0, wrap an int)
+                    const u32 rise = min((u32)top[s] - (u32)peak[s], (u32)EXP_LAST);
+                    const float4 b = __ldg((const float4*)exp_bounds + rise);
                     const float n = (float)(tile * (TILE_N / 4));  // values summed, >= terms
                     const float x_lo = __fadd_rd(lo[s], __ull2float_rd(total[s]));
                     const float x_hi = __fadd_ru(hi[s], __ull2float_ru(total[s]));

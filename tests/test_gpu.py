@@ -378,6 +378,52 @@ def test_the_one_pass_head_sums_open_rows_both_ways():
     assert shares[1][0] > 0, shares  # blocks with two or more open rows swept again
 
 
+def test_the_one_pass_head_takes_a_peak_rising_past_int32():
+    """At shift_logit 0 (no fold) a row's logits may lie 2^31 or more apart. The rows
+    here have every logit of the first tile negative (no output noise there, y against
+    the embedding) and a later one near 2^31: the sweep's rise must not wrap (as an int
+    it indexed before exp_bounds: an illegal address)."""
+    import kernels as harness
+    from deggs.numerics.model import int_matmul, wrap32
+    from deggs.numerics.params import PARAM, offsets
+
+    if not cp_device_is_hopper():
+        pytest.skip("head_loss_sm90 is built for H100s and H200s only")
+    shifts = dict(shift_logit=0, fixed_point=0, sigma_shift=0)
+    cfg = Config().replace(model=dict(DEFAULT_MODEL, n_layers=1), quantization=shifts)
+    b = harness.Bench(cfg, 2)
+    weights, v, tile = b.weights, cfg.model.vocab_size, 64
+    overlay = weights.overlays[PARAM["embedding"].overlays[1]]
+    overlay[:tile] = -1  # the first tile's output noise 0
+    b.gpu.load_state(weights.params, weights.overlays)
+    emb = weights.arrays("embedding")[0].astype(np.int64)
+    off, cols = offsets(cfg, "embedding", None)[0], np.arange(v)
+    noise = b.pert.scaled(b.pert.noise(off, cols), b.pert.factor(overlay, off, cols))
+    y = np.linalg.lstsq(emb[:, :tile].T.astype(float), -np.ones(tile), rcond=None)[0]
+    y = np.round(y * 127 / np.abs(y).max()).astype(np.int8)
+    g = y.astype(np.int64) @ emb
+    assert g[:tile].max() < 0
+    rng, sb = np.random.default_rng(1), np.zeros((b.m, b.t), np.int64)
+    for k in range(b.m):  # a member's input dot whose rank-1 terms make the rise
+        for _ in range(100):
+            c = rng.integers(-(2**31), 2**31, 4096)
+            keys = wrap32(g + wrap32(c[:, None] * noise[k].astype(np.int64)))
+            peaks = np.maximum.accumulate(keys.reshape(len(c), -1, tile).max(-1), 1)
+            found = np.flatnonzero((peaks[:, 1:] - peaks[:, :-1]).max(1) >= 2**31)
+            if len(found):
+                break
+        assert len(found), "no input dot found"
+        sb[k] = wrap32(c[found[0]] * int(b.pert.signs[k]))
+    ys = np.broadcast_to(y, (b.m, b.t, len(y))).copy()
+    tokens = b.ints(0, v, (b.m, b.t + 1))
+    loss = b.cp.empty(b.m, b.cp.int32)
+    b.put("y", ys)
+    b.put("sb", sb.astype(np.int32))
+    b.forward.head_loss(b.batch, b.cp.asarray(tokens.ravel()), loss, "head_loss_sm90")
+    expected = harness.head_loss_reference(b, int_matmul(ys, emb), sb.astype(np.int32), tokens)
+    assert np.array_equal(loss.get(), expected)
+
+
 @pytest.mark.parametrize(
     "model, members",
     [
