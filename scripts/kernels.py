@@ -474,7 +474,7 @@ def check_head_loss_sm90(b):
 
 def check_head_loss_sm90_near(b):
     """head_loss_sm90 where many logits lie near their row's peak: its one sweep moves
-    many terms as peaks rise, and blocks sweep again where a row's bound is open."""
+    many terms as peaks rise, and the rows it leaves open are summed again."""
     return check_head_loss(b, y_bound=9, sb_bound=2**14, kernel="head_loss_sm90")
 
 

@@ -596,16 +596,16 @@ class Forward:
         table, (_, ov_vocab), (off_a, _) = self.state.param("embedding")
         kernel = kernel or self.plan.head
         sm90 = kernel == "head_loss_sm90"
-        sm90_args: dict = {}
+        tile_rows = self.plan.tile_rows
+        blocks = -(-batch.n_rows // tile_rows)
+        sm90_args = {}
         if sm90:
             sm90_args = dict(
                 emb_cores=self.state.cores["embedding", None].out,
                 exp_bounds=self.exp_bounds,
                 again=self.head_again,
             )
-        tile_rows = self.plan.tile_rows
-        blocks = -(-batch.n_rows // tile_rows)
-        self.head_blocks += blocks if sm90 else 0
+            self.head_blocks += blocks
         loss.fill(0)  # rows add to their member's loss
         self.launch(
             kernel,
