@@ -42,11 +42,12 @@ def exp_bounds(exp: np.ndarray, last: int) -> np.ndarray:
         alpha = np.float32(e[d] / e[0])
         moved = e[np.minimum(k + d, last)]
         for col, miss in ((1, float(alpha) * e - moved), (2, moved - float(alpha) * e)):
-            if alpha:  # else every product is 0 and every miss an exact integer
-                miss = miss + SLACK
-            out[d, col] = np.float32(max(0.0, miss.max()))
-            if out[d, col] < max(0.0, miss.max()):
-                out[d, col] = np.nextafter(out[d, col], np.float32(np.inf))
+            # alpha 0: every product is 0 and every miss an exact integer, no slack
+            bound = max(0.0, float(miss.max()) + (SLACK if alpha else 0.0))
+            up = np.float32(bound)
+            if float(up) < bound:  # compared in float64: a float32 compare rounds bound
+                up = np.nextafter(up, np.float32(np.inf))
+            out[d, col] = up
         out[d, 0] = alpha
     return out
 
