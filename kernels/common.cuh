@@ -52,14 +52,20 @@ typedef short av_t;
 
 // --- noise ------------------------------------------------------------------------
 
-__device__ __forceinline__ u32 hash_u32(u32 seed, u32 idx) {
+// hash_u32 but its last step, x ^ (x >> 16): noise4 (update.cu) takes that step on four
+// hashes' low bytes at once.
+__device__ __forceinline__ u32 hash_mix(u32 seed, u32 idx) {
     u32 x = seed + idx * 0x9E3779B9u;
     x ^= x >> 16;
     x *= 0x85EBCA6Bu;
     x ^= x >> 13;
     x *= 0xC2B2AE35u;
-    x ^= x >> 16;
     return x;
+}
+
+__device__ __forceinline__ u32 hash_u32(u32 seed, u32 idx) {
+    const u32 x = hash_mix(seed, idx);
+    return x ^ (x >> 16);
 }
 
 __device__ __forceinline__ int sample_from_bits(u32 r) {

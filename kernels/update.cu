@@ -7,44 +7,69 @@
 // The noise seed of antithetic pair p at a step (deggs.seeds.pair_seed).
 __device__ __forceinline__ u32 pair_seed(u32 step_seed, int p) { return step_seed + (u32)p; }
 
-// out[j, p] = noise(step_seed + p + off, j) (* fitness[p]): one noise vector per pair,
-// pair-contiguous (pairs: a multiple of 4; UpdateBuffers pads it to 16). A thread takes four
-// pairs, their seeds and fitness once, and rows j = blockIdx.y + k gridDim.y, one 32-bit
-// store a row: with a thread a byte, the indexing, the fitness loads and the byte stores
-// took more time than the hashes.
-extern "C" __global__ void noise_matrix(i8* out, const i8* fitness, const u32* step_seed, u32 off,
-                                        int n, int pairs) {
-    const int p = 4 * (blockIdx.x * blockDim.x + threadIdx.x);
-    if (p >= pairs) return;
-    const u32 seed = pair_seed(step_seed[0], p) + off;
-    const char4 f = fitness ? ((const char4*)fitness)[p / 4] : make_char4(1, 1, 1, 1);
-    for (int j = blockIdx.y; j < n; j += gridDim.y) {
-        const u32 word = (u32)(unsigned char)(noise(seed, j) * f.x) |
-                         (u32)(unsigned char)(noise(seed + 1, j) * f.y) << 8 |
-                         (u32)(unsigned char)(noise(seed + 2, j) * f.z) << 16 |
-                         (u32)(unsigned char)(noise(seed + 3, j) * f.w) << 24;
-        ((u32*)(out + (long)j * pairs))[p / 4] = word;
-    }
+// Four consecutive pairs' noise entry idx (seeds seed .. seed + 3), each times its pair's
+// fitness (fit: four int8 lanes of -1, 0 or 1), as one word of four int8 lanes: what
+// four noise() calls and a pack give. Uniform noise (|entry| <= NOISE_MASK <= 31) is
+// made four lanes at a time once the hashes are mixed: hash_u32's last step, x ^= x >>
+// 16, only matters to the low byte here (byte 0 ^ byte 2), and the sign and fitness
+// are applied to the four lanes in one word, about half the instructions a byte.
+__device__ __forceinline__ u32 noise4(u32 seed, u32 idx, u32 fit) {
+#if THREE_SAMPLE  // 15 bits a sample: one lane at a time
+    u32 word = 0;
+    for (int k = 0; k < 4; k++)
+        word |= (u32)(unsigned char)(noise(seed + k, idx) * (int)(signed char)(fit >> 8 * k)) << 8 * k;
+    return word;
+#else
+    u32 x[4];
+    for (int k = 0; k < 4; k++) x[k] = hash_mix(seed + k, idx);
+    const u32 t01 = __byte_perm(x[0], x[1], 0x6240), t23 = __byte_perm(x[2], x[3], 0x6240);
+    const u32 r = __byte_perm(t01, t23, 0x5410) ^ __byte_perm(t01, t23, 0x7632);  // low bytes
+    const u32 keep = ((fit | fit >> 1) & 0x01010101u) * 0xFFu;  // lanes of nonzero fitness
+    const u32 mag = (r >> 1) & (NOISE_MASK * 0x01010101u) & keep;  // sample_from_bits
+    const u32 neg = ~(r ^ fit >> 7) & 0x01010101u;  // bit 0 clear, or negative fitness: not both
+    const u32 ones = neg * 0xFFu;
+    // a lane's -mag as (mag ^ 0xFF) + 1 with no carry out of it (0 stays 0): mag < 128
+    return (((mag ^ ones) & 0x7F7F7F7Fu) + neg) ^ (ones & 0x80808080u);
+#endif
 }
 
-// vote[i] += sum_p fitness_p * a_p[i] * b_p[i] over this block's share of the pairs (vote
-// zeroed before; integer adds in any order). A thread an entry: a pair's fitness and seed
-// are the same across the warp, so pairs of fitness 0 are skipped by whole warps, and
-// the sum needs no reduction. The sum fits int32 (gpu/update.py's UpdateBuffers checks
-// n_pairs * bound^2 < 2^31); a block an entry over all pairs, summing in 64 bits, was
-// slower.
+// out[j, p] = noise(step_seed + p + off, j) (* fitness[p]): one noise vector per pair,
+// pair-contiguous (pairs: a multiple of 8; UpdateBuffers pads it to 16). A thread takes
+// eight pairs, their seeds and fitness once, and rows j = blockIdx.y + k gridDim.y, one
+// 64-bit store a row: with a thread a byte, the indexing, the fitness loads and the byte
+// stores took more time than the hashes.
+extern "C" __global__ void noise_matrix(i8* out, const i8* fitness, const u32* step_seed, u32 off,
+                                        int n, int pairs) {
+    const int p = 8 * (blockIdx.x * blockDim.x + threadIdx.x);
+    if (p >= pairs) return;
+    const u32 seed = pair_seed(step_seed[0], p) + off;
+    const uint2 f = fitness ? ((const uint2*)fitness)[p / 8] : make_uint2(0x01010101u, 0x01010101u);
+    for (int j = blockIdx.y; j < n; j += gridDim.y)
+        ((uint2*)(out + (long)j * pairs))[p / 8] = make_uint2(noise4(seed, j, f.x), noise4(seed + 4, j, f.y));
+}
+
+// vote[i] += sum_p fitness_p * a_p[j] * b_p[j] over this block's share of the pairs, for
+// entry i of every vector parameter slice at once: entries[4 i ..] = (its slice's seed
+// offsets of a and b, j its index in the slice, 0). One launch for all: a launch a slice
+// (31 at the default, most of 256 entries) ran a short wave each. vote zeroed before;
+// integer adds in any order. A thread an entry, four pairs at a time: their noise as int8
+// lanes (the a side times the fitness) and one dp4a. The pairs' fitness and seeds are the
+// same across the warp, so four pairs of fitness 0 are skipped by whole warps, and the sum
+// needs no reduction. The sum fits int32 (gpu/update.py's UpdateBuffers checks n_pairs *
+// bound^2 < 2^31). pairs_per_block and pairs: multiples of 4.
 extern "C" __global__ void vector_votes(int* vote, const i8* fitness, const u32* step_seed,
-                                        u32 off_a, u32 off_b, int n, int pairs_per_block, int pairs) {
+                                        const u32* entries, int n, int pairs_per_block, int pairs) {
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
+    const uint4 e = ((const uint4*)entries)[i];  // four u32 an entry
     const int first = blockIdx.y * pairs_per_block, last = min(pairs, first + pairs_per_block);
     const u32 base = step_seed[0];
     int s = 0;
-    for (int p = first; p < last; p++) {
-        const int f = fitness[p];
-        if (f) {
+    for (int p = first; p < last; p += 4) {
+        const u32 fit = ((const u32*)fitness)[p / 4];
+        if (fit) {
             const u32 seed = pair_seed(base, p);
-            s += f * noise(seed + off_a, i) * noise(seed + off_b, i);
+            s = __dp4a((int)noise4(seed + e.x, e.z, fit), (int)noise4(seed + e.y, e.z, 0x01010101u), s);
         }
     }
     atomicAdd(&vote[i], s);

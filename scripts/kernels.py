@@ -516,22 +516,34 @@ def check_noise_matrix(b):
 
 
 def check_vector_votes(b):
-    """The votes of a vector as long as the up-projection's bias."""
+    """The votes of every vector slice, one launch; at a population past 4,096 pairs, of
+    the first and the last 16 entries of each slice (the CPU's votes hash every pair)."""
     updates, U, fitness, seed = update_inputs(b)
-    n = 4 * b.d
-    off_a, off_b = offsets(b.cfg, "mlp_bias_up", 0)
+    n_pairs = b.cfg.training.n_pairs
+    checked, at = [], 0  # (slice, its entries checked, where its votes start)
+    for s in U.slices:
+        if not s.param.is_matrix:
+            n = int(np.prod(s.shape))
+            idx = np.arange(n)
+            if n_pairs > 4096 and n > 32:
+                idx = np.r_[idx[:16], idx[-16:]]
+            checked.append((s, idx, at))
+            at += n
 
     def launch():
-        updates.vector_votes(U.vote, off_a, off_b, n)
+        updates.vector_votes()
 
     def reference():
-        n_pairs = b.cfg.training.n_pairs
-        return vector_votes(b.cfg, fitness[:n_pairs], seed, off_a, off_b, np.arange(n))
+        fit = fitness[:n_pairs]
+        return np.concatenate(
+            [vector_votes(b.cfg, fit, seed, s.off_a, s.off_b, idx) for s, idx, _ in checked]
+        )
 
     def result():
-        return U.vote[:n].get()
+        votes = U.vector_vote.get()
+        return np.concatenate([votes[at + idx] for _, idx, at in checked])
 
-    return lambda: None, launch, reference, result, U.pairs + 4 * n
+    return lambda: None, launch, reference, result, U.pairs + 20 * at
 
 
 def check_optimizer(b, kind: str):

@@ -356,6 +356,24 @@ def test_every_kernel_matches_its_cpu_reference(switches, not_used):
     assert skipped == (not_used if built else []), "\n".join(lines)
 
 
+@pytest.mark.parametrize("mask", [0, 1, 20, 31])
+def test_the_update_noise_at_every_mask(mask):
+    """noise_matrix and vector_votes make uniform noise four int8 lanes a word (update.cu's
+    noise4): at masks of one bit, of no bits, of some and of all five, every pair's
+    entries times fitness -1, 0 and 1 are the CPU's (120 pairs, so words of four pairs
+    with every fitness mixed)."""
+    import kernels as harness
+
+    cfg = Config().replace(
+        model=SMALL_MODEL,
+        training=dict(population_size=240, chunk_size=240),
+        noise=dict(perturb_mask=mask),
+    )
+    lines = []
+    ok = harness.run(cfg, ["noise_matrix", "vector_votes"], members=6, repeats=1, out=lines.append)
+    assert ok and len(lines) == 2, "\n".join(lines)
+
+
 def test_the_one_pass_head_sums_open_rows_both_ways():
     """head_loss_sm90 at the default shapes (deggs/numerics/gpu/one_pass.py): the rows its
     one sweep leaves open are summed again on the CUDA cores where a block has a few, by

@@ -37,13 +37,15 @@ def at_layer(array: DeviceArray, layer: int | None) -> DeviceArray:
 class UpdateBuffers:
     """The update's device buffers, sized for the largest parameter slice."""
 
-    pairs: int  # the population's pairs, padded to 16 (noise_matrix takes 4 a thread)
+    pairs: int  # the population's pairs, padded to 16 (noise_matrix takes 8 a thread)
     slices: list[Slice]
     fitness: DeviceArray  # int8 [pairs]
     seed: DeviceArray  # uint32 [1]: the step seed
     lr: DeviceArray  # float32 [2]: the learning rate, and times bias_lr_scale
     changes: DeviceArray  # uint64 [1]: weights changed
-    vote: DeviceArray  # int32, a slice's votes
+    vote: DeviceArray  # int32, a matrix slice's votes
+    vector_entries: DeviceArray  # uint32 [entries, 4]: each vector entry (off_a, off_b, index, 0)
+    vector_vote: DeviceArray  # int32 [entries]: their votes, the slices in order
     a: DeviceArray  # int8 [outputs, pairs]: the output noise times the fitness
     b: DeviceArray  # int8 [inputs, pairs]: the input noise
     row_counts: DeviceArray  # int32: changes per input (a vector's entry)
@@ -61,6 +63,15 @@ class UpdateBuffers:
         max_in = max(s[0] for s in dims)
         max_out = max((s[1] for s in dims if len(s) == 2), default=1)
         max_n = max(math.prod(s) for s in dims)
+        vectors = [s for s in slices if not s.param.is_matrix]
+        entries = np.zeros((sum(math.prod(s.shape) for s in vectors), 4), np.uint32)
+        at = 0
+        for s in vectors:
+            n = math.prod(s.shape)
+            entries[at : at + n, 0] = s.off_a & 0xFFFFFFFF
+            entries[at : at + n, 1] = s.off_b & 0xFFFFFFFF
+            entries[at : at + n, 2] = np.arange(n)
+            at += n
         return cls(
             pairs=pairs,
             slices=slices,
@@ -69,6 +80,8 @@ class UpdateBuffers:
             lr=cp.zeros(2, cp.float32),
             changes=cp.zeros(1, cp.uint64),
             vote=cp.empty(max_n, cp.int32),
+            vector_entries=cp.asarray(entries),
+            vector_vote=cp.empty(len(entries), cp.int32),
             a=cp.zeros(max_out * pairs, cp.int8),
             b=cp.zeros(max_in * pairs, cp.int8),
             row_counts=cp.zeros(max(max_in, max_out), cp.int32),
@@ -268,6 +281,8 @@ class Update:
         stream = cp.cuda.get_current_stream().ptr
         cp.cuda.runtime.memsetAsync(U.changes.data.ptr, 0, 8, stream)
         a_cfg = self.cfg.adaptive_noise
+        self.vector_votes()
+        at = 0  # the next vector slice's first vote
         for u in U.slices:
             shape = u.shape
             arrays = (state.weights, state.m, state.v, state.acc)
@@ -279,13 +294,13 @@ class Update:
                 self.noise_matrix(U.a, U.fitness, u.off_a, n_out)
                 # vote[out, in] (row-major) = sum_p (fit_p a_p[out]) b_p[in]
                 self.launch.gemm(U.b, U.a, U.vote, n_in, n_out, U.pairs, U.pairs, U.pairs, n_in)
-                inner, cols = n_in, U.col_counts
+                vote, inner, cols = U.vote, n_in, U.col_counts
             else:
-                self.vector_votes(U.vote, u.off_a, u.off_b, n)
-                inner, cols = n, None
+                vote, inner, cols = U.vector_vote[at : at + n], n, None
+                at += n
             lr_index = int(u.param.bias_lr)
             param = DeviceParam(w, m, v, acc, n, inner, U.lr, lr_index)
-            self.optimizer.step(param, U.vote, Changes(U.row_counts, cols, U.changes))
+            self.optimizer.step(param, vote, Changes(U.row_counts, cols, U.changes))
             if a_cfg.mode > 0:
                 counts = [(u.param.overlays[0], U.row_counts, shape[0])]
                 if u.param.is_matrix:
@@ -312,7 +327,7 @@ class Update:
         pairs = self.buffers.pairs
         self.launch(
             "noise_matrix",
-            (-(-pairs // (4 * 256)), min(65535, max(1, n // 8))),  # ~8 rows a thread
+            (-(-pairs // (8 * 256)), min(65535, max(1, n // 8))),  # ~8 rows a thread
             (256,),
             out=out,
             fitness=fitness,
@@ -322,24 +337,24 @@ class Update:
             pairs=pairs,
         )
 
-    def vector_votes(self, vote, off_a: int, off_b: int, n: int) -> None:
-        """vote[i] = sum_p fit_p a_p[i] b_p[i] for i < n (update.cu): the pairs split into
-        enough blocks for about eight an SM."""
+    def vector_votes(self) -> None:
+        """Every vector slice's votes into buffers.vector_vote in one launch (update.cu): a
+        thread an entry, the pairs split into enough blocks for about eight an SM."""
         U = self.buffers
+        n = len(U.vector_vote)
         blocks = -(-n // 256)
         share = -(-U.pairs * blocks // (8 * self.sms))
         share = max(16, -(-share // 16) * 16)
         stream = cp.cuda.get_current_stream().ptr
-        cp.cuda.runtime.memsetAsync(vote.data.ptr, 0, 4 * n, stream)
+        cp.cuda.runtime.memsetAsync(U.vector_vote.data.ptr, 0, 4 * n, stream)
         self.launch(
             "vector_votes",
             (blocks, -(-U.pairs // share)),
             (256,),
-            vote=vote,
+            vote=U.vector_vote,
             fitness=U.fitness,
             step_seed=U.seed,
-            off_a=off_a,
-            off_b=off_b,
+            entries=U.vector_entries,
             n=n,
             pairs_per_block=share,
             pairs=U.pairs,
