@@ -4,6 +4,9 @@
 #include "common.cuh"
 
 #define LPT ((VOCAB + NT - 1) / NT)  // logits per thread of sequence_loss
+#ifndef LOSS_BACKWARD
+#define LOSS_BACKWARD 1  // sequence_loss's second read of a row from its end (below)
+#endif
 
 // The embedding's rank-1 term of a row (token) entry and a column (feature) entry,
 // (int)((float)(a b) factor_row factor_col). In modes 0 and 1 the factors are k / 64 and
@@ -199,19 +202,27 @@ extern "C" __global__ void qkv_rope(const int* g, const int* sb, i8* out, const 
     const long long half = 1ll << (ROPE_SHIFT - 1);
     for (int t = WARP; t < seq; t += NWARPS) {
         const long row = (long)m * seq + t;
-        int gv[3][FPL];  // the row's loads first, all in flight together (see mlp_up)
+        // The row's loads first, all in flight together (see mlp_up), where they take at
+        // most 24 registers; else a projection's at a time (at hidden 1024 all three
+        // took 167 registers: one block an SM)
+        constexpr int AHEAD = FPL <= 8 ? 3 : 1;
+        int gv[AHEAD][FPL];
+        auto load = [&](int p) {
 #pragma unroll
-        for (int p = 0; p < 3; p++)
+            for (int i = 0; i < FPL; i++) gv[AHEAD == 3 ? p : 0][i] = g[row * 3 * HIDDEN + p * HIDDEN + LANE + 32 * i];
+        };
+        if (AHEAD == 3)
 #pragma unroll
-            for (int i = 0; i < FPL; i++) gv[p][i] = g[row * 3 * HIDDEN + p * HIDDEN + LANE + 32 * i];
+            for (int p = 0; p < 3; p++) load(p);
 #pragma unroll
         for (int p = 0; p < 3; p++) {
+            if (AHEAD == 1) load(p);
             const int s = sb[(long)p * rows + row];
             int v[FPL];
 #pragma unroll
             for (int i = 0; i < FPL; i++) {
                 const int f = LANE + 32 * i;
-                v[i] = wrap_add(gv[p][i], output_term(s, s_av[p][f], sign));
+                v[i] = wrap_add(gv[AHEAD == 3 ? p : 0][i], output_term(s, s_av[p][f], sign));
             }
             if (p < 2) {
 #pragma unroll
@@ -424,31 +435,46 @@ extern "C" __global__ void mlp_up(const int* g, const int* sb_up, i8* hidden, in
         const int s = sb_up[row];
         // The row's loads first, all in flight together: the byte stores to `hidden`
         // below could alias g as far as the compiler knows, and would keep each load
-        // waiting for the stores before it.
-        int gv[FPL][4];
-#pragma unroll
-        for (int i = 0; i < FPL; i++)
-#pragma unroll
-            for (int sub = 0; sub < 4; sub++) gv[i][sub] = g[row * UP + LANE + 32 * i + sub * HIDDEN];
+        // waiting for the stores before it. At most 8 features a lane at a time (32
+        // registers; at hidden 1024 all 32 took 160 registers: one block an SM).
+        constexpr int GROUP = FPL <= 8 ? FPL : FPL % 8 == 0 ? 8 : FPL % 4 == 0 ? 4 : FPL % 2 == 0 ? 2 : 1;
         u32 total = 0;
 #pragma unroll
-        for (int i = 0; i < FPL; i++) {
-            const int j0 = LANE + 32 * i;
-            int partial = 0;
+        for (int i0 = 0; i0 < FPL; i0 += GROUP) {
+            int gv[GROUP][4];
 #pragma unroll
-            for (int sub = 0; sub < 4; sub++) {
-                const int j = j0 + sub * HIDDEN;
-                const int out = wrap_add(gv[i][sub], output_term(s, s_av[j], sign));
-                const int pre = (out >> SHIFT_MLP_UP) + s_bias[j];
-                const int hv = s_gelu[(unsigned char)(i8)clip8(pre)];
-                hidden[row * UP + j] = (i8)hv;
-                partial = down_step(partial, hv, s_down[j]);
+            for (int i = 0; i < GROUP; i++)
+#pragma unroll
+                for (int sub = 0; sub < 4; sub++) gv[i][sub] = g[row * UP + LANE + 32 * (i0 + i) + sub * HIDDEN];
+#pragma unroll
+            for (int i = 0; i < GROUP; i++) {
+                const int j0 = LANE + 32 * (i0 + i);
+                int partial = 0;
+#pragma unroll
+                for (int sub = 0; sub < 4; sub++) {
+                    const int j = j0 + sub * HIDDEN;
+                    const int out = wrap_add(gv[i][sub], output_term(s, s_av[j], sign));
+                    const int pre = (out >> SHIFT_MLP_UP) + s_bias[j];
+                    const int hv = s_gelu[(unsigned char)(i8)clip8(pre)];
+                    hidden[row * UP + j] = (i8)hv;
+                    partial = down_step(partial, hv, s_down[j]);
+                }
+                total += (u32)partial;
             }
-            total += (u32)partial;
         }
         total = warp_sum_u32(total);
         if (LANE == 0) sb_down[row] = (int)total;
     }
+}
+
+// Four entries of a table of output noise (av_t), from one aligned load.
+__device__ __forceinline__ void av4(const short* p, int (&a)[4]) {
+    const short4 v = *(const short4*)p;
+    a[0] = v.x, a[1] = v.y, a[2] = v.z, a[3] = v.w;
+}
+__device__ __forceinline__ void av4(const int* p, int (&a)[4]) {
+    const int4 v = *(const int4*)p;
+    a[0] = v.x, a[1] = v.y, a[2] = v.z, a[3] = v.w;
 }
 
 // Logits with their rank-1 term, >> SHIFT_LOGIT, and the integer cross-entropy of each
@@ -490,6 +516,41 @@ extern "C" __global__ void sequence_loss(const int* g, const int* sb, const int*
             const int j = threadIdx.x + i * NT;
             if (j < VOCAB) {
                 long long idx = (long long)peak - lg[i];
+                idx = idx < 0 ? 0 : (idx > LUT_SIZE - 1 ? LUT_SIZE - 1 : idx);
+                total += s_exp[idx];
+            }
+        }
+#elif VOCAB % 4 == 0
+        // Four logits a load (16 bytes of the row, 8 or 16 of the noise), four loads in
+        // flight: a logit a load kept too few bytes in flight (at vocab 32,768 the kernel
+        // moved 1.2 of the card's 3.35 TB/s).
+        auto logits4 = [&](int q, int (&l)[4]) {
+            const int4 w = ((const int4*)gr)[q];
+            int a[4];
+            av4(s_av + 4 * q, a);
+            l[0] = wrap_add(w.x, output_term(s, a[0], sign)) >> SHIFT_LOGIT;
+            l[1] = wrap_add(w.y, output_term(s, a[1], sign)) >> SHIFT_LOGIT;
+            l[2] = wrap_add(w.z, output_term(s, a[2], sign)) >> SHIFT_LOGIT;
+            l[3] = wrap_add(w.w, output_term(s, a[3], sign)) >> SHIFT_LOGIT;
+        };
+#pragma unroll 4
+        for (int q = threadIdx.x; q < VOCAB / 4; q += NT) {
+            int l[4];
+            logits4(q, l);
+            peak = max(peak, max(max(l[0], l[1]), max(l[2], l[3])));
+        }
+        peak = block_max_int(peak);
+        // The second read from the row's end back (LOSS_BACKWARD): its last bytes are the
+        // likeliest still in L2 (the rows of the blocks an SM runs, 128 KB each at vocab
+        // 32,768, pass the L2's size). Integer sums: any order.
+#pragma unroll 4
+        for (int q = LOSS_BACKWARD ? VOCAB / 4 - 1 - threadIdx.x : threadIdx.x;
+             LOSS_BACKWARD ? q >= 0 : q < VOCAB / 4; q += LOSS_BACKWARD ? -NT : NT) {
+            int l[4];
+            logits4(q, l);
+#pragma unroll
+            for (int c = 0; c < 4; c++) {
+                long long idx = (long long)peak - l[c];
                 idx = idx < 0 ? 0 : (idx > LUT_SIZE - 1 ? LUT_SIZE - 1 : idx);
                 total += s_exp[idx];
             }

@@ -374,6 +374,23 @@ def test_the_update_noise_at_every_mask(mask):
     assert ok and len(lines) == 2, "\n".join(lines)
 
 
+@pytest.mark.parametrize("vocab, mode", [(8192, 1), (8192, 2), (8190, 1)])
+def test_sequence_loss_over_a_wide_vocabulary(vocab, mode):
+    """sequence_loss where a thread's logits do not stay in registers (the unfused head at
+    hidden 1024): four a load where the vocabulary is a multiple of 4 (the output noise
+    16 bits an entry in mode 1, 32 in mode 2), one a load elsewhere."""
+    import kernels as harness
+
+    cfg = Config().replace(
+        model=dict(SMALL_MODEL, vocab_size=vocab),
+        training=dict(population_size=8, chunk_size=8),
+        adaptive_noise=dict(mode=mode),
+    )
+    lines = []
+    ok = harness.run(cfg, ["sequence_loss"], members=6, repeats=1, out=lines.append)
+    assert ok and len(lines) == 1, "\n".join(lines)
+
+
 def test_the_one_pass_head_sums_open_rows_both_ways():
     """head_loss_sm90 at the default shapes (deggs/numerics/gpu/one_pass.py): the rows its
     one sweep leaves open are summed again on the CUDA cores where a block has a few, by
