@@ -497,8 +497,14 @@ extern "C" __global__ void sequence_loss(const int* g, const int* sb, const int*
         const long row = (long)m * SEQ + t;
         const int s = sb[row];
         const int* gr = g + row * VOCAB;
-#define LOGIT_AT(j) (wrap_add(gr[j], output_term(s, s_av[j], sign)) >> SHIFT_LOGIT)
+        // A logit from its product and output noise; the exp table's term of a logit
+        auto logit = [&](int g_j, int av_j) { return wrap_add(g_j, output_term(s, av_j, sign)) >> SHIFT_LOGIT; };
         int peak = INT_MIN_;
+        auto term = [&](int l) {
+            long long idx = (long long)peak - l;
+            idx = idx < 0 ? 0 : (idx > LUT_SIZE - 1 ? LUT_SIZE - 1 : idx);
+            return s_exp[idx];
+        };
         long long total = 0;
 #if LPT <= LOSS_REGISTER_LPT
         int lg[LPT];
@@ -506,7 +512,7 @@ extern "C" __global__ void sequence_loss(const int* g, const int* sb, const int*
         for (int i = 0; i < LPT; i++) {
             const int j = threadIdx.x + i * NT;
             if (j < VOCAB) {
-                lg[i] = LOGIT_AT(j);
+                lg[i] = logit(gr[j], s_av[j]);
                 peak = max(peak, lg[i]);
             }
         }
@@ -514,11 +520,7 @@ extern "C" __global__ void sequence_loss(const int* g, const int* sb, const int*
 #pragma unroll
         for (int i = 0; i < LPT; i++) {
             const int j = threadIdx.x + i * NT;
-            if (j < VOCAB) {
-                long long idx = (long long)peak - lg[i];
-                idx = idx < 0 ? 0 : (idx > LUT_SIZE - 1 ? LUT_SIZE - 1 : idx);
-                total += s_exp[idx];
-            }
+            if (j < VOCAB) total += term(lg[i]);
         }
 #elif VOCAB % 4 == 0
         // Four logits a load (16 bytes of the row, 8 or 16 of the noise), four loads in
@@ -528,10 +530,7 @@ extern "C" __global__ void sequence_loss(const int* g, const int* sb, const int*
             const int4 w = ((const int4*)gr)[q];
             int a[4];
             av4(s_av + 4 * q, a);
-            l[0] = wrap_add(w.x, output_term(s, a[0], sign)) >> SHIFT_LOGIT;
-            l[1] = wrap_add(w.y, output_term(s, a[1], sign)) >> SHIFT_LOGIT;
-            l[2] = wrap_add(w.z, output_term(s, a[2], sign)) >> SHIFT_LOGIT;
-            l[3] = wrap_add(w.w, output_term(s, a[3], sign)) >> SHIFT_LOGIT;
+            l[0] = logit(w.x, a[0]), l[1] = logit(w.y, a[1]), l[2] = logit(w.z, a[2]), l[3] = logit(w.w, a[3]);
         };
 #pragma unroll 4
         for (int q = threadIdx.x; q < VOCAB / 4; q += NT) {
@@ -549,26 +548,17 @@ extern "C" __global__ void sequence_loss(const int* g, const int* sb, const int*
             int l[4];
             logits4(q, l);
 #pragma unroll
-            for (int c = 0; c < 4; c++) {
-                long long idx = (long long)peak - l[c];
-                idx = idx < 0 ? 0 : (idx > LUT_SIZE - 1 ? LUT_SIZE - 1 : idx);
-                total += s_exp[idx];
-            }
+            for (int c = 0; c < 4; c++) total += term(l[c]);
         }
 #else
-        for (int j = threadIdx.x; j < VOCAB; j += NT) peak = max(peak, LOGIT_AT(j));
+        for (int j = threadIdx.x; j < VOCAB; j += NT) peak = max(peak, logit(gr[j], s_av[j]));
         peak = block_max_int(peak);
-        for (int j = threadIdx.x; j < VOCAB; j += NT) {
-            long long idx = (long long)peak - LOGIT_AT(j);
-            idx = idx < 0 ? 0 : (idx > LUT_SIZE - 1 ? LUT_SIZE - 1 : idx);
-            total += s_exp[idx];
-        }
+        for (int j = threadIdx.x; j < VOCAB; j += NT) total += term(logit(gr[j], s_av[j]));
 #endif
-#undef LOGIT_AT
         total = block_sum_ll(total);
         if (threadIdx.x == 0) {
             const int target = tokens[m * (SEQ + 1) + t + 1];
-            const int lt = wrap_add(gr[target], output_term(s, s_av[target], sign)) >> SHIFT_LOGIT;
+            const int lt = logit(gr[target], s_av[target]);
             long long log_sum = 0;
             if (total > 0) log_sum = ((long long)(63 - __clzll(total)) << 4) - ((long long)SCALE_BIT << 4);
             const long long per_position = (log_sum >> 1) + peak - lt;
