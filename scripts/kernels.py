@@ -520,15 +520,13 @@ def check_vector_votes(b):
     the first and the last 16 entries of each slice (the CPU's votes hash every pair)."""
     updates, U, fitness, seed = update_inputs(b)
     n_pairs = b.cfg.training.n_pairs
-    checked, at = [], 0  # (slice, its entries checked, where its votes start)
-    for s in U.slices:
-        if not s.param.is_matrix:
-            n = int(np.prod(s.shape))
-            idx = np.arange(n)
-            if n_pairs > 4096 and n > 32:
-                idx = np.r_[idx[:16], idx[-16:]]
-            checked.append((s, idx, at))
-            at += n
+    checked = []  # (slice, its entries checked, where its votes start)
+    for i, at in U.vector_at.items():
+        s = U.slices[i]
+        idx = np.arange(int(np.prod(s.shape)))
+        if n_pairs > 4096 and len(idx) > 32:
+            idx = np.r_[idx[:16], idx[-16:]]
+        checked.append((s, idx, at))
 
     def launch():
         updates.vector_votes()
@@ -543,7 +541,7 @@ def check_vector_votes(b):
         votes = U.vector_vote.get()
         return np.concatenate([votes[at + idx] for _, idx, at in checked])
 
-    return lambda: None, launch, reference, result, U.pairs + 20 * at
+    return lambda: None, launch, reference, result, U.pairs + 20 * len(U.vector_vote)
 
 
 def check_optimizer(b, kind: str):

@@ -44,8 +44,9 @@ class UpdateBuffers:
     lr: DeviceArray  # float32 [2]: the learning rate, and times bias_lr_scale
     changes: DeviceArray  # uint64 [1]: weights changed
     vote: DeviceArray  # int32, a matrix slice's votes
+    vector_at: dict[int, int]  # slices' index -> where that vector slice's entries start
     vector_entries: DeviceArray  # uint32 [entries, 4]: each vector entry (off_a, off_b, index, 0)
-    vector_vote: DeviceArray  # int32 [entries]: their votes, the slices in order
+    vector_vote: DeviceArray  # int32 [entries]: their votes
     a: DeviceArray  # int8 [outputs, pairs]: the output noise times the fitness
     b: DeviceArray  # int8 [inputs, pairs]: the input noise
     row_counts: DeviceArray  # int32: changes per input (a vector's entry)
@@ -63,15 +64,17 @@ class UpdateBuffers:
         max_in = max(s[0] for s in dims)
         max_out = max((s[1] for s in dims if len(s) == 2), default=1)
         max_n = max(math.prod(s) for s in dims)
-        vectors = [s for s in slices if not s.param.is_matrix]
-        entries = np.zeros((sum(math.prod(s.shape) for s in vectors), 4), np.uint32)
-        at = 0
-        for s in vectors:
+        vector_at, n_entries = {}, 0  # where each vector slice's entries start
+        for i, s in enumerate(slices):
+            if not s.param.is_matrix:
+                vector_at[i], n_entries = n_entries, n_entries + math.prod(s.shape)
+        entries = np.zeros((n_entries, 4), np.uint32)
+        for i, at in vector_at.items():
+            s = slices[i]
             n = math.prod(s.shape)
             entries[at : at + n, 0] = s.off_a & 0xFFFFFFFF
             entries[at : at + n, 1] = s.off_b & 0xFFFFFFFF
             entries[at : at + n, 2] = np.arange(n)
-            at += n
         return cls(
             pairs=pairs,
             slices=slices,
@@ -80,6 +83,7 @@ class UpdateBuffers:
             lr=cp.zeros(2, cp.float32),
             changes=cp.zeros(1, cp.uint64),
             vote=cp.empty(max_n, cp.int32),
+            vector_at=vector_at,
             vector_entries=cp.asarray(entries),
             vector_vote=cp.empty(len(entries), cp.int32),
             a=cp.zeros(max_out * pairs, cp.int8),
@@ -282,8 +286,7 @@ class Update:
         cp.cuda.runtime.memsetAsync(U.changes.data.ptr, 0, 8, stream)
         a_cfg = self.cfg.adaptive_noise
         self.vector_votes()
-        at = 0  # the next vector slice's first vote
-        for u in U.slices:
+        for i, u in enumerate(U.slices):
             shape = u.shape
             arrays = (state.weights, state.m, state.v, state.acc)
             w, m, v, acc = (at_layer(d[u.name], u.layer) for d in arrays)
@@ -296,8 +299,8 @@ class Update:
                 self.launch.gemm(U.b, U.a, U.vote, n_in, n_out, U.pairs, U.pairs, U.pairs, n_in)
                 vote, inner, cols = U.vote, n_in, U.col_counts
             else:
+                at = U.vector_at[i]
                 vote, inner, cols = U.vector_vote[at : at + n], n, None
-                at += n
             lr_index = int(u.param.bias_lr)
             param = DeviceParam(w, m, v, acc, n, inner, U.lr, lr_index)
             self.optimizer.step(param, vote, Changes(U.row_counts, cols, U.changes))
