@@ -479,10 +479,22 @@ __device__ __forceinline__ void av4(const int* p, int (&a)[4]) {
 
 // Logits with their rank-1 term, >> SHIFT_LOGIT, and the integer cross-entropy of each
 // position, summed per member. Dynamic shared memory: VOCAB av_t (the output noise).
-// Up to LOSS_REGISTER_LPT logits a thread stay in registers; more are read twice.
+// Up to LOSS_REGISTER_LPT logits a thread stay in registers. Past that a row is read
+// once where it can be (LOSS_BINS, below), twice where not; again[0] counts the rows
+// read twice.
+//
+// One read: a logit's term depends only on how far below the row's peak it lies, so the
+// row's sum is a histogram's: T = sum over d of count[d] e[min(peak - ref - d, LUT_SIZE - 1)],
+// d = l - ref for a reference logit ref of the row. ref is the larger of the row's
+// input token's logit and its target's, read first (at the initial weights the input
+// token's is the peak, the embedding being tied; a trained model puts its target's near
+// it). Where the table is 0 from entry EXP_LAST on (LOSS_BINS > 0: plan.kernel_defines),
+// a logit EXP_LAST or more below ref adds nothing, so the bins hold d from
+// 1 - EXP_LAST to LOSS_BINS - EXP_LAST; a row whose peak lies above that is read again
+// with its peak known.
 extern "C" __global__ void sequence_loss(const int* g, const int* sb, const int* tokens,
                                          const u32* seeds, const int* signs, const i8* ov_out,
-                                         u32 off_a, const int* exp_tab, int* loss) {
+                                         u32 off_a, const int* exp_tab, int* loss, u64* again) {
     extern __shared__ av_t s_av_vocab[];
     av_t* s_av = s_av_vocab;
     __shared__ int s_exp[LUT_SIZE];
@@ -491,19 +503,22 @@ extern "C" __global__ void sequence_loss(const int* g, const int* sb, const int*
     const int sign = signs[m];
     output_noise(s_av, VOCAB, ov_out, seed + off_a);
     for (int i = threadIdx.x; i < LUT_SIZE; i += blockDim.x) s_exp[i] = exp_tab[i];
+#if LPT > LOSS_REGISTER_LPT && LOSS_BINS > 0
+    __shared__ int s_bins[LOSS_BINS];
+    for (int i = threadIdx.x; i < LOSS_BINS; i += blockDim.x) s_bins[i] = 0;
+#endif
     __syncthreads();
     u32 member_loss = 0;
     for (int t = 0; t < SEQ; t++) {
         const long row = (long)m * SEQ + t;
         const int s = sb[row];
         const int* gr = g + row * VOCAB;
+        const int target = tokens[m * (SEQ + 1) + t + 1];
         // A logit from its product and output noise; the exp table's term of a logit
         auto logit = [&](int g_j, int av_j) { return wrap_add(g_j, output_term(s, av_j, sign)) >> SHIFT_LOGIT; };
         int peak = INT_MIN_;
-        auto term = [&](int l) {
-            long long idx = (long long)peak - l;
-            idx = idx < 0 ? 0 : (idx > LUT_SIZE - 1 ? LUT_SIZE - 1 : idx);
-            return s_exp[idx];
+        auto term = [&](long long below) {  // of a logit `below` under the peak
+            return s_exp[below < 0 ? 0 : (below > LUT_SIZE - 1 ? LUT_SIZE - 1 : below)];
         };
         long long total = 0;
 #if LPT <= LOSS_REGISTER_LPT
@@ -520,44 +535,69 @@ extern "C" __global__ void sequence_loss(const int* g, const int* sb, const int*
 #pragma unroll
         for (int i = 0; i < LPT; i++) {
             const int j = threadIdx.x + i * NT;
-            if (j < VOCAB) total += term(lg[i]);
-        }
-#elif VOCAB % 4 == 0
-        // Four logits a load (16 bytes of the row, 8 or 16 of the noise), four loads in
-        // flight: a logit a load kept too few bytes in flight (at vocab 32,768 the kernel
-        // moved 1.2 of the card's 3.35 TB/s).
-        auto logits4 = [&](int q, int (&l)[4]) {
-            const int4 w = ((const int4*)gr)[q];
-            int a[4];
-            av4(s_av + 4 * q, a);
-            l[0] = logit(w.x, a[0]), l[1] = logit(w.y, a[1]), l[2] = logit(w.z, a[2]), l[3] = logit(w.w, a[3]);
-        };
-#pragma unroll 4
-        for (int q = threadIdx.x; q < VOCAB / 4; q += NT) {
-            int l[4];
-            logits4(q, l);
-            peak = max(peak, max(max(l[0], l[1]), max(l[2], l[3])));
-        }
-        peak = block_max_int(peak);
-        // The second read from the row's end back (LOSS_BACKWARD): its last bytes are the
-        // likeliest still in L2 (the rows of the blocks an SM runs, 128 KB each at vocab
-        // 32,768, pass the L2's size). Integer sums: any order.
-#pragma unroll 4
-        for (int q = LOSS_BACKWARD ? VOCAB / 4 - 1 - threadIdx.x : threadIdx.x;
-             LOSS_BACKWARD ? q >= 0 : q < VOCAB / 4; q += LOSS_BACKWARD ? -NT : NT) {
-            int l[4];
-            logits4(q, l);
-#pragma unroll
-            for (int c = 0; c < 4; c++) total += term(l[c]);
+            if (j < VOCAB) total += term((long long)peak - lg[i]);
         }
 #else
-        for (int j = threadIdx.x; j < VOCAB; j += NT) peak = max(peak, logit(gr[j], s_av[j]));
+#if VOCAB % 4 == 0
+        // Four logits a load (16 bytes of the row, 8 or 16 of the noise), four loads in
+        // flight: a logit a load kept too few bytes in flight (at vocab 32,768 the kernel
+        // moved 1.2 of the card's 3.35 TB/s). `backward` reads the row from its end.
+        auto each_logit = [&](bool backward, auto&& f) {
+            constexpr int QUADS = VOCAB / 4, LOADS = 4;
+            for (int q0 = threadIdx.x; q0 < QUADS; q0 += LOADS * NT) {
+                int4 w[LOADS];  // the loads first: the counts' atomics would hold them back
+#pragma unroll
+                for (int k = 0; k < LOADS; k++) {
+                    const int q = backward ? QUADS - 1 - (q0 + k * NT) : q0 + k * NT;
+                    if (q0 + k * NT < QUADS) w[k] = ((const int4*)gr)[q];
+                }
+#pragma unroll
+                for (int k = 0; k < LOADS; k++) {
+                    const int q = backward ? QUADS - 1 - (q0 + k * NT) : q0 + k * NT;
+                    if (q0 + k * NT >= QUADS) break;
+                    int a[4];
+                    av4(s_av + 4 * q, a);
+                    f(logit(w[k].x, a[0])), f(logit(w[k].y, a[1])), f(logit(w[k].z, a[2])), f(logit(w[k].w, a[3]));
+                }
+            }
+        };
+#else
+        auto each_logit = [&](bool, auto&& f) {
+            for (int j = threadIdx.x; j < VOCAB; j += NT) f(logit(gr[j], s_av[j]));
+        };
+#endif
+#if LOSS_BINS > 0
+        const int input = tokens[m * (SEQ + 1) + t];
+        const int ref = max(logit(gr[input], s_av[input]), logit(gr[target], s_av[target]));
+        int top = ref;
+        each_logit(false, [&](int l) {
+            top = max(top, l);
+            const u32 bin = (u32)l - (u32)ref + (u32)(EXP_LAST - 1);  // d + EXP_LAST - 1
+            if (bin < (u32)LOSS_BINS) atomicAdd(s_bins + bin, 1);
+        });
+        peak = block_max_int(top);  // its barrier: every count is in
+        const long long above = (long long)peak - ref;  // the peak's d; the same in every thread
+        for (int i = threadIdx.x; i < LOSS_BINS; i += NT) {
+            total += (long long)s_bins[i] * term(above - (i - (EXP_LAST - 1)));
+            s_bins[i] = 0;  // for the next row, after block_sum_ll's barriers
+        }
+        const bool read_again = above > LOSS_BINS - EXP_LAST;
+#else
+        each_logit(false, [&](int l) { peak = max(peak, l); });
         peak = block_max_int(peak);
-        for (int j = threadIdx.x; j < VOCAB; j += NT) total += term(logit(gr[j], s_av[j]));
+        const bool read_again = true;
+#endif
+        if (read_again) {
+            // The second read from the row's end back (LOSS_BACKWARD): its last bytes are
+            // the likeliest still in L2 (the rows of the blocks an SM runs, 128 KB each at
+            // vocab 32,768, pass the L2's size). Integer sums: any order.
+            total = 0;
+            each_logit(LOSS_BACKWARD, [&](int l) { total += term((long long)peak - l); });
+            if (threadIdx.x == 0) atomicAdd(again, 1ull);
+        }
 #endif
         total = block_sum_ll(total);
         if (threadIdx.x == 0) {
-            const int target = tokens[m * (SEQ + 1) + t + 1];
             const int lt = logit(gr[target], s_av[target]);
             long long log_sum = 0;
             if (total > 0) log_sum = ((long long)(63 - __clzll(total)) << 4) - ((long long)SCALE_BIT << 4);

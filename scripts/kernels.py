@@ -410,16 +410,21 @@ def head_loss_reference(b, g, sb, tokens):
 
 def loss_inputs(b, sb_bound=2**18):
     """What a loss kernel reads besides its products: the input dots, the members' tokens
-    (host and device), and the device buffer of the members' losses."""
-    sb = b.ints(-sb_bound, sb_bound, (b.m, b.t))
+    (host and device), and the device buffer of the members' losses. sb_bound 0: no
+    rank-1 terms (in adaptive mode 2 any others spread the logits over the whole range)."""
+    sb = b.ints(-sb_bound, sb_bound + 1, (b.m, b.t))
     tokens = b.ints(0, b.cfg.model.vocab_size, (b.m, b.t + 1))
     return sb, tokens, b.cp.asarray(tokens.ravel()), b.cp.empty(b.m, b.cp.int32)
 
 
-def check_sequence_loss(b):
+def check_sequence_loss(b, low=-(2**22), high=2**22, sb_bound=2**18, peaked=None):
+    """sequence_loss of random products in [low, high). Random full-range rows have their
+    peaks far above their input and target tokens' logits: most are read twice."""
     v = b.cfg.model.vocab_size
-    g = b.ints(-(2**22), 2**22, (b.m, b.t, v))
-    sb, tokens, d_tok, loss = loss_inputs(b)
+    g = b.ints(low, high, (b.m, b.t, v))
+    sb, tokens, d_tok, loss = loss_inputs(b, sb_bound)
+    if peaked is not None:
+        peaked(g, tokens)
 
     def setup():
         b.put("g", g)
@@ -435,6 +440,26 @@ def check_sequence_loss(b):
         return loss.get()
 
     return setup, launch, reference, result, g.nbytes + sb.nbytes + tokens.nbytes
+
+
+def check_sequence_loss_near(b):
+    """sequence_loss where a row's logits lie within the exp table of each other, as a
+    trained model's do: every row read once (its histogram, forward.cu)."""
+    return check_sequence_loss(b, -(2**12), 2**12, sb_bound=0)
+
+
+def check_sequence_loss_peaked(b):
+    """sequence_loss where each row's input token has its peak logit, others lying within
+    and below the exp table under it, and every other row has one logit far above it:
+    those rows read twice, the others once."""
+    shift = b.cfg.quantization.shift_logit
+
+    def peaked(g, tokens):
+        np.put_along_axis(g, tokens[:, :-1, None].astype(np.int64), 100 << shift, -1)
+        far = b.ints(0, g.shape[-1], g.shape[:-1])[:, 1::2, None].astype(np.int64)
+        np.put_along_axis(g[:, 1::2], far, 3000 << shift, -1)
+
+    return check_sequence_loss(b, -400 << shift, 60 << shift, 0, peaked)
 
 
 def check_head_loss(b, y_bound=127, sb_bound=2**18, kernel="head_loss"):
@@ -693,11 +718,12 @@ def run(
             continue
         setup, launch, reference, result, moved = CHECKS[name](b)
         setup()
-        b.forward.head_blocks = 0
+        b.forward.head_blocks = b.forward.loss_rows = 0
         b.forward.head_again.fill(0)
+        b.forward.loss_again.fill(0)
         launch()
         good = equal(result(), reference()) if check else None  # then timed on what it left
-        again = b.forward.head_again_shares()  # head_loss_sm90's, one_pass.py
+        again = b.forward.head_again_shares() or {}  # one_pass.py; sequence_loss's
         start, end = b.cp.cuda.Event(), b.cp.cuda.Event()
         start.record()
         for _ in range(repeats):
@@ -712,7 +738,12 @@ def run(
             + (
                 f"  swept twice {again['swept_twice']:.1%},"
                 f" rows summed again {again['rows_summed_again']:.2%}"
-                if again
+                if "swept_twice" in again
+                else ""
+            )
+            + (
+                f"  rows read twice {again['rows_read_twice']:.2%}"
+                if "rows_read_twice" in again
                 else ""
             )
         )

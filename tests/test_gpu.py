@@ -378,7 +378,9 @@ def test_the_update_noise_at_every_mask(mask):
 def test_sequence_loss_over_a_wide_vocabulary(vocab, mode):
     """sequence_loss where a thread's logits do not stay in registers (the unfused head at
     hidden 1024): four a load where the vocabulary is a multiple of 4 (the output noise
-    16 bits an entry in mode 1, 32 in mode 2), one a load elsewhere."""
+    16 bits an entry in mode 1, 32 in mode 2), one a load elsewhere; each row read once
+    where its peak lies close above its input and target tokens' logits (a histogram of
+    the row), twice where not (random full-range products), and both in one launch."""
     import kernels as harness
 
     cfg = Config().replace(
@@ -387,8 +389,11 @@ def test_sequence_loss_over_a_wide_vocabulary(vocab, mode):
         adaptive_noise=dict(mode=mode),
     )
     lines = []
-    ok = harness.run(cfg, ["sequence_loss"], members=6, repeats=1, out=lines.append)
-    assert ok and len(lines) == 1, "\n".join(lines)
+    names = ["sequence_loss", "sequence_loss_near", "sequence_loss_peaked"]
+    ok = harness.run(cfg, names, members=6, repeats=1, out=lines.append)
+    assert ok and len(lines) == 3, "\n".join(lines)
+    twice = [float(re.search(r"rows read twice ([\d.]+)%", line)[1]) for line in lines]
+    assert twice[0] > 50 and twice[1] == 0 and 0 < twice[2] < 100, "\n".join(lines)
 
 
 def test_the_one_pass_head_sums_open_rows_both_ways():

@@ -125,6 +125,8 @@ class Forward:
         # head_loss_sm90's blocks; of them, those that swept twice and the open rows
         # summed again on the CUDA cores (one_pass.py); every launch since made
         self.head_blocks, self.head_again = 0, cp.zeros(2, cp.uint64)
+        # sequence_loss's rows, and of them those read twice (forward.cu); every launch since
+        self.loss_rows, self.loss_again = 0, cp.zeros(1, cp.uint64)
         self.gelu = cp.asarray(tables.gelu.astype(np.int32))
         self.rope = cp.asarray(tables.rope.astype(np.int32).ravel())
         self.rope_positions = tables.rope.shape[0]
@@ -578,16 +580,23 @@ class Forward:
             off_a=off_a,
             exp_tab=self.exp,
             loss=loss,
+            again=self.loss_again,
         )
+        self.loss_rows += batch.n_rows
 
     def head_again_shares(self) -> dict | None:
-        """Of head_loss_sm90's blocks so far, the share that swept the vocabulary twice;
-        of their rows, the share summed again on the CUDA cores (None: none ran)."""
-        if not self.head_blocks:
-            return None
-        twice, rows = (int(x) for x in self.head_again.get())
-        rows_at_most = self.head_blocks * self.plan.tile_rows
-        return dict(swept_twice=twice / self.head_blocks, rows_summed_again=rows / rows_at_most)
+        """Of head_loss_sm90's blocks so far, the share that swept the vocabulary twice,
+        and of their rows the share summed again on the CUDA cores; of sequence_loss's
+        rows, the share read twice (None: neither ran)."""
+        shares: dict[str, float] = {}
+        if self.head_blocks:
+            twice, rows = (int(x) for x in self.head_again.get())
+            rows_at_most = self.head_blocks * self.plan.tile_rows
+            shares.update(swept_twice=twice / self.head_blocks)
+            shares.update(rows_summed_again=rows / rows_at_most)
+        if self.loss_rows:
+            shares.update(rows_read_twice=int(self.loss_again.get()[0]) / self.loss_rows)
+        return shares or None
 
     def head_loss(self, batch: Batch, tokens, loss, kernel: str | None = None) -> None:
         """sequence_loss of the logits of rows.y (the final norm, input dot in rows.sb)

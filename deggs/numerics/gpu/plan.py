@@ -66,6 +66,7 @@ NT = 256  # threads of the row kernels
 ATT_SPLIT = 2  # attention_mix: threads per query, each accumulating 1/ATT_SPLIT of a head
 ATT_WARPS = 4  # attention_mma: at most this many warps a block, 16 queries a warp at a time
 LOSS_REGISTER_LPT = 16  # sequence_loss keeps up to this many logits a thread in registers
+LOSS_BINS = 1024  # past that, sequence_loss's histogram of a row's logits (one read)
 TILE_WARPS, TILE_N = 8, 64  # head_loss: 32 rows a warp, vocabulary tiles of 64 embedding rows
 UP_ROWS = 64  # up_gelu_sm90: rows a block, two warpgroups of 32
 QKV_ROWS = 64  # qkv_rope_sm90: rows a block, one warpgroup
@@ -165,6 +166,9 @@ def kernel_defines(cfg: Config, device: Device) -> dict[str, int]:
         EXP_COPIES=exp_copies(cfg, last, device),
         CT_THREADS=choose_token_threads(m.hidden_dim),
         LOSS_REGISTER_LPT=LOSS_REGISTER_LPT,
+        # one read of a row needs a table that is 0 from EXP_LAST on (exp_last), and
+        # logits that differ by less than 2^31 (shifted at least once)
+        LOSS_BINS=LOSS_BINS if exp[last] == 0 and last < LOSS_BINS and q.shift_logit > 0 else 0,
     )
     # up_gelu_sm90: three blocks an SM (80 registers a thread) where a warpgroup's rows
     # are one member's and three fit the SM's shared memory; else two (96 registers:
