@@ -203,26 +203,26 @@ extern "C" __global__ void qkv_rope(const int* g, const int* sb, i8* out, const 
     for (int t = WARP; t < seq; t += NWARPS) {
         const long row = (long)m * seq + t;
         // The row's loads first, all in flight together (see mlp_up), where they take at
-        // most 24 registers; else a projection's at a time (at hidden 1024 all three
-        // took 167 registers: one block an SM)
-        constexpr int AHEAD = FPL <= 8 ? 3 : 1;
+        // most 24 registers; else the next projection's beside the one in use (at hidden
+        // 1024 all three took 167 registers: one block an SM)
+        constexpr int AHEAD = FPL <= 8 ? 3 : 2;
         int gv[AHEAD][FPL];
-        auto load = [&](int p) {
+        auto load = [&](int p, int b) {
 #pragma unroll
-            for (int i = 0; i < FPL; i++) gv[AHEAD == 3 ? p : 0][i] = g[row * 3 * HIDDEN + p * HIDDEN + LANE + 32 * i];
+            for (int i = 0; i < FPL; i++) gv[b][i] = g[row * 3 * HIDDEN + p * HIDDEN + LANE + 32 * i];
         };
-        if (AHEAD == 3)
 #pragma unroll
-            for (int p = 0; p < 3; p++) load(p);
+        for (int p = 0; p < (AHEAD == 3 ? 3 : 1); p++) load(p, p);
 #pragma unroll
         for (int p = 0; p < 3; p++) {
-            if (AHEAD == 1) load(p);
+            const int b = AHEAD == 3 ? p : p & 1;
+            if (AHEAD == 2 && p < 2) load(p + 1, (p + 1) & 1);
             const int s = sb[(long)p * rows + row];
             int v[FPL];
 #pragma unroll
             for (int i = 0; i < FPL; i++) {
                 const int f = LANE + 32 * i;
-                v[i] = wrap_add(gv[AHEAD == 3 ? p : 0][i], output_term(s, s_av[p][f], sign));
+                v[i] = wrap_add(gv[b][i], output_term(s, s_av[p][f], sign));
             }
             if (p < 2) {
 #pragma unroll
