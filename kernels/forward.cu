@@ -435,17 +435,23 @@ extern "C" __global__ void mlp_up(const int* g, const int* sb_up, i8* hidden, in
         const int s = sb_up[row];
         // The row's loads first, all in flight together: the byte stores to `hidden`
         // below could alias g as far as the compiler knows, and would keep each load
-        // waiting for the stores before it. At most 8 features a lane at a time (32
-        // registers; at hidden 1024 all 32 took 160 registers: one block an SM).
+        // waiting for the stores before it. At most 8 features a lane at a time (at
+        // hidden 1024 all 32 took 160 registers: one block an SM), the next group's
+        // loads issued before this group's stores (80 registers there, three blocks).
         constexpr int GROUP = FPL <= 8 ? FPL : FPL % 8 == 0 ? 8 : FPL % 4 == 0 ? 4 : FPL % 2 == 0 ? 2 : 1;
         u32 total = 0;
-#pragma unroll
-        for (int i0 = 0; i0 < FPL; i0 += GROUP) {
-            int gv[GROUP][4];
+        int gv[FPL > GROUP ? 2 : 1][GROUP][4];
+        auto load = [&](int b, int i0) {
 #pragma unroll
             for (int i = 0; i < GROUP; i++)
 #pragma unroll
-                for (int sub = 0; sub < 4; sub++) gv[i][sub] = g[row * UP + LANE + 32 * (i0 + i) + sub * HIDDEN];
+                for (int sub = 0; sub < 4; sub++) gv[b][i][sub] = g[row * UP + LANE + 32 * (i0 + i) + sub * HIDDEN];
+        };
+        load(0, 0);
+#pragma unroll
+        for (int i0 = 0; i0 < FPL; i0 += GROUP) {
+            const int b = (i0 / GROUP) & 1;
+            if (i0 + GROUP < FPL) load(b ^ 1, i0 + GROUP);
 #pragma unroll
             for (int i = 0; i < GROUP; i++) {
                 const int j0 = LANE + 32 * (i0 + i);
@@ -453,7 +459,7 @@ extern "C" __global__ void mlp_up(const int* g, const int* sb_up, i8* hidden, in
 #pragma unroll
                 for (int sub = 0; sub < 4; sub++) {
                     const int j = j0 + sub * HIDDEN;
-                    const int out = wrap_add(gv[i][sub], output_term(s, s_av[j], sign));
+                    const int out = wrap_add(gv[b][i][sub], output_term(s, s_av[j], sign));
                     const int pre = (out >> SHIFT_MLP_UP) + s_bias[j];
                     const int hv = s_gelu[(unsigned char)(i8)clip8(pre)];
                     hidden[row * UP + j] = (i8)hv;
