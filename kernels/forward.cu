@@ -437,21 +437,24 @@ extern "C" __global__ void mlp_up(const int* g, const int* sb_up, i8* hidden, in
         // below could alias g as far as the compiler knows, and would keep each load
         // waiting for the stores before it. At most 8 features a lane at a time (at
         // hidden 1024 all 32 took 160 registers: one block an SM), the next group's
-        // loads issued before this group's stores (80 registers there, three blocks).
+        // loads issued before this group's stores (80 registers there, three blocks an
+        // SM; not in adaptive mode 2, where they take 96: two).
         constexpr int GROUP = FPL <= 8 ? FPL : FPL % 8 == 0 ? 8 : FPL % 4 == 0 ? 4 : FPL % 2 == 0 ? 2 : 1;
+        constexpr bool AHEAD = FPL > GROUP && ADAPTIVE_MODE != 2;
         u32 total = 0;
-        int gv[FPL > GROUP ? 2 : 1][GROUP][4];
+        int gv[AHEAD ? 2 : 1][GROUP][4];
         auto load = [&](int b, int i0) {
 #pragma unroll
             for (int i = 0; i < GROUP; i++)
 #pragma unroll
                 for (int sub = 0; sub < 4; sub++) gv[b][i][sub] = g[row * UP + LANE + 32 * (i0 + i) + sub * HIDDEN];
         };
-        load(0, 0);
+        if (AHEAD) load(0, 0);
 #pragma unroll
         for (int i0 = 0; i0 < FPL; i0 += GROUP) {
-            const int b = (i0 / GROUP) & 1;
-            if (i0 + GROUP < FPL) load(b ^ 1, i0 + GROUP);
+            const int b = AHEAD ? (i0 / GROUP) & 1 : 0;
+            if (!AHEAD) load(0, i0);
+            if (AHEAD && i0 + GROUP < FPL) load(b ^ 1, i0 + GROUP);
 #pragma unroll
             for (int i = 0; i < GROUP; i++) {
                 const int j0 = LANE + 32 * (i0 + i);
@@ -494,10 +497,11 @@ __device__ __forceinline__ void av4(const int* p, int (&a)[4]) {
 // d = l - ref for a reference logit ref of the row. ref is the larger of the row's
 // input token's logit and its target's, read first (at the initial weights the input
 // token's is the peak, the embedding being tied; a trained model puts its target's near
-// it). Where the table is 0 from entry EXP_LAST on (LOSS_BINS > 0: plan.kernel_defines),
-// a logit EXP_LAST or more below ref adds nothing, so the bins hold d from
-// 1 - EXP_LAST to LOSS_BINS - EXP_LAST; a row whose peak lies above that is read again
-// with its peak known.
+// it). The table is 0 from entry EXP_LAST on, so a logit EXP_LAST or more below ref adds
+// nothing, and the bins hold d from 1 - EXP_LAST to LOSS_BINS - EXP_LAST; a row whose
+// peak lies above that is read again with its peak known. (LOSS_BINS > 0 where that
+// holds, logits are shifted at least once, so that d fits 32 bits, and the bins fit
+// shared memory: plan.loss_bins_work; else every row is read twice.)
 extern "C" __global__ void sequence_loss(const int* g, const int* sb, const int* tokens,
                                          const u32* seeds, const int* signs, const i8* ov_out,
                                          u32 off_a, const int* exp_tab, int* loss, u64* again) {

@@ -449,9 +449,9 @@ def check_sequence_loss_near(b):
 
 
 def check_sequence_loss_peaked(b):
-    """sequence_loss where each row's input token has its peak logit, others lying within
-    and below the exp table under it, and every other row has one logit far above it:
-    those rows read twice, the others once."""
+    """sequence_loss where each row's input token's logit lies above the others, within
+    and below the exp table under it, except that every other row has one logit far
+    above it: those rows read twice, the others once."""
     shift = b.cfg.quantization.shift_logit
 
     def peaked(g, tokens):
@@ -460,6 +460,42 @@ def check_sequence_loss_peaked(b):
         np.put_along_axis(g[:, 1::2], far, 3000 << shift, -1)
 
     return check_sequence_loss(b, -400 << shift, 60 << shift, 0, peaked)
+
+
+def check_sequence_loss_edges(b):
+    """sequence_loss at its bins' edges (forward.cu): each row's input token's logit 0,
+    the others far below it but for the few set here, so that a term dropped or added
+    changes a row's floor(log2). A third of the rows have their peak in the last bin
+    (read once); a third one past it, with logits in the last bin (read twice: the
+    bins' sum dropped); a third sum to 2^(SCALE_BIT + 1) or just past it, one or two of
+    their logits in the first bin (read once)."""
+    shift, e = b.cfg.quantization.shift_logit, b.tables.exp
+    bins, last = b.plan.defines["LOSS_BINS"], b.plan.defines["EXP_LAST"]
+    top = bins - last  # the last bin's distance above the input token's logit
+
+    def edges(g, tokens):
+        for m, t in np.ndindex(*g.shape[:2]):
+            row, used = g[m, t], {int(tokens[m, t]), int(tokens[m, t + 1])}
+            free = (int(c) for c in b.rng.permutation(g.shape[-1]) if c not in used)
+            row[tokens[m, t]] = 0
+
+            def put(logits):
+                for logit in logits:
+                    row[next(free)] = logit << shift
+
+            if t % 3 == 0:
+                put([top])
+            elif t % 3 == 1:  # the peak's term and k at distance 1: [1.5, 2) e[0]
+                put([top + 1] + [top] * max(1, -(-int(e[0]) // (2 * int(e[1])))))
+            else:  # e[0] + e[last - 1] + entries up to 2 e[0], then e[last - 1] past it
+                need, k, below = int(e[0] - e[last - 1]), 1, [-(last - 1)]
+                while need >= e[last - 1]:
+                    k = next(j for j in range(k, last) if e[j] <= need)
+                    below.append(-k)
+                    need -= int(e[k])
+                put(below + ([-(last - 1)] if need else []))
+
+    return check_sequence_loss(b, -(4 * bins) << shift, -(2 * bins) << shift, 0, edges)
 
 
 def check_head_loss(b, y_bound=127, sb_bound=2**18, kernel="head_loss"):

@@ -380,7 +380,8 @@ def test_sequence_loss_over_a_wide_vocabulary(vocab, mode):
     hidden 1024): four a load where the vocabulary is a multiple of 4 (the output noise
     16 bits an entry in mode 1, 32 in mode 2), one a load elsewhere; each row read once
     where its peak lies close above its input and target tokens' logits (a histogram of
-    the row), twice where not (random full-range products), and both in one launch."""
+    the row), twice where not (random full-range products), both in one launch, and at
+    the histogram's edges."""
     import kernels as harness
 
     cfg = Config().replace(
@@ -389,11 +390,13 @@ def test_sequence_loss_over_a_wide_vocabulary(vocab, mode):
         adaptive_noise=dict(mode=mode),
     )
     lines = []
-    names = ["sequence_loss", "sequence_loss_near", "sequence_loss_peaked"]
+    names = ["sequence_loss", "sequence_loss_near", "sequence_loss_peaked", "sequence_loss_edges"]
     ok = harness.run(cfg, names, members=6, repeats=1, out=lines.append)
-    assert ok and len(lines) == 3, "\n".join(lines)
+    assert ok and len(lines) == 4, "\n".join(lines)
     twice = [float(re.search(r"rows read twice ([\d.]+)%", line)[1]) for line in lines]
     assert twice[0] > 50 and twice[1] == 0 and 0 < twice[2] < 100, "\n".join(lines)
+    seq = cfg.model.seq_len  # the edges: the rows t % 3 == 1 read twice
+    assert abs(twice[3] - 100 * len(range(1, seq, 3)) / seq) < 0.01, "\n".join(lines)
 
 
 def test_the_one_pass_head_sums_open_rows_both_ways():

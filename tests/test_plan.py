@@ -100,8 +100,28 @@ def test_a_kernel_runs_only_where_its_static_shared_memory_fits_beside_the_dynam
 
 def test_a_row_kernel_too_big_for_the_device_is_named_after_compiling():
     mode2 = Config().replace(model=dict(vocab_size=65536), adaptive_noise=dict(mode=2))
-    with pytest.raises(ValueError, match="sequence_loss needs 267648 bytes of shared memory"):
-        plan(mode2)  # 4 x 65536 dynamic + 1408 static
+    assert kernel_defines(mode2, H100)["LOSS_BINS"] == 0  # no room for the bins
+    with pytest.raises(ValueError, match="sequence_loss needs 263552 bytes of shared memory"):
+        plan(mode2, static={**STATIC, "sequence_loss": 1408})  # 4 x 65536 dynamic + 1408
+
+
+@pytest.mark.parametrize(
+    "change, bins",
+    [
+        ({}, True),
+        ({"model": dict(vocab_size=57344), "adaptive_noise": dict(mode=2)}, False),
+        ({"model": dict(vocab_size=53248), "adaptive_noise": dict(mode=2)}, True),
+        ({"quantization": dict(shift_logit=0)}, False),  # logits 2^31 or more apart
+        ({"softmax": dict(lut_size=32)}, False),  # the table's last entry is not 0
+        ({"softmax": dict(lut_size=4096, exp_scale=200.0)}, False),  # past the bins
+    ],
+)
+def test_sequence_loss_reads_a_row_once_where_its_bins_work(change, bins):
+    """LOSS_BINS (forward.cu's sequence_loss): a row counted once in bins only where the
+    exp table is 0 from its last entry on, within the bins, logits differ by less than
+    2^31 and the bins fit shared memory; else every row is read twice."""
+    cfg = Config().replace(**change)
+    assert (kernel_defines(cfg, H100)["LOSS_BINS"] > 0) is bins
 
 
 def test_mode_2_runs_no_terms_kernel():

@@ -166,9 +166,7 @@ def kernel_defines(cfg: Config, device: Device) -> dict[str, int]:
         EXP_COPIES=exp_copies(cfg, last, device),
         CT_THREADS=choose_token_threads(m.hidden_dim),
         LOSS_REGISTER_LPT=LOSS_REGISTER_LPT,
-        # one read of a row needs a table that is 0 from EXP_LAST on (exp_last), and
-        # logits that differ by less than 2^31 (shifted at least once)
-        LOSS_BINS=LOSS_BINS if exp[last] == 0 and last < LOSS_BINS and q.shift_logit > 0 else 0,
+        LOSS_BINS=LOSS_BINS if loss_bins_work(cfg, exp, last, device) else 0,
     )
     # up_gelu_sm90: three blocks an SM (80 registers a thread) where a warpgroup's rows
     # are one member's and three fit the SM's shared memory; else two (96 registers:
@@ -176,6 +174,21 @@ def kernel_defines(cfg: Config, device: Device) -> dict[str, int]:
     three = blocks_fit(3, up_gelu_sm90_shared(cfg, defines), device)
     defines["UP_BLOCKS"] = 3 if m.seq_len % 32 == 0 and three else 2
     return defines
+
+
+def loss_bins_work(cfg: Config, exp: np.ndarray, last: int, device: Device) -> bool:
+    """Whether sequence_loss may read a row once, counting it in LOSS_BINS bins
+    (forward.cu): the exp table is 0 from entry `last` on (exp_last), so that a logit that
+    far below another adds nothing; logits differ by less than 2^31 (shifted at least
+    once); and the bins fit beside the vocabulary's output noise and the table (with a
+    kilobyte for the rest of its static shared memory). Else it reads each row twice."""
+    shared = row_kernels_shared(cfg)["sequence_loss"] + 4 * (LOSS_BINS + len(exp)) + 1024
+    return (
+        exp[last] == 0
+        and last < LOSS_BINS
+        and cfg.quantization.shift_logit > 0
+        and shared <= device.shared_optin
+    )
 
 
 def blocks_fit(blocks: int, shared: int, device: Device) -> bool:
