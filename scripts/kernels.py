@@ -417,14 +417,15 @@ def loss_inputs(b, sb_bound=2**18):
     return sb, tokens, b.cp.asarray(tokens.ravel()), b.cp.empty(b.m, b.cp.int32)
 
 
-def check_sequence_loss(b, low=-(2**22), high=2**22, sb_bound=2**18, peaked=None):
-    """sequence_loss of random products in [low, high). Random full-range rows have their
-    peaks far above their input and target tokens' logits: most are read twice."""
+def check_sequence_loss(b, low=-(2**22), high=2**22, sb_bound=2**18, place=None):
+    """sequence_loss of random products in [low, high), then place(g, tokens) setting
+    chosen ones. Random full-range rows have their peaks far above their input and target
+    tokens' logits: most are read twice."""
     v = b.cfg.model.vocab_size
     g = b.ints(low, high, (b.m, b.t, v))
     sb, tokens, d_tok, loss = loss_inputs(b, sb_bound)
-    if peaked is not None:
-        peaked(g, tokens)
+    if place is not None:
+        place(g, tokens)
 
     def setup():
         b.put("g", g)
