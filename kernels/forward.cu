@@ -493,15 +493,16 @@ __device__ __forceinline__ void av4(const int* p, int (&a)[4]) {
 // read twice.
 //
 // One read: a logit's term depends only on how far below the row's peak it lies, so the
-// row's sum is a histogram's: T = sum over d of count[d] e[min(peak - ref - d, LUT_SIZE - 1)],
-// d = l - ref for a reference logit ref of the row. ref is the larger of the row's
-// input token's logit and its target's, read first (at the initial weights the input
-// token's is the peak, the embedding being tied; a trained model's target's is likely
-// near it). The table is 0 from entry EXP_LAST on, so a logit EXP_LAST or more below ref adds
-// nothing, and the bins hold d from 1 - EXP_LAST to LOSS_BINS - EXP_LAST; a row whose
-// peak lies above that is read again with its peak known. (LOSS_BINS > 0 where that
-// holds, logits are shifted at least once, so that d fits 32 bits, and the bins fit
-// shared memory: plan.loss_bins_work; else every row is read twice.)
+// row's sum is a histogram's: T = sum over d of count[d] e[min(peak - ref - d,
+// LUT_SIZE - 1)], d = l - ref for a reference logit ref of the row. ref is the larger of
+// the row's input token's logit and its target's, read first (at the initial weights
+// the input token's is the peak, the embedding being tied; a trained model's target's
+// is likely near it). The table is 0 from entry EXP_LAST on, so a logit EXP_LAST or
+// more below ref adds nothing, and the bins hold d from 1 - EXP_LAST to LOSS_BINS -
+// EXP_LAST; a row whose peak lies above that is read again with its peak known.
+// (LOSS_BINS > 0 where that holds, logits are shifted at least once, so that d fits 32
+// bits, and the bins fit shared memory: plan.loss_bins_work; else every row is read
+// twice.)
 extern "C" __global__ void sequence_loss(const int* g, const int* sb, const int* tokens,
                                          const u32* seeds, const int* signs, const i8* ov_out,
                                          u32 off_a, const int* exp_tab, int* loss, u64* again) {

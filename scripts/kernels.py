@@ -444,8 +444,8 @@ def check_sequence_loss(b, low=-(2**22), high=2**22, sb_bound=2**18, place=None)
 
 
 def check_sequence_loss_near(b):
-    """sequence_loss where a row's logits lie within the exp table of each other, as a
-    trained model's do: every row read once (its histogram, forward.cu)."""
+    """sequence_loss where a row's logits lie within the exp table of each other: every
+    row read once (its histogram, forward.cu)."""
     return check_sequence_loss(b, -(2**12), 2**12, sb_bound=0)
 
 
