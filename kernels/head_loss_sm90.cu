@@ -4,7 +4,7 @@
 // differs. head_loss's warps load every MMA fragment from shared memory through their
 // registers, for each vocabulary tile again, and the tensor cores wait while the warps
 // run a tile's epilogue; here the products of the next tile run during the epilogue.
-// A block of 256 rows reads the embedding table from L2 once per pass, as head_loss.
+// A block of HEAD_ROWS rows reads the embedding table from L2 once per pass, as head_loss.
 //
 // One pass where it is sure (deggs/numerics/gpu/one_pass.py says why): the sweep sums
 // against each row's running peak, its quad sharing it tile by tile, and keeps an
@@ -18,9 +18,23 @@
 #include "tiles.cuh"
 #include "wgmma.cuh"
 
+// Rows a block (gpu/plan.py's HEAD_ROWS): 256, four warpgroups, where the rows, two
+// tiles and the output noise fit shared memory; else 128 (HEAD_WIDE, up to hidden
+// 1024): two warpgroups, whose 255 registers a thread hold their rows, the tiles then
+// filling the shared memory the rows were staged in.
+#define HEAD_THREADS (2 * HEAD_ROWS)
+#define HEAD_WIDE (HEAD_ROWS == 128)
+static_assert(HEAD_ROWS == 256 || (HEAD_WIDE && HIDDEN <= 1024), "HEAD_ROWS");
 // The warpgroup's rows as registers (wgmma's A fragments, HIDDEN / 8 a thread) where
 // they fit beside two tiles' accumulators; else read from shared memory by each product.
-#define HEAD_REGS_A (HIDDEN <= 256)
+#define HEAD_REGS_A (HIDDEN <= 256 || HEAD_WIDE)
+// The output noise in shared memory: 32 bits an entry (a thread's two columns in one
+// 8-byte load), or av_t's 16 where the vocabulary's would not fit so (HEAD_WIDE).
+#if HEAD_WIDE
+typedef av_t head_av_t;
+#else
+typedef int head_av_t;
+#endif
 // The second pass's lookups shift the folded term (common.cuh's folded_term, one
 // multiply-add) by SHIFT_LOGIT + MSHIFT rather than the logit before its shift by
 // SHIFT_LOGIT, where FOLD_FITS.
@@ -32,16 +46,20 @@
 #define HEAD_ONE_PASS HEAD_REGS_A
 #endif
 // Open rows a block sums again on the CUDA cores, a group of TILE_N threads each (the
-// embedding read once for all), at most one a group; with more it sweeps again. The
+// embedding read once for all), at most one a group; with more it sweeps again (with
+// HEAD_WIDE always: the rows are no longer in shared memory, and a dot product of wide
+// rows on the CUDA cores costs as much as a sweep). The
 // embedding's tiles come OPEN_DEPTH ahead of the products (its reads from L2 bound this;
 // at narrow rows a deeper ring spills the sweep's registers).
 #ifndef OPEN_ROWS
-#define OPEN_ROWS (SM90_THREADS / TILE_N)
+#define OPEN_ROWS (HEAD_WIDE ? 0 : HEAD_THREADS / TILE_N)
 #endif
 #ifndef OPEN_DEPTH
 #define OPEN_DEPTH (HIDDEN >= 256 ? 4 : 1)
 #endif
-static_assert(OPEN_ROWS >= 1 && OPEN_ROWS <= SM90_THREADS / TILE_N && TILE_N % 32 == 0, "OPEN_ROWS");
+static_assert(OPEN_ROWS >= (HEAD_WIDE ? 0 : 1) && OPEN_ROWS <= (HEAD_WIDE ? 0 : HEAD_THREADS / TILE_N) &&
+                  TILE_N % 32 == 0,
+              "OPEN_ROWS");
 #if HEAD_FOLD
 #define LOOKUP_SHIFT (SHIFT_LOGIT + MSHIFT)
 #else
@@ -65,26 +83,26 @@ __device__ __forceinline__ float quad_sum_ru(float v) {
     return __fadd_ru(v, __shfl_xor_sync(0xffffffffu, v, 2));
 }
 
-extern "C" __global__ void __launch_bounds__(SM90_THREADS, 1)
+extern "C" __global__ void __launch_bounds__(HEAD_THREADS, 1)
 head_loss_sm90(const i8* y, const i8* emb_t, const i8* emb_cores, const int* sb, const int* tokens,
                const u32* seeds, const int* signs, const i8* ov_out, u32 off_a, const int* exp_tab,
                const float* exp_bounds, u32* loss, u64* again, int rows) {
     extern __shared__ __align__(128) unsigned char head_loss_sm90_shared[];
-    i8* s_a = (i8*)head_loss_sm90_shared;          // TILE_M rows, core matrices
-    i8* s_b = s_a + TILE_M * HIDDEN;               // [2] tiles of TILE_N rows, core matrices
+    i8* s_a = (i8*)head_loss_sm90_shared;                     // HEAD_ROWS rows, core matrices
+    i8* s_b = HEAD_WIDE ? s_a : s_a + HEAD_ROWS * HIDDEN;     // [2] tiles of TILE_N rows, core matrices
     constexpr int TILES = (VOCAB + TILE_N - 1) / TILE_N;
-    // The output noise a pair (its members share their seed), 32 bits an entry whatever
-    // av_t is: a thread's two columns in one 8-byte load, no halves to unpack
-    int* s_av = (int*)(s_b + 2 * TILE_N * HIDDEN);                   // [PAIRS_OF(TILE_M)][TILES * TILE_N]
-    int* s_exp = s_av + PAIRS_OF(TILE_M) * TILES * TILE_N;            // [EXP_LAST + 1][EXP_COPIES]
+    constexpr int STAGED = (HEAD_WIDE ? (HEAD_ROWS > 2 * TILE_N ? HEAD_ROWS : 2 * TILE_N) : HEAD_ROWS + 2 * TILE_N) * HIDDEN;
+    // The output noise a pair (its members share their seed)
+    head_av_t* s_av = (head_av_t*)(s_a + STAGED);                // [PAIRS_OF(HEAD_ROWS)][TILES * TILE_N]
+    int* s_exp = (int*)(s_av + PAIRS_OF(HEAD_ROWS) * TILES * TILE_N);  // [EXP_LAST + 1][EXP_COPIES]
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, tig = lane & 3;
-    const int row0 = blockIdx.x * TILE_M;
+    const int row0 = blockIdx.x * HEAD_ROWS;
     const int m0 = row0 / SEQ;
-    const int n_members = (min(row0 + TILE_M, rows) - 1) / SEQ - m0 + 1;
+    const int n_members = (min(row0 + HEAD_ROWS, rows) - 1) / SEQ - m0 + 1;
     const i8* s_rows = s_a + (warp >> 2) * 64 * HIDDEN;  // the warpgroup's 64 rows
 
-    rows_to_cores(s_a, y, row0, TILE_M, rows);
+    rows_to_cores(s_a, y, row0, HEAD_ROWS, rows);
     copy_commit();  // waited for before the rows' fragments are loaded, or the first products
     for (int i = threadIdx.x; i < (EXP_LAST + 1) * EXP_COPIES; i += blockDim.x)
         s_exp[i] = exp_tab[i / EXP_COPIES];
@@ -96,6 +114,9 @@ head_loss_sm90(const i8* y, const i8* emb_t, const i8* emb_cores, const int* sb,
     __syncthreads();
     u32 a[HIDDEN / 32][4];
     rows_to_fragments(a, s_rows);
+    // (HEAD_WIDE: the tiles' bulk copies, through the async proxy, overwrite the rows
+    // once the block is past the barrier that opens the sweep)
+    if (HEAD_WIDE) fence_async_shared();
 #endif
 
     // emb_cores: the embedding in the core-matrix layout, zero rows past the vocabulary.
@@ -108,6 +129,12 @@ head_loss_sm90(const i8* y, const i8* emb_t, const i8* emb_cores, const int* sb,
     // exact, since the peak last rose: a thread's whole row fits 32 bits where ROW32
     row_sum_t total[2] = {0, 0};
     float lo[2] = {0.f, 0.f}, hi[2] = {0.f, 0.f};  // the terms summed before
+    // HEAD_LIVE (gpu/plan.py: wide rows, the table's entry EXP_LAST zero): values summed
+    // at an entry below EXP_LAST. The rest sit at that zero entry under every later peak
+    // and move exactly, so only these count towards a move's error (one_pass.py);
+    // counting all values left 1.3% of hidden-1024 rows open, and a wide block sweeps
+    // again for one
+    u32 live[2] = {0u, 0u};
 
     // A value's key: its logit is key >> LOOKUP_SHIFT (HEAD_FOLD: the folded term).
     auto key_of = [&](const int (&d)[32], auto av, int j, int e, int s) {
@@ -121,7 +148,7 @@ head_loss_sm90(const i8* y, const i8* emb_t, const i8* emb_cores, const int* sb,
 
     // Tile t's epilogue on its products d: pass 0 moves the peaks, then both passes sum.
     auto epilogue = [&](const int (&d)[32], int tile, int pass) {
-        const int* av = s_av + tile * TILE_N;
+        const head_av_t* av = s_av + tile * TILE_N;
         const int v0 = tile * TILE_N;
         if (pass == 0) {
             int top[2] = {INT_MIN_, INT_MIN_};
@@ -134,7 +161,7 @@ head_loss_sm90(const i8* y, const i8* emb_t, const i8* emb_cores, const int* sb,
                         // (volatile: the lookups below load the noise again; held
                         // in registers across them, it spilled)
                         if (!VOCAB_PAD || v0 + 8 * j + 2 * tig + e < VOCAB)
-                            top[s] = max(top[s], key_of(d, (const volatile int*)av, j, e, s));
+                            top[s] = max(top[s], key_of(d, (const volatile head_av_t*)av, j, e, s));
 #pragma unroll
             for (int s = 0; s < 2; s++) {
                 top[s] = quad_max(top[s]) >> LOOKUP_SHIFT;
@@ -143,7 +170,7 @@ head_loss_sm90(const i8* y, const i8* emb_t, const i8* emb_cores, const int* sb,
                     // (the rise in u32: logits 2^31 or more apart, at LOOKUP_SHIFT 0, wrap an int)
                     const u32 rise = min((u32)top[s] - (u32)peak[s], (u32)EXP_LAST);
                     const float4 b = __ldg((const float4*)exp_bounds + rise);
-                    const float n = (float)(tile * (TILE_N / 4));  // values summed, >= terms
+                    const float n = HEAD_LIVE ? (float)live[s] : (float)(tile * (TILE_N / 4));  // >= terms
                     const float x_lo = __fadd_rd(lo[s], __ull2float_rd(total[s]));
                     const float x_hi = __fadd_ru(hi[s], __ull2float_ru(total[s]));
                     lo[s] = fmaxf(0.f, __fmaf_rd(b.x, x_lo, -__fmul_ru(n, b.y)));
@@ -185,6 +212,7 @@ head_loss_sm90(const i8* y, const i8* emb_t, const i8* emb_cores, const int* sb,
                     const int key = key_of(d, av, j, e, s);
 #if HEAD_REGS_A
                     part[s] += shared_word(last[s] - (u32)(max(key, lowest[s]) >> LOOKUP_SHIFT) * (4 * EXP_COPIES));
+                    if (HEAD_LIVE && pass == 0) live[s] += key >= lowest[s];
 #else
                     const u32 dist = (u32)peak[s] - (u32)(key >> LOOKUP_SHIFT);  // >= 0
                     part[s] += shared_word(my_exp + min(dist, (u32)EXP_LAST) * (4 * EXP_COPIES));
@@ -224,8 +252,9 @@ head_loss_sm90(const i8* y, const i8* emb_t, const i8* emb_cores, const int* sb,
 
     // Rows left open: up to OPEN_ROWS summed again on the CUDA cores, more by a sweep.
     __shared__ int s_open;
-    __shared__ int s_open_row[OPEN_ROWS], s_open_peak[OPEN_ROWS];  // of the block's rows
-    __shared__ unsigned long long s_open_sum[OPEN_ROWS];
+    constexpr int OPEN_SLOTS = OPEN_ROWS > 0 ? OPEN_ROWS : 1;
+    __shared__ int s_open_row[OPEN_SLOTS], s_open_peak[OPEN_SLOTS];  // of the block's rows
+    __shared__ unsigned long long s_open_sum[OPEN_SLOTS];
     if (threadIdx.x == 0) s_open = 0;
     __syncthreads();
     int slot[2] = {-1, -1};
@@ -247,25 +276,25 @@ head_loss_sm90(const i8* y, const i8* emb_t, const i8* emb_cores, const int* sb,
                                      [&](const int (&d)[32], int tile) { epilogue(d, tile, 1); });
 #pragma unroll
         for (int s = 0; s < 2; s++) sums[s] = quad_sum((unsigned long long)total[s]);
-    } else if (n_open > 0) {
+    } else if (OPEN_ROWS > 0 && n_open > 0) {
         if (threadIdx.x == 0) atomicAdd(again + 1, (unsigned long long)n_open);
         // The embedding a tile at a time into s_b (the sweeps are done with it), its rows
         // padded by 16 bytes so that lanes reading their own rows use every bank; the
         // next tile's loads in flight during this one's products. Thread (i, vr) makes
         // the logit of vocabulary row vr of the tile for open row i, and its entry.
         constexpr int LD = HIDDEN + 16, PIECES = TILE_N * TILE_PIECES;
-        constexpr int PER = (PIECES + SM90_THREADS - 1) / SM90_THREADS;
+        constexpr int PER = (PIECES + HEAD_THREADS - 1) / HEAD_THREADS;
         const int vr = threadIdx.x % TILE_N, i = threadIdx.x / TILE_N;  // warp-uniform i
         const bool active = i < n_open;
         const int r = active ? s_open_row[i] : 0, row = row0 + r, m = row / SEQ;
         const u32 sbs = active ? (u32)sb[row] * (u32)signs[m] : 0u;
-        const int* av = s_av + (m / 2 - m0 / 2) * (TILES * TILE_N);
+        const head_av_t* av = s_av + (m / 2 - m0 / 2) * (TILES * TILE_N);
         const u32 top = active ? (u32)s_open_peak[i] : 0u;
         const i8* x = s_a + (r >> 3) * CORE_SBO + (r & 7) * 16;
         auto load = [&](int4 (&w)[PER], int tile) {
 #pragma unroll
             for (int k = 0; k < PER; k++) {
-                const int at = threadIdx.x + k * SM90_THREADS, v = tile * TILE_N + at / TILE_PIECES;
+                const int at = threadIdx.x + k * HEAD_THREADS, v = tile * TILE_N + at / TILE_PIECES;
                 w[k] = at < PIECES && v < VOCAB ? __ldg((const int4*)(emb_t + (long)v * HIDDEN) + at % TILE_PIECES)
                                                  : make_int4(0, 0, 0, 0);
             }
@@ -282,7 +311,7 @@ head_loss_sm90(const i8* y, const i8* emb_t, const i8* emb_cores, const int* sb,
                 __syncthreads();  // the tile before is read
 #pragma unroll
                 for (int q = 0; q < PER; q++) {
-                    const int at = threadIdx.x + q * SM90_THREADS;
+                    const int at = threadIdx.x + q * HEAD_THREADS;
                     if (at < PIECES) *(int4*)(s_b + at / TILE_PIECES * LD + at % TILE_PIECES * 16) = ring[k][q];
                 }
                 __syncthreads();
@@ -310,18 +339,21 @@ head_loss_sm90(const i8* y, const i8* emb_t, const i8* emb_cores, const int* sb,
         }
     }
 
-    // The target's logit: the quad splits the row's dot product with its embedding row.
+    // The target's logit: the quad splits the row's dot product with its embedding row
+    // (HEAD_WIDE: the row from global memory, the tiles having overwritten it).
 #pragma unroll
     for (int s = 0; s < 2; s++) {
         const unsigned long long t = sums[s];
         const int r = 16 * warp + g + 8 * s;  // of the block's rows
         const int m = m0 + mine.member[s];
         const int target = mine.valid[s] ? tokens[m * (SEQ + 1) + (row0 + r) % SEQ + 1] : 0;
-        const i8* cores = s_a + (r >> 3) * CORE_SBO + (r & 7) * 16 + 4 * tig;
+        const i8* x = HEAD_WIDE ? y + (long)(mine.valid[s] ? row0 + r : 0) * HIDDEN + 4 * tig
+                                : s_a + (r >> 3) * CORE_SBO + (r & 7) * 16 + 4 * tig;
+        const int x_step = HEAD_WIDE ? 16 : CORE_LBO;
         const i8* e_row = emb_t + (long)target * HIDDEN + 4 * tig;
         int dot = 0;
         for (int piece = 0; piece < TILE_PIECES; piece++)
-            dot = __dp4a(*(const int*)(cores + piece * CORE_LBO), *(const int*)(e_row + 16 * piece), dot);
+            dot = __dp4a(*(const int*)(x + piece * x_step), *(const int*)(e_row + 16 * piece), dot);
         dot = quad_sum(dot);
         if (tig == 0 && mine.valid[s])
             add_position_loss(loss + m, t, peak[s], dot, mine.sbs[s], seeds[m] + off_a, ov_out, target);

@@ -2,7 +2,7 @@
 // their own), for the kernels that fuse a GEMM with its epilogue: head_loss_sm90.cu,
 // up_gelu_sm90.cu, qkv_rope_sm90.cu, terms_sm90.cu.
 //
-// A block's warpgroups own 64 rows each (head_loss_sm90: four, TILE_M = 256 rows;
+// A block's warpgroups own 64 rows each (head_loss_sm90: four or two, HEAD_ROWS rows;
 // qkv_rope_sm90: one, which takes a whole matrix's products at once and does not sweep;
 // terms_sm90.cu's: two, taking all columns at once and K in slices, its own pipeline),
 // or 32 (up_gelu_sm90: two, UP_ROWS = 64, so that two or three blocks share an SM, its
@@ -35,7 +35,6 @@
 
 #define CORE_LBO 128           // bytes from one core matrix to the next along K
 #define CORE_SBO (8 * HIDDEN)  // bytes from one row group (8 rows) to the next
-#define SM90_THREADS (2 * TILE_M)  // head_loss_sm90's: four warpgroups of 64 rows
 
 // Rows [first, first + n) of a K-contiguous int8 matrix into shared memory in the
 // core-matrix layout above, asynchronously; rows at or past `valid` are zeros. For the
@@ -97,6 +96,20 @@ __device__ __forceinline__ void wgmma_64x64x32(int (&d)[32], const u32 (&a)[4], 
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
 }
 
+// The same with B's descriptor at K step K (32 bytes a step) made in the asm from the
+// low word at step 0 and the high word (as wgmma_64x32x32 below): at hidden 1024 the
+// 32 steps' descriptors, made before the products, spilled head_loss_sm90's registers.
+template <int K>
+__device__ __forceinline__ void wgmma_64x64x32(int (&d)[32], const u32 (&a)[4], u32 b, u32 high, int accumulate) {
+    asm volatile("{\n.reg .pred p;\n.reg .b32 lb;\n.reg .b64 db;\n"
+                 "setp.ne.b32 p, %38, 0;\n"
+                 "add.u32 lb, %36, %39;\nmov.b64 db, {lb, %37};\n"
+                 "wgmma.mma_async.sync.aligned.m64n64k32.s32.s8.s8 " ACC32_TEXT ", {%32, %33, %34, %35}, db, p;\n}\n"
+                 : ACC32(d)
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b), "r"(high), "r"(accumulate),
+                   "n"(2 * CORE_LBO / 16 * K));
+}
+
 // d = A[64 rows, 32 bytes] B[32 rows, 32 bytes]^T, or d += it (accumulate), at K step
 // K (32 bytes a step) of descriptors a and b given by their low words at step 0
 // (core_descriptor's) and their common high word: made in the asm, so that the
@@ -129,11 +142,18 @@ __device__ __forceinline__ void tile_product_async(int (&d)[32], const i8* s_a, 
 // rather than shared memory: its products then read only the tile there, half the
 // bytes a product, where shared memory's bandwidth and not the tensor cores had set
 // their pace.
+template <int K = 0, int STEPS>
+__device__ __forceinline__ void tile_product_steps(int (&d)[32], const u32 (&a)[STEPS][4], u32 b, u32 high) {
+    if constexpr (K < STEPS) {
+        wgmma_64x64x32<K>(d, a[K], b, high, K > 0);
+        tile_product_steps<K + 1>(d, a, b, high);
+    }
+}
 template <int STEPS>
 __device__ __forceinline__ void tile_product_regs(int (&d)[32], const u32 (&a)[STEPS][4], const i8* s_b) {
     asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-#pragma unroll
-    for (int k = 0; k < STEPS; k++) wgmma_64x64x32(d, a[k], core_descriptor(s_b + 2 * CORE_LBO * k), k > 0);
+    const u64 b = core_descriptor(s_b);
+    tile_product_steps(d, a, (u32)b, (u32)(b >> 32));
     asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
 }
 

@@ -421,6 +421,34 @@ def test_the_one_pass_head_sums_open_rows_both_ways():
     assert shares[1][0] > 0, shares  # blocks with two or more open rows swept again
 
 
+@pytest.mark.parametrize(
+    "model, mode",
+    [
+        (dict(seq_len=64, vocab_size=2048), 1),
+        (dict(seq_len=24, vocab_size=2000), 2),  # blocks mid-member, a padded tile, int noise
+    ],
+)
+def test_the_wide_head_holds_its_rows_in_registers(model, mode):
+    """head_loss_sm90 at hidden 1024: blocks of 128 rows in registers, the tiles where
+    the rows were staged, the output noise in av_t; bit-exact with the CPU on random
+    rows and on rows near their peak, whose open rows the block sweeps again (with
+    every value counted towards a move's error, HEAD_LIVE=0, near rows are left open
+    for certain)."""
+    import kernels as harness
+
+    if not cp_device_is_hopper():
+        pytest.skip("head_loss_sm90 is built for H100s and H200s only")
+    big = dict(hidden_dim=1024, head_dim=64, n_layers=1, **model)
+    cfg = Config().replace(model=big, adaptive_noise=dict(mode=mode))
+    names = ["head_loss_sm90", "head_loss_sm90_near"]
+    for defines in (None, {"HEAD_LIVE": 0}):
+        lines = []
+        ok = harness.run(cfg, names, 16, 1, out=lines.append, defines=defines)
+        assert ok and all(" ok " in line for line in lines), lines
+    swept = float(re.search(r"swept twice ([\d.]+)%", lines[1])[1])
+    assert swept > 0, lines
+
+
 def test_the_one_pass_head_takes_a_peak_rising_past_int32():
     """At shift_logit 0 (no fold) a row's logits may lie 2^31 or more apart. The rows
     here have every logit of the first tile negative (no output noise there, y against

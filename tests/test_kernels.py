@@ -476,6 +476,7 @@ def static_shared_by_nvcc(log: str) -> dict[str, int]:
         dict(hidden_dim=128, head_dim=64, seq_len=80),
         dict(hidden_dim=512, head_dim=64, seq_len=256),
         dict(hidden_dim=2048, head_dim=128, seq_len=256, vocab_size=65536),
+        dict(hidden_dim=1024, head_dim=64, seq_len=64, vocab_size=32768),
     ],
     ids=[
         "default",
@@ -483,12 +484,14 @@ def static_shared_by_nvcc(log: str) -> dict[str, int]:
         "hidden 128: the o-projection's K one slice",
         "hidden 512: up_gelu_sm90 two blocks an SM",
         "the largest, attention sums in 64 bits",
+        "hidden 1024: the head's rows in registers",
     ],
 )
 def test_the_sources_compile_for_hopper_without_spills(model, tmp_path):
     """nvcc compiles what NVRTC will (no GPU needed), file by file; the tensor-core
     kernels keep to the registers their __launch_bounds__ allow (128, or 255 where a
-    row's products stay in registers: WIDE), with nothing spilled; and the plan, made
+    row's products stay in registers, WIDE, or head_loss_sm90's wide rows do), with
+    nothing spilled; and the plan, made
     with the static shared memory ptxas reports, runs on an H100 what fits there."""
     cfg = config(**model)
     defines = kernel_defines(cfg, H100)
@@ -501,7 +504,8 @@ def test_the_sources_compile_for_hopper_without_spills(model, tmp_path):
             usage = run.stderr.split(f"Function properties for {kernel}")[1].splitlines()[1:3]
             assert "0 bytes spill stores" in usage[0], (kernel, usage)
             registers = int(re.search(r"Used (\d+) registers", usage[1]).group(1))
-            assert registers <= (255 if kernel in WIDE else 128), (kernel, usage)
+            wide = kernel in WIDE or (kernel == "head_loss_sm90" and defines["HEAD_ROWS"] == 128)
+            assert registers <= (255 if wide else 128), (kernel, usage)
         static.update(static_shared_by_nvcc(run.stderr))
         return run.stderr
 

@@ -124,6 +124,23 @@ def test_sequence_loss_reads_a_row_once_where_its_bins_work(change, bins):
     assert (kernel_defines(cfg, H100)["LOSS_BINS"] > 0) is bins
 
 
+def test_wide_rows_run_the_hopper_head_in_blocks_of_128_rows():
+    """At hidden 1024 (scripts/bench_1024.toml's model) 256 rows do not fit beside two
+    tiles: head_loss_sm90 takes 128, held in registers, and runs the head fused where
+    the portable head_loss cannot; past hidden 1024 the rows do not fit the registers
+    and cuBLAS writes the logits."""
+    big = dict(hidden_dim=1024, head_dim=64, n_layers=8, vocab_size=32768)
+    p = plan(Config().replace(model=big))
+    assert p.fused and p.head == "head_loss_sm90" and "head_loss" not in p.shared
+    assert p.defines["HEAD_ROWS"] == p.tile_rows == 128 and p.defines["EXP_COPIES"] == 32
+    assert p.shared["head_loss_sm90"] + STATIC["head_loss_sm90"] <= H100.shared_optin
+    assert plan().defines["HEAD_ROWS"] == plan().tile_rows == 256
+    assert plan(hopper=False).tile_rows == 256  # head_loss's 8 warps of 32 rows
+    assert not plan(Config().replace(model=dict(big, hidden_dim=2048, head_dim=128))).fused
+    with pytest.raises(ValueError, match="head_loss needs more"):
+        plan(Config().replace(model=big), head="head_loss")
+
+
 def test_mode_2_runs_no_terms_kernel():
     p = plan(Config().replace(adaptive_noise=dict(mode=2)))
     assert not p.o_terms and not p.down_terms and p.head == "head_loss_sm90"

@@ -11,8 +11,12 @@ every entry of the table gives an affine pair with
     alpha_d e[k] - beta_d  <=  e[min(k + d, last)]  <=  alpha_d e[k] + gamma_d
 
 for all k, so n terms whose sum lies in [X_lo, X_hi] move to a sum in
-[alpha_d X_lo - n beta_d, alpha_d X_hi + n gamma_d] (n at most the values seen). At the
-end T lies in [L, H], and T >= e[0] = 2^scale_bit (the peak's own term). Where
+[alpha_d X_lo - n beta_d, alpha_d X_hi + n gamma_d] (n at most the values seen). Where
+e[last] = 0, a value summed at entry `last` stays there under every later peak and moves
+exactly (both sides 0), so n need count only the values summed at an entry up to
+`last` ("live"; head_loss_sm90's wide blocks, HEAD_LIVE, where a block sweeps again for
+a single open row; at hidden 256 the count would cost the sweep an instruction a
+logit). At the end T lies in [L, H], and T >= e[0] = 2^scale_bit (the peak's own term). Where
 floor(log2 L) = floor(log2 H), that is T's: exact. Else the row is left open and
 summed again with its peak known, the two-pass result: on the CUDA cores where its
 block has a few such rows (OPEN_ROWS), by a second sweep of the block where it has
@@ -61,17 +65,25 @@ def _up(x):
 
 
 def one_pass_log2(
-    logits: np.ndarray, exp: np.ndarray, last: int, scale_bit: int, tile_n: int = 64
+    logits: np.ndarray,
+    exp: np.ndarray,
+    last: int,
+    scale_bit: int,
+    tile_n: int = 64,
+    live: bool = False,
 ) -> tuple[np.ndarray, np.ndarray]:
     """(sure, log2) of each row of `logits` [row, vocab] as the one sweep finds them:
     where `sure`, log2 is floor(log2 T); elsewhere the kernel sums the row again. A
-    quad's thread `tig` holds columns 8 j + 2 tig + {0, 1} of each tile of `tile_n`."""
+    quad's thread `tig` holds columns 8 j + 2 tig + {0, 1} of each tile of `tile_n`.
+    live: a move's n counts the live values only (the kernel's HEAD_LIVE, which the plan
+    sets only where e[last] = 0)."""
     lgt = np.asarray(logits, np.int64)
     rows, vocab = lgt.shape
     bounds = exp_bounds(exp, last).astype(np.float64)
     e = np.asarray(exp[: last + 1], np.int64)
     peak = np.full(rows, np.iinfo(np.int64).min)
     total = np.zeros((4, rows), np.int64)
+    seen = np.zeros((4, rows), np.int64)  # live values a thread summed
     lo, hi = np.zeros((4, rows)), np.zeros((4, rows))
     cols = np.arange(tile_n).reshape(tile_n // 8, 4, 2).transpose(1, 0, 2).reshape(4, -1)
     for t0 in range(0, vocab, tile_n):
@@ -81,7 +93,8 @@ def one_pass_log2(
         if rise.any():
             d = np.minimum(top[rise] - peak[rise], last)
             alpha, beta, gamma = bounds[d, 0], bounds[d, 1], bounds[d, 2]
-            n = t0 // 4  # values a thread summed: at least the terms moved
+            # values a thread summed (live ones): at least the terms moved inexactly
+            n = seen[:, rise] if live else t0 // 4
             lo[:, rise] = np.maximum(
                 0.0, _down(_down(alpha * _down(lo[:, rise] + total[:, rise])) - n * beta)
             )
@@ -89,7 +102,9 @@ def one_pass_log2(
             total[:, rise] = 0
         peak = np.maximum(peak, top)
         for tig in range(4):
-            total[tig] += e[np.minimum(peak[:, None] - lgt[:, mine[tig]], last)].sum(-1)
+            below = peak[:, None] - lgt[:, mine[tig]]
+            total[tig] += e[np.minimum(below, last)].sum(-1)
+            seen[tig] += (below <= last).sum(-1)
     exact = hi.sum(0) == 0
     # four threads' bounds summed: a few roundings, well inside 2^-40 relative
     low = np.maximum((lo.sum(0) + total.sum(0)) * (1 - 2.0**-40), float(2**scale_bit))

@@ -68,6 +68,9 @@ ATT_WARPS = 4  # attention_mma: at most this many warps a block, 16 queries a wa
 LOSS_REGISTER_LPT = 16  # sequence_loss keeps up to this many logits a thread in registers
 LOSS_BINS = 1024  # past that, sequence_loss's histogram of a row's logits (one read)
 TILE_WARPS, TILE_N = 8, 64  # head_loss: 32 rows a warp, vocabulary tiles of 64 embedding rows
+# head_loss_sm90: rows a block, four warpgroups; where they do not fit beside two tiles,
+# two warpgroups whose registers hold the rows (up to hidden 1024: 128 registers a thread)
+HEAD_ROWS, WIDE_HEAD_ROWS, WIDE_HEAD_HIDDEN = 256, 128, 1024
 UP_ROWS = 64  # up_gelu_sm90: rows a block, two warpgroups of 32
 QKV_ROWS = 64  # qkv_rope_sm90: rows a block, one warpgroup
 TERMS_ROWS = 128  # terms_sm90: rows a tile, two warpgroups of 64
@@ -163,7 +166,9 @@ def kernel_defines(cfg: Config, device: Device) -> dict[str, int]:
         SLICE_STAGES=SLICE_STAGES,
         EXP_MAX=lut0,
         EXP_LAST=last,
-        EXP_COPIES=exp_copies(cfg, last, device),
+        EXP_COPIES=(copies := exp_copies(cfg, last, device)),
+        HEAD_ROWS=(rows := head_rows(cfg, last, copies, device)),
+        HEAD_LIVE=int(rows == WIDE_HEAD_ROWS and exp[last] == 0),
         CT_THREADS=choose_token_threads(m.hidden_dim),
         LOSS_REGISTER_LPT=LOSS_REGISTER_LPT,
         LOSS_BINS=LOSS_BINS if loss_bins_work(cfg, exp, last, device) else 0,
@@ -206,11 +211,29 @@ def exp_last(exp: np.ndarray) -> int:
 def exp_copies(cfg: Config, last: int, device: Device) -> int:
     """Copies of the table's entries 0..last that head_loss interleaves, so that lanes
     looking up different entries read different banks: one a lane where two blocks an SM
-    still fit, else the most that do (a power of two), else one."""
+    still fit, else the most that do (a power of two), else one. Where not even one
+    block of head_loss fits (wide rows), those that leave head_loss_sm90's wide block
+    room for its static shared memory (a kilobyte)."""
+
+    def fit(copies: int) -> bool:
+        if blocks_fit(1, head_loss_layout(cfg, TILE_WARPS, last, 1), device):
+            return blocks_fit(2, head_loss_layout(cfg, TILE_WARPS, last, copies), device)
+        wide = head_loss_sm90_layout(cfg, WIDE_HEAD_ROWS, last, copies)
+        return wide + 1024 <= device.shared_optin
+
     copies = 32
-    while copies > 1 and not blocks_fit(2, head_loss_layout(cfg, TILE_WARPS, last, copies), device):
+    while copies > 1 and not fit(copies):
         copies //= 2
     return copies
+
+
+def head_rows(cfg: Config, last: int, copies: int, device: Device) -> int:
+    """Rows a block of head_loss_sm90 takes: HEAD_ROWS where they fit beside two tiles
+    (one block an SM), else WIDE_HEAD_ROWS up to hidden WIDE_HEAD_HIDDEN."""
+    if cfg.model.hidden_dim > WIDE_HEAD_HIDDEN:
+        return HEAD_ROWS
+    fits = head_loss_sm90_layout(cfg, HEAD_ROWS, last, copies) <= device.shared_optin
+    return HEAD_ROWS if fits else WIDE_HEAD_ROWS
 
 
 def tile_members(cfg: Config, rows: int) -> int:
@@ -243,15 +266,25 @@ def head_loss_shared(cfg: Config, defines: Mapping[str, int]) -> int:
     return head_loss_layout(cfg, warps, last, copies)
 
 
+def head_loss_sm90_layout(cfg: Config, rows: int, last: int, copies: int) -> int:
+    """Bytes of dynamic shared memory of head_loss_sm90 (head_loss_sm90.cu's layout) for
+    blocks of `rows` rows: the rows beside two vocabulary tiles (no padding: wgmma's
+    core-matrix layout; wide blocks, whose rows go to registers, put the tiles where the
+    rows were), the output noise of each pair over the whole vocabulary (in whole
+    tiles; tiles.cuh's PAIRS_OF; 32 bits an entry, av_t's in wide blocks), the exp
+    table's copies."""
+    hidden, vocab = cfg.model.hidden_dim, -(-cfg.model.vocab_size // TILE_N) * TILE_N
+    if rows == WIDE_HEAD_ROWS:
+        staged, entry = max(rows, 2 * TILE_N) * hidden, av_bytes(cfg)
+    else:
+        staged, entry = (rows + 2 * TILE_N) * hidden, 4
+    return staged + entry * tile_pairs(cfg, rows) * vocab + 4 * (last + 1) * copies
+
+
 def head_loss_sm90_shared(cfg: Config, defines: Mapping[str, int]) -> int:
-    """Bytes of dynamic shared memory of head_loss_sm90 (head_loss_sm90.cu's layout) as
-    compiled with `defines`: the block's rows, two vocabulary tiles (no padding: wgmma's
-    core-matrix layout), the output noise of each pair over the whole vocabulary (32
-    bits an entry, in whole tiles; tiles.cuh's PAIRS_OF), the exp table's copies."""
-    rows, vocab = 32 * defines["TILE_WARPS"], -(-cfg.model.vocab_size // TILE_N) * TILE_N
-    tiles = (rows + 2 * TILE_N) * cfg.model.hidden_dim
-    table = 4 * (defines["EXP_LAST"] + 1) * defines["EXP_COPIES"]
-    return tiles + 4 * tile_pairs(cfg, rows) * vocab + table
+    """head_loss_sm90's dynamic shared memory as compiled with `defines`."""
+    rows, last, copies = defines["HEAD_ROWS"], defines["EXP_LAST"], defines["EXP_COPIES"]
+    return head_loss_sm90_layout(cfg, rows, last, copies)
 
 
 def up_gelu_sm90_shared(cfg: Config, defines: Mapping[str, int]) -> int:
@@ -371,7 +404,9 @@ class Plan:
 
     @property
     def tile_rows(self) -> int:
-        """Rows a block of head_loss (and of head_loss_sm90) takes."""
+        """Rows a block of the fused head takes."""
+        if self.head == "head_loss_sm90":
+            return self.defines["HEAD_ROWS"]
         return 32 * self.defines["TILE_WARPS"]
 
 
@@ -417,21 +452,21 @@ def make_plan(
             return True
         return False
 
-    # The head's GEMM fused with the loss (head_loss.cu) where its tiles fit; else cuBLAS
-    # writes the logits and sequence_loss reads them.
-    portable = head_loss_shared(cfg, defines)
-    if fused and not fits("head_loss", portable):
-        raise ValueError("head_loss needs more shared memory than the device allows")
-    use_fused = fits("head_loss", portable) if fused is None else fused
-    if use_fused:
-        shared["head_loss"] = portable
-    wants_sm90 = use_fused and head != "head_loss"
+    # The head's GEMM fused with the loss (head_loss_sm90.cu on Hopper, else head_loss.cu)
+    # where its tiles fit; else cuBLAS writes the logits and sequence_loss reads them.
+    if head is not None and head not in ("head_loss", "head_loss_sm90"):
+        raise ValueError(f"unknown head kernel {head!r}")
+    wants_sm90 = fused is not False and head != "head_loss"
     sm90_head = wants_sm90 and sm90("head_loss_sm90", head_loss_sm90_shared(cfg, defines))
     if head == "head_loss_sm90" and not sm90_head:
         raise ValueError("head_loss_sm90 does not run this config on this device")
-    if head is not None and head not in ("head_loss", "head_loss_sm90"):
-        raise ValueError(f"unknown head kernel {head!r}")
-    chosen_head = head or ("head_loss_sm90" if sm90_head else "head_loss")
+    portable = head_loss_shared(cfg, defines)
+    if (fused or head == "head_loss") and not sm90_head and not fits("head_loss", portable):
+        raise ValueError("head_loss needs more shared memory than the device allows")
+    use_fused = (sm90_head or fits("head_loss", portable)) if fused is None else fused
+    if use_fused and fits("head_loss", portable):
+        shared["head_loss"] = portable
+    chosen_head = "head_loss_sm90" if sm90_head else "head_loss"
     # The up-projection fused with mlp_up (up_gelu_sm90.cu) likewise; else cuBLAS writes
     # the int32 products and mlp_up reads them.
     fused_up = sm90("up_gelu_sm90", up_gelu_sm90_shared(cfg, defines))
