@@ -43,9 +43,25 @@
 // FOLD_FITS with |bias + MAXV| <= 255 + NOISE_N^2 < 2^14. The table holds (bias + MAXV)
 // 2^Q then.
 #ifndef UP_FOLD
-#define UP_FOLD FOLD_FITS(SHIFT_MLP_UP, 16384ll << (SHIFT_MLP_UP + MSHIFT))
+#define UP_FOLD (!UP_PACK && FOLD_FITS(SHIFT_MLP_UP, 16384ll << (SHIFT_MLP_UP + MSHIFT)))
 #endif
 #define UP_Q (SHIFT_MLP_UP + MSHIFT)
+// UP_PACK (gpu/plan.py: where the rows, two tiles and 8-byte entries do not fit shared
+// memory, as at hidden 1024): a feature's output noise and perturbed bias in one word,
+// 16 bits each (modes 0 and 1: |a| <= NOISE_N, |bias| < 2^7 + NOISE_N^2; unfolded).
+#ifndef UP_PACK
+#define UP_PACK 0
+#endif
+static_assert(!UP_PACK || ADAPTIVE_MODE != 2, "UP_PACK: 16-bit entries");
+#if UP_PACK
+typedef int up_entry_t;
+__device__ __forceinline__ up_entry_t make_up_entry(int a, int bias) { return (a & 0xFFFF) | (bias << 16); }
+__device__ __forceinline__ int2 up_entry(up_entry_t v) { return make_int2((short)(v & 0xFFFF), v >> 16); }
+#else
+typedef int2 up_entry_t;
+__device__ __forceinline__ up_entry_t make_up_entry(int a, int bias) { return make_int2(a, bias); }
+__device__ __forceinline__ int2 up_entry(up_entry_t v) { return v; }
+#endif
 #define UP_MEMBERS MEMBERS_OF(UP_ROWS)
 // UP_BLOCKS (gpu/plan.py: 3 where they fit, else 2) blocks an SM: three (80 registers a
 // thread) 6% faster than two (96 registers) at the default, and blocks of 128 rows,
@@ -80,7 +96,7 @@ up_gelu_sm90(const i8* y, const i8* up_cores, const int* sb_up, const u32* seeds
     i8* s_b = s_a + UP_ROWS * HIDDEN;    // [2] tiles of TILE_N matrix rows, core matrices
     // Per member and feature: the output noise and the perturbed bias, in pairs read
     // together; the down-projection's input noise and factor (dot_entry).
-    int2* s_up = (int2*)(s_b + 2 * TILE_N * HIDDEN);      // [UP_MEMBERS][TABLE]
+    up_entry_t* s_up = (up_entry_t*)(s_b + 2 * TILE_N * HIDDEN);  // [UP_MEMBERS][TABLE]
     dot_t* s_down = (dot_t*)(s_up + UP_MEMBERS * TABLE);  // [UP_MEMBERS][TABLE]
     // The GELU table by the clipped value plus 127, in bytes: one load of an address
     // plus a constant, and at most two words a bank for the warp's lookups.
@@ -117,9 +133,9 @@ up_gelu_sm90(const i8* y, const i8* up_cores, const int* sb_up, const u32* seeds
         const u32 seed = seeds[m];
         const int bias = bias_up[j] + vector_noise(ov_bias_up, seed, bias_a, bias_b, j, signs[m]);
 #if UP_FOLD
-        s_up[i] = make_int2(output_noise_of(ov_up_out, seed + up_a, j), (int)((u32)(bias + MAXV) << UP_Q));
+        s_up[i] = make_up_entry(output_noise_of(ov_up_out, seed + up_a, j), (int)((u32)(bias + MAXV) << UP_Q));
 #else
-        s_up[i] = make_int2(output_noise_of(ov_up_out, seed + up_a, j), bias);
+        s_up[i] = make_up_entry(output_noise_of(ov_up_out, seed + up_a, j), bias);
 #endif
         s_down[i] = dot_entry(ov_down_in, seed + down_b, j);
     }
@@ -139,7 +155,7 @@ up_gelu_sm90(const i8* y, const i8* up_cores, const int* sb_up, const u32* seeds
                 const int at = entries(r) + 4 * group + 2 * h;
 #pragma unroll
                 for (int s = 0; s < 2; s++) {
-                    up[s] = s_up[at + s];
+                    up[s] = up_entry(s_up[at + s]);
                     down[s] = s_down[at + s];
                 }
             };

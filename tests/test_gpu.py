@@ -449,6 +449,22 @@ def test_the_wide_head_holds_its_rows_in_registers(model, mode):
     assert swept > 0, lines
 
 
+@pytest.mark.parametrize("mode", [0, 1])
+def test_up_gelu_packs_its_entries_at_hidden_1024(mode):
+    """up_gelu_sm90 at hidden 1024 (seq_len 64: a block's rows one member's): a feature's
+    output noise and perturbed bias in one word (UP_PACK), one block an SM; bit-exact
+    with the CPU, with mlp_up beside it."""
+    import kernels as harness
+
+    if not cp_device_is_hopper():
+        pytest.skip("up_gelu_sm90 is built for H100s and H200s only")
+    big = dict(hidden_dim=1024, head_dim=64, n_layers=1, seq_len=64, vocab_size=512)
+    cfg = Config().replace(model=big, adaptive_noise=dict(mode=mode))
+    lines = []
+    ok = harness.run(cfg, ["up_gelu_sm90", "mlp_up"], 6, 1, out=lines.append)
+    assert ok and all(" ok " in line for line in lines), lines
+
+
 def test_the_one_pass_head_takes_a_peak_rising_past_int32():
     """At shift_logit 0 (no fold) a row's logits may lie 2^31 or more apart. The rows
     here have every logit of the first tile negative (no output noise there, y against

@@ -141,6 +141,18 @@ def test_wide_rows_run_the_hopper_head_in_blocks_of_128_rows():
         plan(Config().replace(model=big), head="head_loss")
 
 
+def test_up_gelu_packs_its_entries_where_eight_bytes_do_not_fit():
+    """At hidden 1024 up_gelu_sm90's rows, two tiles and 8-byte entries pass the shared
+    memory: its entries go in one word (UP_PACK), one block an SM; in mode 2 they do
+    not fit 16 bits and cuBLAS writes the products."""
+    big = dict(hidden_dim=1024, head_dim=64, n_layers=8, vocab_size=32768)
+    p = plan(Config().replace(model=big))
+    assert p.fused_up and (p.defines["UP_PACK"], p.defines["UP_BLOCKS"]) == (1, 1)
+    assert not plan(Config().replace(model=big, adaptive_noise=dict(mode=2))).fused_up
+    assert not plan(Config().replace(model=dict(big, seq_len=32))).fused_up  # two members a block
+    assert (plan().defines["UP_PACK"], plan().defines["UP_BLOCKS"]) == (0, 3)
+
+
 def test_mode_2_runs_no_terms_kernel():
     p = plan(Config().replace(adaptive_noise=dict(mode=2)))
     assert not p.o_terms and not p.down_terms and p.head == "head_loss_sm90"

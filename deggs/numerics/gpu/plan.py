@@ -173,11 +173,17 @@ def kernel_defines(cfg: Config, device: Device) -> dict[str, int]:
         LOSS_REGISTER_LPT=LOSS_REGISTER_LPT,
         LOSS_BINS=LOSS_BINS if loss_bins_work(cfg, exp, last, device) else 0,
     )
-    # up_gelu_sm90: three blocks an SM (80 registers a thread) where a warpgroup's rows
-    # are one member's and three fit the SM's shared memory; else two (96 registers:
-    # 80 spill there, and a cap that no third block uses only slows the kernel)
-    three = blocks_fit(3, up_gelu_sm90_shared(cfg, defines), device)
-    defines["UP_BLOCKS"] = 3 if m.seq_len % 32 == 0 and three else 2
+    # up_gelu_sm90: its entries packed in one word where 8-byte ones do not fit one
+    # block (the static shared memory's kilobyte beside it) and 16 bits hold them (not in
+    # mode 2); three blocks an SM (80 registers a thread) where a warpgroup's rows are
+    # one member's and three fit the SM's shared memory; else two (96 registers: 80 spill
+    # there, and a cap that no third block uses only slows the kernel); packed, one (at
+    # hidden 1024 128 registers spill)
+    defines["UP_PACK"] = 0
+    wide = up_gelu_sm90_shared(cfg, defines) + 1024 > device.shared_optin
+    defines["UP_PACK"] = int(wide and cfg.adaptive_noise.mode != 2)
+    three = m.seq_len % 32 == 0 and blocks_fit(3, up_gelu_sm90_shared(cfg, defines), device)
+    defines["UP_BLOCKS"] = 3 if three else 1 if defines["UP_PACK"] else 2
     return defines
 
 
@@ -290,12 +296,13 @@ def head_loss_sm90_shared(cfg: Config, defines: Mapping[str, int]) -> int:
 def up_gelu_sm90_shared(cfg: Config, defines: Mapping[str, int]) -> int:
     """Bytes of dynamic shared memory of up_gelu_sm90 (up_gelu_sm90.cu's layout): the
     block's rows, two tiles of the up matrix, per member and feature of the matrix an
-    8-byte entry and a dot_t (common.cuh: 4 bytes, 8 in adaptive mode 2), the GELU
-    table in bytes."""
+    8-byte entry (4 packed: UP_PACK) and a dot_t (common.cuh: 4 bytes, 8 in adaptive
+    mode 2), the GELU table in bytes."""
     rows, up = defines["UP_ROWS"], 4 * cfg.model.hidden_dim
     tiles = (rows + 2 * TILE_N) * cfg.model.hidden_dim
+    entry = 4 if defines.get("UP_PACK") else 8
     down = 8 if cfg.adaptive_noise.mode == 2 else 4
-    return tiles + (8 + down) * tile_members(cfg, rows) * up + 255
+    return tiles + (entry + down) * tile_members(cfg, rows) * up + 255
 
 
 def qkv_rope_sm90_shared(cfg: Config) -> int | None:
