@@ -20,8 +20,8 @@
 
 // Rows a block (gpu/plan.py's HEAD_ROWS): 256, four warpgroups, where the rows, two
 // tiles and the output noise fit shared memory; else 128 (HEAD_WIDE, up to hidden
-// 1024): two warpgroups, whose 255 registers a thread hold their rows, the tiles then
-// filling the shared memory the rows were staged in.
+// 1024): two warpgroups holding their rows in registers (HIDDEN / 8 a thread, of 255),
+// the tiles then filling the shared memory the rows were staged in.
 #define HEAD_THREADS (2 * HEAD_ROWS)
 #define HEAD_WIDE (HEAD_ROWS == 128)
 static_assert(HEAD_ROWS == 256 || (HEAD_WIDE && HIDDEN <= 1024), "HEAD_ROWS");
@@ -41,25 +41,32 @@ typedef int head_av_t;
 #ifndef HEAD_FOLD
 #define HEAD_FOLD (HEAD_REGS_A && FOLD_FITS(SHIFT_LOGIT, 0))
 #endif
-// One pass where sure (below); at HIDDEN > 256 the interval's registers spill: two there.
+// One pass where sure (below); beside rows read from shared memory the interval's
+// registers spill: two passes there.
 #ifndef HEAD_ONE_PASS
 #define HEAD_ONE_PASS HEAD_REGS_A
 #endif
 // Open rows a block sums again on the CUDA cores, a group of TILE_N threads each (the
 // embedding read once for all), at most one a group; with more it sweeps again (with
 // HEAD_WIDE always: the rows are no longer in shared memory, and a dot product of wide
-// rows on the CUDA cores costs as much as a sweep). The
-// embedding's tiles come OPEN_DEPTH ahead of the products (its reads from L2 bound this;
-// at narrow rows a deeper ring spills the sweep's registers).
+// rows on the CUDA cores reads the embedding from L2 as a sweep does). The embedding's
+// tiles come OPEN_DEPTH ahead of the products (its reads from L2 bound this; at narrow
+// rows a deeper ring spills the sweep's registers).
 #ifndef OPEN_ROWS
 #define OPEN_ROWS (HEAD_WIDE ? 0 : HEAD_THREADS / TILE_N)
 #endif
 #ifndef OPEN_DEPTH
 #define OPEN_DEPTH (HIDDEN >= 256 ? 4 : 1)
 #endif
-static_assert(OPEN_ROWS >= (HEAD_WIDE ? 0 : 1) && OPEN_ROWS <= (HEAD_WIDE ? 0 : HEAD_THREADS / TILE_N) &&
+static_assert((HEAD_WIDE ? OPEN_ROWS == 0 : OPEN_ROWS >= 1 && OPEN_ROWS <= HEAD_THREADS / TILE_N) &&
                   TILE_N % 32 == 0,
               "OPEN_ROWS");
+// HEAD_LIVE (gpu/plan.py: wide blocks where the table's entry EXP_LAST is 0): a move's
+// error counts the live values only (below), which the lookups of HEAD_REGS_A count.
+#ifndef HEAD_LIVE
+#define HEAD_LIVE 0
+#endif
+static_assert(!HEAD_LIVE || HEAD_REGS_A, "HEAD_LIVE");
 #if HEAD_FOLD
 #define LOOKUP_SHIFT (SHIFT_LOGIT + MSHIFT)
 #else
@@ -91,7 +98,8 @@ head_loss_sm90(const i8* y, const i8* emb_t, const i8* emb_cores, const int* sb,
     i8* s_a = (i8*)head_loss_sm90_shared;                     // HEAD_ROWS rows, core matrices
     i8* s_b = HEAD_WIDE ? s_a : s_a + HEAD_ROWS * HIDDEN;     // [2] tiles of TILE_N rows, core matrices
     constexpr int TILES = (VOCAB + TILE_N - 1) / TILE_N;
-    constexpr int STAGED = (HEAD_WIDE ? (HEAD_ROWS > 2 * TILE_N ? HEAD_ROWS : 2 * TILE_N) : HEAD_ROWS + 2 * TILE_N) * HIDDEN;
+    static_assert(!HEAD_WIDE || HEAD_ROWS >= 2 * TILE_N, "the tiles fit where the rows were staged");
+    constexpr int STAGED = (HEAD_WIDE ? HEAD_ROWS : HEAD_ROWS + 2 * TILE_N) * HIDDEN;
     // The output noise a pair (its members share their seed)
     head_av_t* s_av = (head_av_t*)(s_a + STAGED);                // [PAIRS_OF(HEAD_ROWS)][TILES * TILE_N]
     int* s_exp = (int*)(s_av + PAIRS_OF(HEAD_ROWS) * TILES * TILE_N);  // [EXP_LAST + 1][EXP_COPIES]
@@ -129,11 +137,10 @@ head_loss_sm90(const i8* y, const i8* emb_t, const i8* emb_cores, const int* sb,
     // exact, since the peak last rose: a thread's whole row fits 32 bits where ROW32
     row_sum_t total[2] = {0, 0};
     float lo[2] = {0.f, 0.f}, hi[2] = {0.f, 0.f};  // the terms summed before
-    // HEAD_LIVE (gpu/plan.py: wide rows, the table's entry EXP_LAST zero): values summed
-    // at an entry below EXP_LAST. The rest sit at that zero entry under every later peak
-    // and move exactly, so only these count towards a move's error (one_pass.py);
-    // counting all values left 1.3% of hidden-1024 rows open, and a wide block sweeps
-    // again for one
+    // HEAD_LIVE: values summed at an entry of at most EXP_LAST. The rest sit at that
+    // zero entry under every later peak and move exactly, so only these count towards
+    // a move's error (one_pass.py); counting all values left 1.3% of hidden-1024 rows
+    // open, and a wide block sweeps again for one
     u32 live[2] = {0u, 0u};
 
     // A value's key: its logit is key >> LOOKUP_SHIFT (HEAD_FOLD: the folded term).
@@ -186,8 +193,8 @@ head_loss_sm90(const i8* y, const i8* emb_t, const i8* emb_cores, const int* sb,
         // pipe bounds this epilogue): entry min(peak - (key >> LOOKUP_SHIFT), EXP_LAST) is
         // at last - (max(key, lowest) >> LOOKUP_SHIFT) entries, last the address of entry
         // peak (wrapping) and lowest the least key whose logit is peak - EXP_LAST or more
-        // (an arithmetic shift is monotone), or INT_MIN. (At HIDDEN > 256, rows read from
-        // shared memory, last and lowest spilled registers: the plain lookup there.)
+        // (an arithmetic shift is monotone), or INT_MIN. (Beside rows read from shared
+        // memory, last and lowest spilled registers: the plain lookup there.)
         u32 last[2];
         int lowest[2];
 #pragma unroll

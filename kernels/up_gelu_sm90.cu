@@ -48,14 +48,14 @@
 #define UP_Q (SHIFT_MLP_UP + MSHIFT)
 // UP_PACK (gpu/plan.py: where the rows, two tiles and 8-byte entries do not fit shared
 // memory, as at hidden 1024): a feature's output noise and perturbed bias in one word,
-// 16 bits each (modes 0 and 1: |a| <= NOISE_N, |bias| < 2^7 + NOISE_N^2; unfolded).
+// 16 bits each (modes 0 and 1: |a| <= NOISE_N, |bias| <= 2^7 + NOISE_N^2; unfolded).
 #ifndef UP_PACK
 #define UP_PACK 0
 #endif
-static_assert(!UP_PACK || ADAPTIVE_MODE != 2, "UP_PACK: 16-bit entries");
+static_assert(!UP_PACK || (ADAPTIVE_MODE != 2 && !UP_FOLD), "UP_PACK: 16-bit entries");
 #if UP_PACK
 typedef int up_entry_t;
-__device__ __forceinline__ up_entry_t make_up_entry(int a, int bias) { return (a & 0xFFFF) | (bias << 16); }
+__device__ __forceinline__ up_entry_t make_up_entry(int a, int bias) { return (a & 0xFFFF) | (int)((u32)bias << 16); }
 __device__ __forceinline__ int2 up_entry(up_entry_t v) { return make_int2((short)(v & 0xFFFF), v >> 16); }
 #else
 typedef int2 up_entry_t;
@@ -63,9 +63,10 @@ __device__ __forceinline__ up_entry_t make_up_entry(int a, int bias) { return ma
 __device__ __forceinline__ int2 up_entry(up_entry_t v) { return v; }
 #endif
 #define UP_MEMBERS MEMBERS_OF(UP_ROWS)
-// UP_BLOCKS (gpu/plan.py: 3 where they fit, else 2) blocks an SM: three (80 registers a
-// thread) 6% faster than two (96 registers) at the default, and blocks of 128 rows,
-// one an SM, 16% slower (0.65, 0.69 and 0.81 ms at 8,192 members on an H100).
+// UP_BLOCKS (gpu/plan.py: 3 where they fit, else 2; 1 with UP_PACK) blocks an SM:
+// three (80 registers a thread) 6% faster than two (96 registers) at the default, and
+// blocks of 128 rows, one an SM, 16% slower (0.65, 0.69 and 0.81 ms at 8,192 members on
+// an H100).
 
 // The tile's TILE_N = 64 matrix rows (s_tile) times the warpgroup's 32 rows (s_rows), K =
 // HIDDEN, into d[4 j + 2 s + e] = tile row 16 w + 8 s + g times row 8 j + 2 tig + e:

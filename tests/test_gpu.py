@@ -256,7 +256,10 @@ def test_gpu_matches_cpu_at_the_size_limits(name):
     gpu.load_state(params, overlays)
     data = rng.integers(0, cfg.model.vocab_size, 4 * cfg.model.seq_len + 64).astype(cfg.token_dtype)
     members = np.arange(cfg.training.population_size)
-    assert np.array_equal(gpu.losses(data, 0, 99, members), cpu.losses(data, 0, 99, members))
+    expected = cpu.losses(data, 0, 99, members)
+    assert np.array_equal(gpu.losses(data, 0, 99, members), expected)
+    picked = [5, 2, 7]  # apart from their partners: head_loss_sm90 scores them beside them
+    assert np.array_equal(gpu.losses(data, 0, 99, picked), expected[picked])
     fitness = rng.integers(-1, 2, cfg.training.n_pairs).astype(np.int32)
     assert gpu.update(fitness, 0, 99) == cpu.update(fitness, 0, 99)
     compare_states(cpu, gpu)
@@ -266,10 +269,10 @@ def test_gpu_matches_cpu_at_the_size_limits(name):
 
 def test_a_hopper_kernel_runs_only_where_its_barriers_fit_too():
     """head_loss_sm90 at the largest vocabulary whose dynamic shared memory fits the
-    device: beside it the kernel declares its copies' barriers (static shared memory).
-    Where both do not fit, the backend runs the portable head (the launch would fail);
-    either way the losses are the CPU's. On an H100 or H200 (232,448 bytes) that
-    vocabulary, 15,552, leaves no room for the barriers."""
+    device (in wide blocks of 128 rows past 15,552 on an H100 or H200): beside it the
+    kernel declares its copies' barriers (static shared memory). Where both do not fit,
+    the backend runs the portable head (the launch would fail); either way the losses
+    are the CPU's."""
 
     from deggs.numerics.gpu.cuda import device_figures
     from deggs.numerics.gpu.plan import head_loss_sm90_shared, kernel_defines
@@ -424,12 +427,14 @@ def test_the_one_pass_head_sums_open_rows_both_ways():
 @pytest.mark.parametrize(
     "model, mode",
     [
-        (dict(seq_len=64, vocab_size=2048), 1),
-        (dict(seq_len=24, vocab_size=2000), 2),  # blocks mid-member, a padded tile, int noise
+        (dict(hidden_dim=1024, seq_len=64, vocab_size=2048), 1),
+        # blocks mid-member, a padded tile, 32-bit noise
+        (dict(hidden_dim=1024, seq_len=24, vocab_size=2000), 2),
+        (dict(hidden_dim=512, seq_len=64, vocab_size=8192), 0),  # the default vocabulary
     ],
 )
 def test_the_wide_head_holds_its_rows_in_registers(model, mode):
-    """head_loss_sm90 at hidden 1024: blocks of 128 rows in registers, the tiles where
+    """head_loss_sm90 past hidden 256: blocks of 128 rows in registers, the tiles where
     the rows were staged, the output noise in av_t; bit-exact with the CPU on random
     rows and on rows near their peak, whose open rows the block sweeps again (with
     every value counted towards a move's error, HEAD_LIVE=0, near rows are left open
@@ -438,8 +443,9 @@ def test_the_wide_head_holds_its_rows_in_registers(model, mode):
 
     if not cp_device_is_hopper():
         pytest.skip("head_loss_sm90 is built for H100s and H200s only")
-    big = dict(hidden_dim=1024, head_dim=64, n_layers=1, **model)
-    cfg = Config().replace(model=big, adaptive_noise=dict(mode=mode))
+    cfg = Config().replace(
+        model=dict(head_dim=64, n_layers=1, **model), adaptive_noise=dict(mode=mode)
+    )
     names = ["head_loss_sm90", "head_loss_sm90_near"]
     for defines in (None, {"HEAD_LIVE": 0}):
         lines = []

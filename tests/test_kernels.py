@@ -223,7 +223,8 @@ def test_projection_terms_fit_where_every_term_fits_16_bits(k, mask, distributio
 def test_head_loss_sm90_takes_a_batch_whose_members_come_in_whole_pairs():
     """head_loss_sm90 keeps its output noise a pair: members 2k and 2k + 1 of a batch must
     share their seed. A chunk's do, and a sub-batch from an even member on; one starting
-    mid-pair, or members picked out of order, do not (the portable head runs them)."""
+    mid-pair, or members picked out of order, do not (the backend scores those beside
+    their partners)."""
     from deggs.seeds import pair_seed
 
     seeds = lambda members: pair_seed(77, np.asarray(members) // 2)

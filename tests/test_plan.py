@@ -132,10 +132,10 @@ def test_wide_rows_run_the_hopper_head_in_blocks_of_128_rows():
     big = dict(hidden_dim=1024, head_dim=64, n_layers=8, vocab_size=32768)
     p = plan(Config().replace(model=big))
     assert p.fused and p.head == "head_loss_sm90" and "head_loss" not in p.shared
-    assert p.defines["HEAD_ROWS"] == p.tile_rows == 128 and p.defines["EXP_COPIES"] == 32
+    assert p.defines["HEAD_ROWS"] == p.tile_rows(p.head) == 128 and p.defines["EXP_COPIES"] == 32
     assert p.shared["head_loss_sm90"] + STATIC["head_loss_sm90"] <= H100.shared_optin
-    assert plan().defines["HEAD_ROWS"] == plan().tile_rows == 256
-    assert plan(hopper=False).tile_rows == 256  # head_loss's 8 warps of 32 rows
+    assert plan().defines["HEAD_ROWS"] == plan().tile_rows("head_loss_sm90") == 256
+    assert p.tile_rows("head_loss") == 256  # head_loss's 8 warps of 32 rows, whatever runs
     assert not plan(Config().replace(model=dict(big, hidden_dim=2048, head_dim=128))).fused
     with pytest.raises(ValueError, match="head_loss needs more"):
         plan(Config().replace(model=big), head="head_loss")

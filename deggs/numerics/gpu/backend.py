@@ -186,6 +186,13 @@ class GpuBackend:
             return lambda: np.zeros(0, np.int32)
         t = self.cfg.model.seq_len
         seeds = pair_seed(int(step_seed), members // 2).astype(np.uint32)
+        if self.plan.head == "head_loss_sm90" and not seeds_in_pairs(seeds):
+            # head_loss_sm90 keeps its output noise a pair: members picked apart from
+            # their antithetic partners (validation, tests) are scored beside them
+            partnered = self.start_losses(
+                data, step, step_seed, np.stack([members, members ^ 1], 1).ravel()
+            )
+            return lambda: partnered()[0::2]
         signs = member_sign(members).astype(np.int32)
         host = np.frombuffer(cp.cuda.alloc_pinned_memory(4 * n), np.int32, n)
         done = cp.cuda.Event(disable_timing=True)
@@ -194,12 +201,12 @@ class GpuBackend:
             d_seeds, d_signs = cp.asarray(seeds), cp.asarray(signs)
             loss = cp.empty(n, cp.int32)
             nb = min(self.forward.batch, n)
+            nb += nb % 2  # sub-batches of whole pairs, a given odd batch too
             rows = self.forward.rows_for(nb, logits=not self.plan.fused)
             for s in range(0, n, nb):
                 e = min(n, s + nb)
                 batch = Batch(rows, d_seeds[s:e], d_signs[s:e], members=e - s, positions=t)
-                paired = seeds_in_pairs(seeds[s:e])
-                self.forward.losses(batch, d_tok[s * (t + 1) :], loss[s:e], paired)
+                self.forward.losses(batch, d_tok[s * (t + 1) :], loss[s:e])
             loss.data.copy_to_host_async(host.ctypes.data, host.nbytes, self.stream)
             done.record(self.stream)
 

@@ -197,13 +197,12 @@ class Forward:
 
     # --- the passes -----------------------------------------------------------------
 
-    def losses(self, batch: Batch, tokens, loss, paired: bool) -> None:
-        """The members' losses into `loss`; paired: members 2k and 2k + 1 share their
-        seed, which head_loss_sm90 needs (`seeds_in_pairs`; else the portable head runs)."""
+    def losses(self, batch: Batch, tokens, loss) -> None:
+        """The members' losses into `loss` (head_loss_sm90: members 2k and 2k + 1 share
+        their seed, `seeds_in_pairs`, as the backend's sub-batches do)."""
         if self.plan.fused:
             self.hidden(batch, tokens)
-            unpaired = not paired and self.plan.head == "head_loss_sm90"
-            self.head_loss(batch, tokens, loss, "head_loss" if unpaired else None)
+            self.head_loss(batch, tokens, loss)
         else:
             self.logits(batch, tokens)
             self.sequence_loss(batch, tokens, loss)
@@ -591,7 +590,7 @@ class Forward:
         shares: dict[str, float] = {}
         if self.head_blocks:
             twice, rows = (int(x) for x in self.head_again.get())
-            rows_at_most = self.head_blocks * self.plan.tile_rows
+            rows_at_most = self.head_blocks * self.plan.tile_rows("head_loss_sm90")
             shares.update(swept_twice=twice / self.head_blocks)
             shares.update(rows_summed_again=rows / rows_at_most)
         if self.loss_rows:
@@ -605,7 +604,7 @@ class Forward:
         table, (_, ov_vocab), (off_a, _) = self.state.param("embedding")
         kernel = kernel or self.plan.head
         sm90 = kernel == "head_loss_sm90"
-        tile_rows = self.plan.tile_rows
+        tile_rows = self.plan.tile_rows(kernel)
         blocks = -(-batch.n_rows // tile_rows)
         sm90_args = {}
         if sm90:

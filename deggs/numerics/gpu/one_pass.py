@@ -14,9 +14,9 @@ for all k, so n terms whose sum lies in [X_lo, X_hi] move to a sum in
 [alpha_d X_lo - n beta_d, alpha_d X_hi + n gamma_d] (n at most the values seen). Where
 e[last] = 0, a value summed at entry `last` stays there under every later peak and moves
 exactly (both sides 0), so n need count only the values summed at an entry up to
-`last` ("live"; head_loss_sm90's wide blocks, HEAD_LIVE, where a block sweeps again for
-a single open row; at hidden 256 the count would cost the sweep an instruction a
-logit). At the end T lies in [L, H], and T >= e[0] = 2^scale_bit (the peak's own term). Where
+`last` ("live": HEAD_LIVE, in head_loss_sm90's wide blocks, which sweep again for one
+open row; elsewhere the count's instruction a logit costs more than it saves). At the
+end T lies in [L, H], and T >= e[0] = 2^scale_bit (the peak's own term). Where
 floor(log2 L) = floor(log2 H), that is T's: exact. Else the row is left open and
 summed again with its peak known, the two-pass result: on the CUDA cores where its
 block has a few such rows (OPEN_ROWS), by a second sweep of the block where it has

@@ -215,17 +215,20 @@ def exp_last(exp: np.ndarray) -> int:
 
 
 def exp_copies(cfg: Config, last: int, device: Device) -> int:
-    """Copies of the table's entries 0..last that head_loss interleaves, so that lanes
-    looking up different entries read different banks: one a lane where two blocks an SM
-    still fit, else the most that do (a power of two), else one. Where not even one
-    block of head_loss fits (wide rows), those that leave head_loss_sm90's wide block
-    room for its static shared memory (a kilobyte)."""
+    """Copies of the table's entries 0..last that the heads interleave, so that lanes
+    looking up different entries read different banks: one a lane where two blocks of
+    head_loss an SM still fit, else the most that do (a power of two), else one. Where
+    head_loss_sm90 runs in wide blocks, those that leave its block room for its static
+    shared memory (a kilobyte)."""
+    wide = device.hopper and head_rows(cfg, last, 1, device) == WIDE_HEAD_ROWS
 
     def fit(copies: int) -> bool:
-        if blocks_fit(1, head_loss_layout(cfg, TILE_WARPS, last, 1), device):
-            return blocks_fit(2, head_loss_layout(cfg, TILE_WARPS, last, copies), device)
-        wide = head_loss_sm90_layout(cfg, WIDE_HEAD_ROWS, last, copies)
-        return wide + 1024 <= device.shared_optin
+        if wide:
+            return (
+                head_loss_sm90_layout(cfg, WIDE_HEAD_ROWS, last, copies) + 1024
+                <= device.shared_optin
+            )
+        return blocks_fit(2, head_loss_layout(cfg, TILE_WARPS, last, copies), device)
 
     copies = 32
     while copies > 1 and not fit(copies):
@@ -235,11 +238,10 @@ def exp_copies(cfg: Config, last: int, device: Device) -> int:
 
 def head_rows(cfg: Config, last: int, copies: int, device: Device) -> int:
     """Rows a block of head_loss_sm90 takes: HEAD_ROWS where they fit beside two tiles
-    (one block an SM), else WIDE_HEAD_ROWS up to hidden WIDE_HEAD_HIDDEN."""
-    if cfg.model.hidden_dim > WIDE_HEAD_HIDDEN:
-        return HEAD_ROWS
-    fits = head_loss_sm90_layout(cfg, HEAD_ROWS, last, copies) <= device.shared_optin
-    return HEAD_ROWS if fits else WIDE_HEAD_ROWS
+    (one block an SM, a kilobyte left for its static shared memory), else WIDE_HEAD_ROWS
+    up to hidden WIDE_HEAD_HIDDEN."""
+    fits = head_loss_sm90_layout(cfg, HEAD_ROWS, last, copies) + 1024 <= device.shared_optin
+    return HEAD_ROWS if fits or cfg.model.hidden_dim > WIDE_HEAD_HIDDEN else WIDE_HEAD_ROWS
 
 
 def tile_members(cfg: Config, rows: int) -> int:
@@ -409,10 +411,9 @@ class Plan:
     tensor_attention: bool
     opt_in: dict[str, int] = field(default_factory=dict)  # kernels past 48 KiB: their size
 
-    @property
-    def tile_rows(self) -> int:
-        """Rows a block of the fused head takes."""
-        if self.head == "head_loss_sm90":
+    def tile_rows(self, head: str) -> int:
+        """Rows a block of a fused head (head_loss or head_loss_sm90) takes."""
+        if head == "head_loss_sm90":
             return self.defines["HEAD_ROWS"]
         return 32 * self.defines["TILE_WARPS"]
 
