@@ -138,10 +138,8 @@ __device__ __forceinline__ void tile_product_async(int (&d)[32], const i8* s_a, 
     asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
 }
 
-// As tile_product_async with the warpgroup's rows from registers (a, rows_to_fragments's)
-// rather than shared memory: its products then read only the tile there, half the
-// bytes a product, where shared memory's bandwidth and not the tensor cores had set
-// their pace.
+// Steps K.. of a product with A from registers (tile_product_regs), B's descriptors made
+// in the asm.
 template <int K = 0, int STEPS>
 __device__ __forceinline__ void tile_product_steps(int (&d)[32], const u32 (&a)[STEPS][4], u32 b, u32 high) {
     if constexpr (K < STEPS) {
@@ -149,6 +147,11 @@ __device__ __forceinline__ void tile_product_steps(int (&d)[32], const u32 (&a)[
         tile_product_steps<K + 1>(d, a, b, high);
     }
 }
+
+// As tile_product_async with the warpgroup's rows from registers (a, rows_to_fragments's)
+// rather than shared memory: its products then read only the tile there, half the
+// bytes a product, where shared memory's bandwidth and not the tensor cores had set
+// their pace.
 template <int STEPS>
 __device__ __forceinline__ void tile_product_regs(int (&d)[32], const u32 (&a)[STEPS][4], const i8* s_b) {
     asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");

@@ -179,8 +179,7 @@ def kernel_defines(cfg: Config, device: Device) -> dict[str, int]:
     # one member's and three fit the SM's shared memory; else two (96 registers: 80 spill
     # there, and a cap that no third block uses only slows the kernel); packed, one (at
     # hidden 1024 128 registers spill)
-    defines["UP_PACK"] = 0
-    wide = up_gelu_sm90_shared(cfg, defines) + 1024 > device.shared_optin
+    wide = up_gelu_sm90_shared(cfg, defines) + 1024 > device.shared_optin  # 8-byte entries
     defines["UP_PACK"] = int(wide and cfg.adaptive_noise.mode != 2)
     three = m.seq_len % 32 == 0 and blocks_fit(3, up_gelu_sm90_shared(cfg, defines), device)
     defines["UP_BLOCKS"] = 3 if three else 1 if defines["UP_PACK"] else 2
