@@ -1143,6 +1143,9 @@ class CliProcess:
             stderr=subprocess.STDOUT,
             text=True,
             env=CLI_ENV,
+            # a suite run under nohup would pass its ignored SIGHUP on, and the CLI keeps
+            # an ignored SIGHUP ignored (test_cli_keeps_an_ignored_sighup_ignored)
+            preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL),
         )
         self.lines: queue.Queue = queue.Queue()
         self.output: list[str] = []
