@@ -77,6 +77,7 @@ TERMS_ROWS = 128  # terms_sm90: rows a tile, two warpgroups of 64
 SLICE, SLICE_STAGES = 128, 4  # terms_sm90: bytes of K a pipeline stage holds, stages
 MAX_THREADS = 1024  # per block, on every CUDA device
 STATIC_SHARED = 48 << 10  # a kernel may use more shared memory only when it opts in
+STATIC_ROOM = 1 << 10  # room left beside a layout for its kernel's static shared memory
 
 
 @dataclass(frozen=True)
@@ -179,7 +180,7 @@ def kernel_defines(cfg: Config, device: Device) -> dict[str, int]:
     # one member's and three fit the SM's shared memory; else two (96 registers: 80 spill
     # there, and a cap that no third block uses only slows the kernel); packed, one (at
     # hidden 1024 128 registers spill)
-    wide = up_gelu_sm90_shared(cfg, defines) + 1024 > device.shared_optin  # 8-byte entries
+    wide = not fits_alone(up_gelu_sm90_shared(cfg, defines), device)  # 8-byte entries
     defines["UP_PACK"] = int(wide and cfg.adaptive_noise.mode != 2)
     three = m.seq_len % 32 == 0 and blocks_fit(3, up_gelu_sm90_shared(cfg, defines), device)
     defines["UP_BLOCKS"] = 3 if three else 1 if defines["UP_PACK"] else 2
@@ -192,13 +193,19 @@ def loss_bins_work(cfg: Config, exp: np.ndarray, last: int, device: Device) -> b
     far below another adds nothing; logits differ by less than 2^31 (shifted at least
     once); and the bins fit beside the vocabulary's output noise and the table (with a
     kilobyte for the rest of its static shared memory). Else it reads each row twice."""
-    shared = row_kernels_shared(cfg)["sequence_loss"] + 4 * (LOSS_BINS + len(exp)) + 1024
+    shared = row_kernels_shared(cfg)["sequence_loss"] + 4 * (LOSS_BINS + len(exp))
     return (
         exp[last] == 0
         and last < LOSS_BINS
         and cfg.quantization.shift_logit > 0
-        and shared <= device.shared_optin
+        and fits_alone(shared, device)
     )
+
+
+def fits_alone(shared: int, device: Device) -> bool:
+    """Whether a block of `shared` bytes of dynamic shared memory fits the device with
+    STATIC_ROOM left beside it (make_plan checks the static memory as compiled)."""
+    return shared + STATIC_ROOM <= device.shared_optin
 
 
 def blocks_fit(blocks: int, shared: int, device: Device) -> bool:
@@ -223,10 +230,7 @@ def exp_copies(cfg: Config, last: int, device: Device) -> int:
 
     def fit(copies: int) -> bool:
         if wide:
-            return (
-                head_loss_sm90_layout(cfg, WIDE_HEAD_ROWS, last, copies) + 1024
-                <= device.shared_optin
-            )
+            return fits_alone(head_loss_sm90_layout(cfg, WIDE_HEAD_ROWS, last, copies), device)
         return blocks_fit(2, head_loss_layout(cfg, TILE_WARPS, last, copies), device)
 
     copies = 32
@@ -239,7 +243,7 @@ def head_rows(cfg: Config, last: int, copies: int, device: Device) -> int:
     """Rows a block of head_loss_sm90 takes: HEAD_ROWS where they fit beside two tiles
     (one block an SM, a kilobyte left for its static shared memory), else WIDE_HEAD_ROWS
     up to hidden WIDE_HEAD_HIDDEN."""
-    fits = head_loss_sm90_layout(cfg, HEAD_ROWS, last, copies) + 1024 <= device.shared_optin
+    fits = fits_alone(head_loss_sm90_layout(cfg, HEAD_ROWS, last, copies), device)
     return HEAD_ROWS if fits or cfg.model.hidden_dim > WIDE_HEAD_HIDDEN else WIDE_HEAD_ROWS
 
 
@@ -281,8 +285,8 @@ def head_loss_sm90_layout(cfg: Config, rows: int, last: int, copies: int) -> int
     tiles; tiles.cuh's PAIRS_OF; 32 bits an entry, av_t's in wide blocks), the exp
     table's copies."""
     hidden, vocab = cfg.model.hidden_dim, -(-cfg.model.vocab_size // TILE_N) * TILE_N
-    if rows == WIDE_HEAD_ROWS:
-        staged, entry = max(rows, 2 * TILE_N) * hidden, av_bytes(cfg)
+    if rows == WIDE_HEAD_ROWS:  # (the kernel asserts that two tiles fit the rows' room)
+        staged, entry = rows * hidden, av_bytes(cfg)
     else:
         staged, entry = (rows + 2 * TILE_N) * hidden, 4
     return staged + entry * tile_pairs(cfg, rows) * vocab + 4 * (last + 1) * copies
