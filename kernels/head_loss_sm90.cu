@@ -154,7 +154,10 @@ head_loss_sm90(const i8* y, const i8* emb_t, const i8* emb_cores, const int* sb,
     };
 
     // Tile t's epilogue on its products d: pass 0 moves the peaks, then both passes sum.
-    auto epilogue = [&](const int (&d)[32], int tile, int pass) {
+    // Pass 0 turns d into the keys in place (the products are dead after it), so its
+    // lookups neither load the noise again nor redo the multiply-add: the epilogue's
+    // shared-memory reads, beside the MMAs' reads of the tiles, bound this kernel.
+    auto epilogue = [&](int (&d)[32], int tile, int pass) {
         const head_av_t* av = s_av + tile * TILE_N;
         const int v0 = tile * TILE_N;
         if (pass == 0) {
@@ -165,10 +168,10 @@ head_loss_sm90(const i8* y, const i8* emb_t, const i8* emb_cores, const int* sb,
                 for (int e = 0; e < 2; e++)
 #pragma unroll
                     for (int s = 0; s < 2; s++)
-                        // (volatile: the lookups below load the noise again; held
-                        // in registers across them, it spilled)
-                        if (!VOCAB_PAD || v0 + 8 * j + 2 * tig + e < VOCAB)
-                            top[s] = max(top[s], key_of(d, (const volatile head_av_t*)av, j, e, s));
+                        if (!VOCAB_PAD || v0 + 8 * j + 2 * tig + e < VOCAB) {
+                            d[4 * j + 2 * s + e] = key_of(d, av, j, e, s);
+                            top[s] = max(top[s], d[4 * j + 2 * s + e]);
+                        }
 #pragma unroll
             for (int s = 0; s < 2; s++) {
                 top[s] = quad_max(top[s]) >> LOOKUP_SHIFT;
@@ -216,7 +219,7 @@ head_loss_sm90(const i8* y, const i8* emb_t, const i8* emb_cores, const int* sb,
                 if (VOCAB_PAD && v0 + col >= VOCAB) continue;
 #pragma unroll
                 for (int s = 0; s < 2; s++) {
-                    const int key = key_of(d, av, j, e, s);
+                    const int key = pass == 0 ? d[4 * j + 2 * s + e] : key_of(d, av, j, e, s);
 #if HEAD_REGS_A
                     part[s] += shared_word(last[s] - (u32)(max(key, lowest[s]) >> LOOKUP_SHIFT) * (4 * EXP_COPIES));
                     if (HEAD_LIVE && pass == 0) live[s] += key >= lowest[s];
@@ -241,7 +244,7 @@ head_loss_sm90(const i8* y, const i8* emb_t, const i8* emb_cores, const int* sb,
     };
     // `pass` a constant in each sweep's epilogue, as in head_loss
     sweep_async<TILE_N * HIDDEN>(TILES, s_b, emb_cores, products,
-                                 [&](const int (&d)[32], int tile) { epilogue(d, tile, 0); });
+                                 [&](int (&d)[32], int tile) { epilogue(d, tile, 0); });
     // A row's sum: exact where no term was moved, else 2^floor(log2) where the interval
     // [lo, hi] leaves one (it holds the sum, which is at least the peak's 2^SCALE_BIT).
     unsigned long long sums[2];
@@ -280,7 +283,7 @@ head_loss_sm90(const i8* y, const i8* emb_t, const i8* emb_cores, const int* sb,
         if (threadIdx.x == 0) atomicAdd(again, 1ull);
         total[0] = total[1] = 0;
         sweep_async<TILE_N * HIDDEN>(TILES, s_b, emb_cores, products,
-                                     [&](const int (&d)[32], int tile) { epilogue(d, tile, 1); });
+                                     [&](int (&d)[32], int tile) { epilogue(d, tile, 1); });
 #pragma unroll
         for (int s = 0; s < 2; s++) sums[s] = quad_sum((unsigned long long)total[s]);
     } else if (OPEN_ROWS > 0 && n_open > 0) {
