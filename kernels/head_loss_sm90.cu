@@ -172,22 +172,27 @@ head_loss_sm90(const i8* y, const i8* emb_t, const i8* emb_cores, const int* sb,
                             d[4 * j + 2 * s + e] = key_of(d, av, j, e, s);
                             top[s] = max(top[s], d[4 * j + 2 * s + e]);
                         }
+            // Both rows' peaks before one branch (with a branch a row, ptxas put the second
+            // row's maximum after the first's branch, one latency chain after the other)
 #pragma unroll
-            for (int s = 0; s < 2; s++) {
-                top[s] = quad_max(top[s]) >> LOOKUP_SHIFT;
-                if (top[s] <= peak[s]) continue;
-                if (HEAD_ONE_PASS && tile > 0) {  // move what the thread summed: exp_bounds' row d
-                    // (the rise in u32: logits 2^31 or more apart, at LOOKUP_SHIFT 0, wrap an int)
-                    const u32 rise = min((u32)top[s] - (u32)peak[s], (u32)EXP_LAST);
-                    const float4 b = __ldg((const float4*)exp_bounds + rise);
-                    const float n = HEAD_LIVE ? (float)live[s] : (float)(tile * (TILE_N / 4));  // >= terms
-                    const float x_lo = __fadd_rd(lo[s], __ull2float_rd(total[s]));
-                    const float x_hi = __fadd_ru(hi[s], __ull2float_ru(total[s]));
-                    lo[s] = fmaxf(0.f, __fmaf_rd(b.x, x_lo, -__fmul_ru(n, b.y)));
-                    hi[s] = __fmaf_ru(b.x, x_hi, __fmul_ru(n, b.z));
-                    total[s] = 0;
+            for (int s = 0; s < 2; s++) top[s] = quad_max(top[s]) >> LOOKUP_SHIFT;
+            if (top[0] > peak[0] || top[1] > peak[1]) {
+#pragma unroll
+                for (int s = 0; s < 2; s++) {
+                    if (top[s] <= peak[s]) continue;
+                    if (HEAD_ONE_PASS && tile > 0) {  // move what the thread summed: exp_bounds' row d
+                        // (the rise in u32: logits 2^31 or more apart, at LOOKUP_SHIFT 0, wrap an int)
+                        const u32 rise = min((u32)top[s] - (u32)peak[s], (u32)EXP_LAST);
+                        const float4 b = __ldg((const float4*)exp_bounds + rise);
+                        const float n = HEAD_LIVE ? (float)live[s] : (float)(tile * (TILE_N / 4));  // >= terms
+                        const float x_lo = __fadd_rd(lo[s], __ull2float_rd(total[s]));
+                        const float x_hi = __fadd_ru(hi[s], __ull2float_ru(total[s]));
+                        lo[s] = fmaxf(0.f, __fmaf_rd(b.x, x_lo, -__fmul_ru(n, b.y)));
+                        hi[s] = __fmaf_ru(b.x, x_hi, __fmul_ru(n, b.z));
+                        total[s] = 0;
+                    }
+                    peak[s] = top[s];
                 }
-                peak[s] = top[s];
             }
             if (!HEAD_ONE_PASS) return;
         }
