@@ -35,7 +35,7 @@ typedef av_t head_av_t;
 #else
 typedef int head_av_t;
 #endif
-// The second pass's lookups shift the folded term (common.cuh's folded_term, one
+// The lookups (both passes) shift the folded term (common.cuh's folded_term, one
 // multiply-add) by SHIFT_LOGIT + MSHIFT rather than the logit before its shift by
 // SHIFT_LOGIT, where FOLD_FITS.
 #ifndef HEAD_FOLD
@@ -154,9 +154,9 @@ head_loss_sm90(const i8* y, const i8* emb_t, const i8* emb_cores, const int* sb,
     };
 
     // Tile t's epilogue on its products d: pass 0 moves the peaks, then both passes sum.
-    // Pass 0 turns d into the keys in place (the products are dead after it), so its
-    // lookups neither load the noise again nor redo the multiply-add: the epilogue's
-    // shared-memory reads, beside the MMAs' reads of the tiles, bound this kernel.
+    // Pass 0 writes the keys over d (the products are dead once their keys are made),
+    // so its lookups neither load the noise again nor redo the multiply-add: the
+    // epilogue's shared-memory reads, beside the MMAs' reads of the tiles, bound it.
     auto epilogue = [&](int (&d)[32], int tile, int pass) {
         const head_av_t* av = s_av + tile * TILE_N;
         const int v0 = tile * TILE_N;
@@ -197,7 +197,7 @@ head_loss_sm90(const i8* y, const i8* emb_t, const i8* emb_cores, const int* sb,
             if (!HEAD_ONE_PASS) return;
         }
 #if HEAD_REGS_A
-        // Pass 1's lookups in a clamp, a shift and a multiply-add a logit (the integer
+        // The lookups in a clamp, a shift and a multiply-add a logit (the integer
         // pipe bounds this epilogue): entry min(peak - (key >> LOOKUP_SHIFT), EXP_LAST) is
         // at last - (max(key, lowest) >> LOOKUP_SHIFT) entries, last the address of entry
         // peak (wrapping) and lowest the least key whose logit is peak - EXP_LAST or more

@@ -229,13 +229,14 @@ __device__ __forceinline__ void barrier_wait(u64* bar, u32 parity) {
 }
 
 // One sweep over n tiles of a weight matrix kept in the order the sweep takes it
-// (tiles: tile t's BYTES at t BYTES, in the core-matrix layout; gpu/cores.py's CoreCopy),
-// through s_b's two buffers. product(d, tile) starts the warpgroup's products with the
-// tile in shared memory into its ACC accumulators d (tile_product_async, as one
-// committed group); epilogue(d, t) gets them for tile t. The block's rows (the operand product reads
-// besides the tile) must be in shared memory, their cp.async copy committed before.
-// Tables the epilogues read are best built before: between two tiles, a global load's
-// wait stalls every warp.
+// (tiles: tile t's BYTES at t BYTES, in the core-matrix layout; gpu/cores.py's
+// CoreCopy), through s_b's two buffers. product(d, tile) starts the warpgroup's
+// products with the tile in shared memory into its ACC accumulators d
+// (tile_product_async, as one committed group); epilogue(d, t) gets them for tile t and
+// may overwrite them (the next product into d starts from zero, behind wgmma.fence).
+// The block's rows (the operand product reads besides the tile) must be in shared
+// memory, their cp.async copy committed before. Tables the epilogues read are best
+// built before: between two tiles, a global load's wait stalls every warp.
 template <u32 BYTES, int ACC = 32, typename Product, typename Epilogue>
 __device__ __forceinline__ void sweep_async(int n, i8* s_b, const i8* tiles, Product product,
                                             Epilogue epilogue) {
