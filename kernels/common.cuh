@@ -185,6 +185,7 @@ __device__ __forceinline__ u32 folded_term(int g, u32 sbs, int av) { return (u32
 // float quotient's conversions are quarter-rate); M is one division a d. In modes 0
 // and 1 the caller's n stay below 2^22; mode 2's unbounded factors can pass it, and
 // those n are divided as C does.
+#define MEAN_MAX 128  // a row's mean magnitude: |x| <= 128 for a byte x
 __device__ __forceinline__ u32 divisor_magic(int d) { return d <= 1 ? 0u : 0xFFFFFFFFu / (u32)d + 1u; }
 struct Divisor {
     int d;

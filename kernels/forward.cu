@@ -89,7 +89,6 @@ extern "C" __global__ void embed(const int* tokens, const u32* seeds, const int*
 // lane_slot): weight and bias with their noise, and each input dot's entries
 // (dot_t[3][HIDDEN]: 1 or 2 words each); and s_magic[d], Divisor's multiplier of each
 // mean d a row can have (0..MEAN_MAX).
-#define MEAN_MAX 128  // |x| <= 128 for a byte x
 __device__ __forceinline__ void norm_tables(int* s_norm, u32* s_magic, u32 seed, int sign, const i8* w,
                                             const i8* b, const i8* ov_w, const i8* ov_b, u32 w_a, u32 w_b,
                                             u32 b_a, u32 b_b, int ndots, const i8* ov0, const i8* ov1,
@@ -340,10 +339,9 @@ extern "C" __global__ void attention_mix(const i8* q, const i8* k, const i8* v, 
 // of the new x (one kernel: x's row is normalised from registers, not read back):
 // x = max_abs_normalize(x + (out >> shift) [+ bias + its noise]) in place, out = g +
 // rank-1 term (its input dot sb_in); then y = standard_norm(x) and its input dots in
-// sb_out, as standard_norm's arguments say. Where `terms` is given (terms_sm90.cu's
-// (g + rank-1 term) >> shift in 16 bits a feature), x + terms [+ bias] instead: g,
-// sb_in and the output noise go unread.
-extern "C" __global__ void residual_norm(const int* g, const short* terms, const int* sb_in, i8* x,
+// sb_out, as standard_norm's arguments say. (residual_sm90.cu fuses it with the o- and
+// the down-projection's GEMMs.)
+extern "C" __global__ void residual_norm(const int* g, const int* sb_in, i8* x,
                                          const u32* seeds, const int* signs, const i8* ov_out, u32 off_a, int shift,
                                          const i8* bias, const i8* ov_bias, u32 bias_a, u32 bias_b,
                                          i8* y, const i8* w, const i8* b, const i8* ov_w,
@@ -359,7 +357,7 @@ extern "C" __global__ void residual_norm(const int* g, const short* terms, const
     const u32 seed = seeds[m];
     const int sign = signs[m];
     for (int f = threadIdx.x; f < HIDDEN; f += blockDim.x) {
-        if (!terms) s_av[lane_slot(f)] = output_noise_of(ov_out, seed + off_a, f);
+        s_av[lane_slot(f)] = output_noise_of(ov_out, seed + off_a, f);
         s_bias[lane_slot(f)] = bias ? bias[f] + vector_noise(ov_bias, seed, bias_a, bias_b, f, sign) : 0;
     }
     norm_tables(s_norm, s_magic, seed, sign, w, b, ov_w, ov_b, w_a, w_b, b_a, b_b, ndots, ov0, ov1, ov2,
@@ -370,15 +368,15 @@ extern "C" __global__ void residual_norm(const int* g, const short* terms, const
     // bandwidth). Wider rows would hold 2 FPL registers across it, at the cost of blocks
     // an SM (hidden 2048: 225 registers a thread), so they load each row at its turn.
     constexpr bool PREFETCH = FPL <= 8;
-    int g_next[FPL], x_next[FPL], sb_next = 0;  // g_next: the terms where given
+    int g_next[FPL], x_next[FPL], sb_next = 0;
     auto fetch = [&](int t) {
         if (t >= seq) return;
         const long row = (long)m * seq + t;
-        if (!terms) sb_next = sb_in[row];
+        sb_next = sb_in[row];
 #pragma unroll
         for (int i = 0; i < FPL; i++) {
             const long at = row * HIDDEN + LANE + 32 * i;
-            g_next[i] = terms ? terms[at] : g[at];
+            g_next[i] = g[at];
             x_next[i] = x[at];
         }
     };
@@ -391,13 +389,11 @@ extern "C" __global__ void residual_norm(const int* g, const short* terms, const
         int v[FPL];
 #pragma unroll
         for (int j = 0; j < FPL / RUN; j++) {
-            const Run<int> bias_run = lane_run(s_bias, j);
-            Run<int> av_run{};
-            if (!terms) av_run = lane_run(s_av, j);
+            const Run<int> bias_run = lane_run(s_bias, j), av_run = lane_run(s_av, j);
 #pragma unroll
             for (int c = 0; c < RUN; c++) {
                 const int i = RUN * j + c;
-                const int term = terms ? g_next[i] : wrap_add(g_next[i], rank1_term(sbs, av_run.v[c])) >> shift;
+                const int term = wrap_add(g_next[i], rank1_term(sbs, av_run.v[c])) >> shift;
                 v[i] = x_next[i] + term + bias_run.v[c];
             }
         }

@@ -1,10 +1,10 @@
 // Warpgroup MMAs on Hopper (sm_90a only: gpu/plan.py's PROGRAMS["sm90a"] is a program of
 // their own), for the kernels that fuse a GEMM with its epilogue: head_loss_sm90.cu,
-// up_gelu_sm90.cu, qkv_rope_sm90.cu, terms_sm90.cu.
+// up_gelu_sm90.cu, qkv_rope_sm90.cu, residual_sm90.cu.
 //
 // A block's warpgroups own 64 rows each (head_loss_sm90: four or two, HEAD_ROWS rows;
 // qkv_rope_sm90: one, which takes a whole matrix's products at once and does not sweep;
-// terms_sm90.cu's: two, taking all columns at once and K in slices, its own pipeline),
+// residual_sm90.cu's: two, taking all columns at once and K in slices, its own pipeline),
 // or 32 (up_gelu_sm90: two, UP_ROWS = 64, so that two or three blocks share an SM, its
 // products transposed: the matrix's rows as the MMA's rows); head_loss_sm90 and up_gelu_sm90
 // sweep a weight matrix Wt[out, HIDDEN] in tiles of TILE_N rows.
@@ -21,8 +21,8 @@
 // The rows and the tiles sit in shared memory in wgmma's K-major layout without
 // swizzle: "core matrices" of 8 rows x 16 bytes, 128 contiguous bytes each, the core
 // matrix of row group r / 8 and bytes k / 16 at ((r / 8) * HIDDEN / 16 + k / 16) * 128
-// (terms_sm90.cu's matrix slices: SLICE bytes of K in place of HIDDEN; its rows' slices
-// are in the 128-byte swizzle instead, terms_sm90.cu's rows_descriptor).
+// (residual_sm90.cu's matrix slices: SLICE bytes of K in place of HIDDEN; its rows'
+// slices are in the 128-byte swizzle instead, residual_sm90.cu's rows_descriptor).
 // Copying 16-byte pieces in that order makes the shared address 16 x the piece's index.
 //
 // The accumulator of `wgmma m64n64k32` is mma.sync's m16n8 layout once per warp and

@@ -36,6 +36,7 @@ from deggs.numerics import model  # noqa: E402
 from deggs.numerics.gpu.cores import hidden_order  # noqa: E402
 from deggs.numerics.gpu.forward import Batch, Norm  # noqa: E402
 from deggs.numerics.gpu.plan import KERNELS  # noqa: E402
+from deggs.numerics.gpu.state import QKV  # noqa: E402
 from deggs.numerics.gpu.update import (  # noqa: E402
     DEVICE_OPTIMIZERS,
     Changes,
@@ -256,88 +257,103 @@ def residual_terms_reference(b, g, sb, name="w_o", layer=0, shift=None):
     return projection_terms(b, name, layer, g.astype(np.int64), sb, b.d) >> shift
 
 
-def check_residual_norm(b, terms=False):
-    """The residual after the o-projection, then layer 0's MLP norm of the new x: from the
-    int32 products, or from terms_sm90.cu's 16-bit terms."""
+def residual_reference(b, x, term, then: Norm, bias=None, bias_layer=None):
+    """The new x = max_abs_normalize(x + term [+ the vector `bias` of `bias_layer` with its
+    noise]), then the norm `then` of it and its readers' input dots."""
+    at = lambda layer: b.weights if layer is None else b.weights.at(layer)
+    new_x = model.max_abs_normalize(x + term + (0 if bias is None else at(bias_layer).vector(bias)))
+    weights = at(then.layer)
+    y = model.norm(b.cfg, weights, new_x, then.weight, then.bias)
+    dots = [
+        b.pert.input_dot(y, offsets(b.cfg, name, then.layer)[1], weights.arrays(name)[1][0])
+        for name in then.readers
+    ]
+    return (new_x, y, *dots)
+
+
+MLP_NORM = Norm(LAYER_MLP.ln, LAYER_MLP.ln_bias, 0, (LAYER_MLP.up,))  # layer 0's, one dot
+
+
+def residual_result(b, ndots=1):
+    """x, y and the next norm's `ndots` input dots, as the residual kernels write them."""
+    new_x = b.get("x", (b.m, b.t, b.d), np.int64)
+    dots = b.get("sb", (ndots, b.m, b.t), np.int64)
+    return (new_x, b.get("y", (b.m, b.t, b.d), np.int64), *dots)
+
+
+def check_residual_norm(b):
+    """The residual after the o-projection, then layer 0's MLP norm of the new x, from
+    the int32 products."""
     g = b.ints(-(2**20), 2**20, (b.m, b.t, b.d))
     sb = b.ints(-(2**18), 2**18, (b.m, b.t))
     x = b.ints(-127, 128, (b.m, b.t, b.d), np.int8)
-    # residual_norm's own 16-bit inputs drawn directly (terms made of the products can be
-    # wider where terms_sm90.cu's kernels never run, as in adaptive mode 2)
-    term = b.ints(-(2**15), 2**15, x.shape) if terms else residual_terms_reference(b, g, sb)
-    mlp = LAYER_MLP
 
     def setup():
-        if terms:
-            b.forward.terms(b.buf, b.rows)[...] = b.cp.asarray(term.astype(np.int16).ravel())
-        else:
-            b.put("g", g)
-            b.put("sbd", sb)
+        b.put("g", g)
+        b.put("sbd", sb)
         b.put("x", x)
 
     def launch():
-        then = Norm(mlp.ln, mlp.ln_bias, 0, (mlp.up,))
-        b.forward.residual(b.batch, "w_o", 0, b.cfg.quantization.shift_out, then, terms=terms)
+        b.forward.residual(b.batch, "w_o", 0, b.cfg.quantization.shift_out, MLP_NORM)
 
     def reference():
-        new_x = model.max_abs_normalize(x + term)
-        layer = b.weights.at(0)
-        y = model.norm(b.cfg, layer, new_x, mlp.ln, mlp.ln_bias)
-        dot = b.pert.input_dot(y, offsets(b.cfg, mlp.up, 0)[1], layer.arrays(mlp.up)[1][0])
-        return new_x, y, dot
+        return residual_reference(b, x, residual_terms_reference(b, g, sb), MLP_NORM)
 
     def result():
-        new_x = b.get("x", (b.m, b.t, b.d), np.int64)
-        return new_x, b.get("y", (b.m, b.t, b.d), np.int64), b.get("sb", (b.m, b.t), np.int64)
+        return residual_result(b)
 
-    inputs = (2 * term.size + x.nbytes) if terms else (g.nbytes + x.nbytes + sb.nbytes)
+    inputs = g.nbytes + x.nbytes + sb.nbytes
     return setup, launch, reference, result, inputs + 2 * x.nbytes + sb.nbytes
 
 
-def check_residual_norm_terms(b):
-    """residual_norm on terms_sm90.cu's 16-bit terms in place of the products."""
-    return check_residual_norm(b, terms=True)
-
-
-def check_o_terms_sm90(b, down=False):
-    """The o-projection's GEMM writing residual_norm's terms in 16 bits (terms_sm90.cu):
-    no products in memory. Built on H100s and H200s only."""
+def check_o_residual_sm90(b, down=False):
+    """The o-projection's GEMM with residual_norm as its epilogue (residual_sm90.cu): no
+    products in memory; the next norm is layer 0's MLP norm (one dot). Built on H100s
+    and H200s only."""
     q = b.cfg.quantization
-    kernel, name, layer, k, shift = (
-        ("down_terms_sm90", EMB_MLP.down, None, 4 * b.d, q.shift_mlp_down)
-        if down
-        else ("o_terms_sm90", "w_o", 0, b.d, q.shift_out)
-    )
+    if down:  # the embedding MLP's down-projection and bias, then layer 0's ln_1 (q, k, v)
+        kernel, name, layer, bias = "down_residual_sm90", EMB_MLP.down, None, EMB_MLP.bias_down
+        k, shift, then = 4 * b.d, q.shift_mlp_down, Norm("ln_1", "ln_1_bias", 0, QKV)
+    else:
+        kernel, name, layer, bias = "o_residual_sm90", "w_o", 0, None
+        k, shift, then = b.d, q.shift_out, MLP_NORM
     inputs = b.ints(-127, 128, (b.m, b.t, k), np.int8)
     sb = b.ints(-(2**18), 2**18, (b.m, b.t))
+    x = b.ints(-127, 128, (b.m, b.t, b.d), np.int8)
     # where up_gelu_sm90 runs, the down-projection reads its input in hidden_order
     order = hidden_order(b.d) if down and b.plan.fused_up else np.arange(k)
+    source = b.buf.hidden if down and b.plan.fused_up else b.buf.y
 
     def setup():
-        b.put("y", np.ascontiguousarray(inputs[..., order]))
+        source[: inputs.size] = b.cp.asarray(np.ascontiguousarray(inputs[..., order]).ravel())
         b.put("sbd", sb)
+        b.put("x", x)
 
     # few members (the tests) in few blocks, so that each block takes several tiles in
     # turn, as it does at training sizes
     blocks = max(1, min(b.forward.sms, -(-b.rows // b.plan.defines["TERMS_ROWS"]) // 5))
 
     def launch():
-        b.forward.projection_terms(b.batch, kernel, name, layer, shift, b.buf.y, blocks)
+        forward = b.forward
+        forward.projection_residual(b.batch, kernel, name, layer, shift, then, bias, source, blocks)
 
     def reference():
         weights = b.weights if layer is None else b.weights.at(layer)
         g = model.int_matmul(inputs, weights.arrays(name)[0])
-        return residual_terms_reference(b, g, sb, name, layer, shift)
+        term = residual_terms_reference(b, g, sb, name, layer, shift)
+        return residual_reference(b, x, term, then, bias, layer)
 
     def result():
-        return b.forward.terms(b.buf, b.rows).get().reshape(b.m, b.t, b.d).astype(np.int64)
+        return residual_result(b, len(then.readers))
 
-    return setup, launch, reference, result, inputs.nbytes + sb.nbytes + 2 * b.rows * b.d + k * b.d
+    moved = inputs.nbytes + sb.nbytes + 3 * x.nbytes + 4 * b.rows * len(then.readers) + k * b.d
+    return setup, launch, reference, result, moved
 
 
-def check_down_terms_sm90(b):
-    """The down-projection's likewise, its 4 hidden_dim inputs in slices (terms_sm90.cu)."""
-    return check_o_terms_sm90(b, down=True)
+def check_down_residual_sm90(b):
+    """The down-projection's likewise, its 4 hidden_dim inputs in slices, its bias, and
+    the next norm's three dots (q, k, v)."""
+    return check_o_residual_sm90(b, down=True)
 
 
 def mlp_up_reference(b, names, g, sb):
@@ -725,7 +741,7 @@ del CHECKS["optimizer"]  # the two above, by kind
 UNCHECKED = {
     "cached_attention": "tests/test_gpu.py's generations against the CPU",
     "gather_pieces": "every sm90a check (they read the weights' copies it makes)",
-    "gather_bytes": "check_down_terms_sm90 and the MLP's cuBLAS path after up_gelu_sm90",
+    "gather_bytes": "check_down_residual_sm90 and the MLP's cuBLAS path after up_gelu_sm90",
 }
 assert set(KERNELS) <= set(CHECKS) | set(UNCHECKED), set(KERNELS) - set(CHECKS)
 

@@ -313,26 +313,29 @@ SMALL_MODEL = dict(hidden_dim=64, head_dim=32, n_layers=1, seq_len=16, vocab_siz
 DEFAULT_MODEL = Config().to_dict()["model"]
 
 
-TERMS = ["down_terms_sm90", "o_terms_sm90"]  # need hidden_dim 128 or 256, 16-bit terms
+RESIDUAL = ["down_residual_sm90", "o_residual_sm90"]  # need hidden_dim 128 or 256, modes 0, 1
 
 
 @pytest.mark.parametrize(
     "switches, not_used",
     [
-        ({}, TERMS),
-        (dict(adaptive_noise=dict(mode=2), noise=dict(perturb_distribution="three_sample")), TERMS),
+        ({}, RESIDUAL),
+        (
+            dict(adaptive_noise=dict(mode=2), noise=dict(perturb_distribution="three_sample")),
+            RESIDUAL,
+        ),
         # attention_mma over 5 query tiles (one warp takes two) and three 32-key chunks,
-        # the last padded; 80 x 2^18 x 127 >= 2^31, so its sums are 64-bit; terms_sm90's
+        # the last padded; 80 x 2^18 x 127 >= 2^31, so its sums are 64-bit; residual_sm90's
         # tiles of 128 rows across members, the last tile partial
         (dict(model=dict(SMALL_MODEL, hidden_dim=128, head_dim=64, seq_len=80)), []),
         # the default shapes: head_loss_sm90's output noise, a pair's 8,192 words, fits
-        # an H100's shared memory in mode 2 too; the terms kernels, whose terms are
-        # unbounded in mode 2, are not launched
-        (dict(model=DEFAULT_MODEL, adaptive_noise=dict(mode=2)), TERMS),
+        # an H100's shared memory in mode 2 too; the fused residuals, whose tables hold
+        # one-word dot entries, are not launched
+        (dict(model=DEFAULT_MODEL, adaptive_noise=dict(mode=2)), RESIDUAL),
         # the head's sweep over an odd number of vocabulary tiles (three, the last
         # padded) and over one: its two buffers' copies and barriers' phases
-        (dict(model=dict(SMALL_MODEL, vocab_size=150)), TERMS),
-        (dict(model=dict(SMALL_MODEL, vocab_size=50)), TERMS),
+        (dict(model=dict(SMALL_MODEL, vocab_size=150)), RESIDUAL),
+        (dict(model=dict(SMALL_MODEL, vocab_size=50)), RESIDUAL),
     ],
     ids=[
         "default",
@@ -530,14 +533,14 @@ def test_the_one_pass_head_takes_a_peak_rising_past_int32():
     ],
     ids=["default shapes", "hidden 128, seq 24"],
 )
-def test_the_terms_kernels_take_many_tiles_a_block(model, members):
-    """terms_sm90.cu's blocks each take several tiles in turn, as at training sizes: the
-    next tile's slices and inputs copied during this one's, every stage refilled."""
+def test_the_residual_kernels_take_many_tiles_a_block(model, members):
+    """residual_sm90.cu's blocks each take several tiles in turn, as at training sizes:
+    the next tile's slices and inputs copied during this one's, every stage refilled."""
     import kernels as harness
 
     cfg = Config().replace(model=model, training=dict(population_size=8, chunk_size=8))
     lines = []
-    names = ["down_terms_sm90", "o_terms_sm90", "residual_norm_terms"]
+    names = ["down_residual_sm90", "o_residual_sm90", "residual_norm"]
     ok = harness.run(cfg, names, members=members, repeats=1, out=lines.append)
     hopper = cp_device_is_hopper()  # elsewhere the sm90 kernels are not built
     expected = [" ok " if hopper or not n.endswith("_sm90") else "not built" for n in names]
@@ -546,17 +549,17 @@ def test_the_terms_kernels_take_many_tiles_a_block(model, members):
 
 def test_a_chunk_is_one_sub_batch_where_every_projection_is_fused():
     """At the default shapes on an H100 or H200 every projection is fused: a sub-batch's
-    product buffer holds only 16-bit terms, and a default chunk is one sub-batch, an
+    product buffer holds nothing, and a default chunk is one sub-batch, an
     even number of members whose row buffers fit the budget. With cuBLAS's q, k, v chosen
     at construction (qkv=False), the product buffer is sized for cuBLAS's products, and
     the losses stay the CPU's both ways."""
     cfg = Config().replace(model=DEFAULT_MODEL, training=dict(population_size=6, chunk_size=6))
     gpu, cpu = GpuBackend_(cfg), CpuBackend(cfg, threads=1)
     m, plan = cfg.model, gpu.plan
-    fused = plan.fused_up and plan.fused_qkv and plan.o_terms and plan.down_terms
+    fused = plan.fused_up and plan.fused_qkv and plan.o_residual and plan.down_residual
     assert fused == cp_device_is_hopper()
     words = gpu.forward.product_words(1, whole=True)
-    assert words == (m.hidden_dim // 2 if fused else 4 * m.hidden_dim)
+    assert words == (0 if fused else 4 * m.hidden_dim)
     assert gpu.batch % 2 == 0
     if fused:
         assert gpu.batch >= Config().training.chunk_size

@@ -22,6 +22,7 @@ from deggs.numerics.gpu.cores import (
     core_pieces,
     hidden_order,
     in_hidden_order,
+    residual_order,
     sliced_core_pieces,
     up_order,
 )
@@ -39,11 +40,10 @@ from deggs.numerics.gpu.plan import (
     head_loss_sm90_shared,
     kernel_defines,
     make_plan,
-    projection_terms_fit,
     qkv_rope_sm90_shared,
+    residual_sm90_shared,
     row_kernels_shared,
     supports,
-    terms_sm90_shared,
     up_gelu_sm90_shared,
 )
 from deggs.numerics.launch import Kernel, signatures
@@ -164,60 +164,37 @@ def test_up_gelu_sm90_fits_three_blocks_an_sm_at_the_default(mode):
         assert kernel_defines(wider, H100)["UP_BLOCKS"] == 2
 
 
-def test_the_terms_kernels_fit_an_h100_and_their_terms_16_bits_at_the_default():
+def test_the_residual_kernels_fit_an_h100_at_the_default():
     cfg = Config()
     defines = kernel_defines(cfg, H100)
-    assert terms_sm90_shared(cfg, defines) + 1024 <= 233472
-    q = cfg.quantization
-    assert projection_terms_fit(cfg, cfg.model.hidden_dim, q.shift_out)
-    assert projection_terms_fit(cfg, 4 * cfg.model.hidden_dim, q.shift_mlp_down)
+    assert residual_sm90_shared(cfg, defines) + 2048 <= 233472  # with its static part
     for hidden in (64, 192, 512):  # not whole slices, or a row's products past 128 registers
-        assert terms_sm90_shared(config(hidden_dim=hidden, head_dim=32), defines) is None
+        assert residual_sm90_shared(config(hidden_dim=hidden, head_dim=32), defines) is None
+    assert residual_sm90_shared(cfg.replace(adaptive_noise=dict(mode=2)), defines) is None
 
 
 def test_sliced_core_pieces_are_the_slices_of_the_core_layout():
-    """terms_sm90.cu's matrix copy: slice s of 128 bytes, 8-row group r, piece p and row
-    i of the group come from row 8 r + i, bytes 128 s + 16 p."""
+    """residual_sm90.cu's matrix copy: slice s of 128 bytes, 8-row group r, piece p and
+    row i of the group come from row order[8 r + i], bytes 128 s + 16 p."""
     n, k = 16, 256
-    pieces = sliced_core_pieces(n, k, 128).reshape(k // 128, n // 8, 8, 8)  # s, r, p, i
+    order = np.random.default_rng(0).permutation(n)
+    pieces = sliced_core_pieces(order, k, 128).reshape(k // 128, n // 8, 8, 8)  # s, r, p, i
     for s, r, p, i in [(0, 0, 0, 0), (1, 1, 7, 7), (1, 0, 3, 5), (0, 1, 2, 0)]:
-        assert pieces[s, r, p, i] == (8 * r + i) * (k // 16) + 8 * s + p
+        assert pieces[s, r, p, i] == order[8 * r + i] * (k // 16) + 8 * s + p
     assert sorted(pieces.ravel()) == list(range(n * k // 16))
 
 
-def exact_terms_fit(k: int, n: int, fixed_point: int, sigma_shift: int, shift: int) -> bool:
-    """Whether every term (g + rank-1 term) >> shift of k inputs lies within 16 bits, from
-    the ranges themselves: g in [-128 * 127 k, 128^2 k]; the input dot within 128 n k
-    (each term v b k' / 64 with |v| <= 128, |b| <= n, k' <= 64), times the output noise
-    (|a| <= n) and the sign, is any int32 once it can pass 32 bits (the product wraps),
-    then floored by >> MSHIFT; the sum must not wrap; then floored by >> shift."""
-    mshift = fixed_point + sigma_shift
-    product = 128 * n * k * n
-    if product < 2**31:
-        rank1 = (-product >> mshift, product >> mshift)
-    else:
-        rank1 = (-(2**31) >> mshift, (2**31 - 1) >> mshift)
-    low, high = -128 * 127 * k + rank1[0], 128 * 128 * k + rank1[1]
-    if low < -(2**31) or high >= 2**31:
-        return False
-    return -(2**15) <= low >> shift and high >> shift < 2**15
-
-
-@pytest.mark.parametrize("k", [128, 256, 512, 1024, 2048])
-@pytest.mark.parametrize(
-    "mask, distribution", [(0, "uniform"), (15, "uniform"), (31, "three_sample")]
-)
-def test_projection_terms_fit_where_every_term_fits_16_bits(k, mask, distribution):
-    n = mask * (3 if distribution == "three_sample" else 1)
-    for fixed_point, sigma_shift in [(4, 3), (0, 0), (2, 1), (8, 8)]:
-        for shift in range(0, 20):
-            cfg = Config().replace(
-                noise=dict(perturb_mask=mask, perturb_distribution=distribution),
-                quantization=dict(fixed_point=fixed_point, sigma_shift=sigma_shift),
-            )
-            exact = exact_terms_fit(k, n, fixed_point, sigma_shift, shift)
-            assert projection_terms_fit(cfg, k, shift) == exact, (fixed_point, sigma_shift, shift)
-            assert not projection_terms_fit(cfg.replace(adaptive_noise=dict(mode=2)), k, shift)
+@pytest.mark.parametrize("hidden", [128, 256])
+def test_residual_order_gives_a_thread_its_rows_features_in_a_run(hidden):
+    """Accumulator column 64 c + 8 j + 2 tig + e (wgmma's m64nNk32: a quad's thread tig
+    holds columns 8 j + 2 tig + e of each 64) is feature hidden / 4 tig + 16 c + 2 j + e:
+    each thread's columns are one contiguous run of features, every feature once."""
+    order = residual_order(hidden)
+    assert sorted(order) == list(range(hidden))
+    for tig in range(4):
+        chunks, pairs = range(hidden // 64), range(8)
+        mine = [order[64 * c + 8 * j + 2 * tig + e] for c in chunks for j in pairs for e in (0, 1)]
+        assert mine == list(range(hidden // 4 * tig, hidden // 4 * (tig + 1)))
 
 
 def test_head_loss_sm90_takes_a_batch_whose_members_come_in_whole_pairs():
@@ -310,7 +287,7 @@ def test_the_down_copies_take_their_inputs_in_hidden_order(hidden):
     assert np.array_equal(
         rows[:, order] @ permuted.T.astype(np.int64), rows @ matrix.T.astype(np.int64)
     )
-    for pieces in (sliced_core_pieces(n, k, 128), np.arange(n * k // 16)):
+    for pieces in (sliced_core_pieces(residual_order(n), k, 128), np.arange(n * k // 16)):
         by_bytes = matrix.ravel()[in_hidden_order(pieces, k)]
         assert np.array_equal(by_bytes, permuted.reshape(-1, 16)[pieces].ravel())
 
@@ -420,7 +397,7 @@ def test_the_divisor_by_a_multiply_is_c_division():
         assert np.array_equal(np.where(n < 0, -q, q), cdiv(n, d)), d
 
 
-WIDE = {"qkv_rope_sm90", "o_terms_sm90", "down_terms_sm90"}
+WIDE = {"qkv_rope_sm90", "o_residual_sm90", "down_residual_sm90"}
 NVCC = shutil.which("nvcc")
 CU_FILES = [name for name in kernel_files() if name.endswith(".cu")]
 
@@ -474,6 +451,7 @@ def static_shared_by_nvcc(log: str) -> dict[str, int]:
     [
         {},
         dict(hidden_dim=64, head_dim=32, seq_len=8, vocab_size=1000),
+        dict(hidden_dim=32, head_dim=32, seq_len=8, vocab_size=300),
         dict(hidden_dim=128, head_dim=64, seq_len=80),
         dict(hidden_dim=512, head_dim=64, seq_len=256),
         dict(hidden_dim=2048, head_dim=128, seq_len=256, vocab_size=65536),
@@ -482,6 +460,7 @@ def static_shared_by_nvcc(log: str) -> dict[str, int]:
     ids=[
         "default",
         "tiny, vocabulary not a multiple of a tile",
+        "hidden 32: a thread's quarter of a row under 16 bytes",
         "hidden 128: the o-projection's K one slice",
         "hidden 512: up_gelu_sm90 two blocks an SM",
         "the largest, attention sums in 64 bits",
@@ -525,8 +504,8 @@ def test_the_sources_compile_for_hopper_without_spills(model, tmp_path):
         "head_loss_sm90": head_loss_sm90_shared(cfg, defines),
         "up_gelu_sm90": up_gelu_sm90_shared(cfg, defines),
         "qkv_rope_sm90": qkv_rope_sm90_shared(cfg),  # None: not at this width
-        "o_terms_sm90": terms_sm90_shared(cfg, defines),
-        "down_terms_sm90": terms_sm90_shared(cfg, defines),
+        "o_residual_sm90": residual_sm90_shared(cfg, defines),
+        "down_residual_sm90": residual_sm90_shared(cfg, defines),
     }
     fits = [kernel for kernel, size in sizes.items() if size is not None and size <= H100_OPTIN]
     for name in PROGRAMS["sm90a"]:
@@ -536,6 +515,4 @@ def test_the_sources_compile_for_hopper_without_spills(model, tmp_path):
     assert set(static) == set(KERNELS)
     plan = make_plan(cfg, H100, defines, static)
     for kernel in fits:  # a fitting layout runs, unless its barriers leave no room
-        assert (kernel in plan.shared) == (sizes[kernel] + static[kernel] <= H100_OPTIN) or (
-            kernel in ("o_terms_sm90", "down_terms_sm90")  # also needs 16-bit terms
-        ), kernel
+        assert (kernel in plan.shared) == (sizes[kernel] + static[kernel] <= H100_OPTIN), kernel

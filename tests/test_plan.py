@@ -28,11 +28,11 @@ STATIC = {
     "head_loss": 0, "cached_attention": 384, "choose_token": 2320, "noise_matrix": 0,
     "vector_votes": 0, "update_overlay": 0, "gather_pieces": 0, "gather_bytes": 0,
     "adamw_step": 0, "sgd_step": 0, "head_loss_sm90": 128, "up_gelu_sm90": 128,
-    "qkv_rope_sm90": 128, "o_terms_sm90": 1024, "down_terms_sm90": 1024,
+    "qkv_rope_sm90": 128, "o_residual_sm90": 2048, "down_residual_sm90": 2048,
 }  # fmt: skip
 MAIN = {k: v for k, v in STATIC.items() if KERNELS[k] in PROGRAMS["main"]}  # no sm90a built
 A100 = dataclasses.replace(H100, shared_optin=166912, shared_per_sm=167936, sms=108, hopper=False)
-SM90 = ("head_loss_sm90", "up_gelu_sm90", "qkv_rope_sm90", "o_terms_sm90", "down_terms_sm90")
+SM90 = ("head_loss_sm90", "up_gelu_sm90", "qkv_rope_sm90", "o_residual_sm90", "down_residual_sm90")
 
 
 def plan(cfg=None, device=H100, static=STATIC, **choices):
@@ -47,7 +47,7 @@ def test_the_static_table_covers_every_kernel():
 def test_an_h100_runs_every_hopper_kernel_at_the_default():
     p = plan()
     assert p.hopper and p.fused and p.head == "head_loss_sm90"
-    assert p.fused_up and p.fused_qkv and p.o_terms and p.down_terms and p.tensor_attention
+    assert p.fused_up and p.fused_qkv and p.o_residual and p.down_residual and p.tensor_attention
     assert set(SM90) <= set(p.shared)
     # the kernels past 48 KiB with their static part are the ones that opt in
     assert (
@@ -59,7 +59,7 @@ def test_an_h100_runs_every_hopper_kernel_at_the_default():
 def test_elsewhere_the_portable_kernels():
     for p in (plan(hopper=False), plan(device=A100, static=MAIN)):
         assert not p.hopper and p.head == "head_loss" and p.fused
-        assert not (p.fused_up or p.fused_qkv or p.o_terms or p.down_terms)
+        assert not (p.fused_up or p.fused_qkv or p.o_residual or p.down_residual)
         assert not set(SM90) & set(p.shared)
     with pytest.raises(ValueError, match="need an sm_90 device"):
         plan(device=A100, static=MAIN, hopper=True)
@@ -153,9 +153,10 @@ def test_up_gelu_packs_its_entries_where_eight_bytes_do_not_fit():
     assert (plan().defines["UP_PACK"], plan().defines["UP_BLOCKS"]) == (0, 3)
 
 
-def test_mode_2_runs_no_terms_kernel():
+def test_mode_2_runs_no_fused_residual():
+    """residual_sm90.cu's tables hold one-word dot entries: not adaptive mode 2's."""
     p = plan(Config().replace(adaptive_noise=dict(mode=2)))
-    assert not p.o_terms and not p.down_terms and p.head == "head_loss_sm90"
+    assert not p.o_residual and not p.down_residual and p.head == "head_loss_sm90"
 
 
 def test_the_device_sizes_the_exp_table_copies_and_up_gelus_blocks():

@@ -34,9 +34,9 @@ How the work is split (kernels/*.cu; kernels named after model.py's functions):
   up-projection with mlp_up) with the next tile's products during this tile's epilogue,
   qkv_rope_sm90 (the three projections with qkv_rope, a row's products whole in
   registers), so no int32 product of theirs is written, where their tiles fit; the o-
-  and down-projections too (terms_sm90.cu, a GEMM pipelined along K), which write
-  residual_norm's terms in 16 bits where the config bounds them there; `hopper=False`
-  keeps the portable kernels;
+  and down-projections too, with residual_norm as their epilogue (residual_sm90.cu, a
+  GEMM pipelined along K; adaptive modes 0 and 1); `hopper=False` keeps the portable
+  kernels;
 - the update builds, per matrix, the pairs' noise as int8 matrices [index, pair] and
   gets every vote with one int8 GEMM, then runs the optimizer's step (optimizer.cu) and
   the overlay update in elementwise kernels, captured once as a CUDA graph;

@@ -29,15 +29,29 @@ class CoreCopy:
     piece: int = 16
 
 
-def sliced_core_pieces(n: int, k: int, slice_: int) -> np.ndarray:
-    """core_pieces for terms_sm90.cu: the n rows of a K-contiguous matrix of k bytes a
-    row, cut into slices of slice_ bytes, each slice (all n rows) in the core-matrix
-    layout, slice after slice."""
+def sliced_core_pieces(order: np.ndarray, k: int, slice_: int) -> np.ndarray:
+    """core_pieces for residual_sm90.cu: a copy whose row i is row order[i] of a
+    K-contiguous matrix of k bytes a row, cut into slices of slice_ bytes, each slice
+    (all rows) in the core-matrix layout, slice after slice."""
     pieces, per = k // 16, slice_ // 16
     s, group, piece, r = np.meshgrid(
-        np.arange(k // slice_), np.arange(n // 8), np.arange(per), np.arange(8), indexing="ij"
+        np.arange(k // slice_),
+        np.arange(len(order) // 8),
+        np.arange(per),
+        np.arange(8),
+        indexing="ij",
     )
-    return ((group * 8 + r) * pieces + s * per + piece).astype(np.int32).ravel()
+    row = np.asarray(order)[group * 8 + r]
+    return (row * pieces + s * per + piece).astype(np.int32).ravel()
+
+
+def residual_order(hidden: int) -> np.ndarray:
+    """The output features of residual_sm90.cu's accumulator columns: column 64 c + 8 j
+    + 2 tig + e (a thread's, tig its place in its quad) is feature tig hidden / 4 + 16 c
+    + 2 j + e, so that a thread's features of a row are contiguous."""
+    n = np.arange(hidden)
+    c, j, tig, e = n >> 6, (n >> 3) & 7, (n >> 1) & 3, n & 1
+    return tig * (hidden // 4) + 16 * c + 2 * j + e
 
 
 def core_pieces(order: np.ndarray, k: int) -> np.ndarray:

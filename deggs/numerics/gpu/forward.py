@@ -57,7 +57,7 @@ def row_fields(cfg: Config, plan: Plan) -> dict[str, tuple[int, type]]:
 @dataclass(frozen=True)
 class Rows:
     """Row buffers of `n` rows (row_fields), and `g`: int32 words for their products or
-    logits (or, as 16-bit terms, for terms_sm90.cu's output)."""
+    logits."""
 
     n: int
     x: DeviceArray
@@ -132,7 +132,7 @@ class Forward:
         self.rope_positions = tables.rope.shape[0]
         self.fixed_batch, self.budget = batch, budget
         self.nt = plan.defines["NT"]  # threads of the row kernels, as compiled (-D NT=...)
-        self.sms = sms  # the device's multiprocessors: terms_sm90's blocks, one an SM
+        self.sms = sms  # the device's multiprocessors: residual_sm90's blocks, one an SM
         self._rows: Rows | None = None  # the training buffers, made on first use
 
     # --- sub-batches and their buffers ----------------------------------------------
@@ -165,15 +165,15 @@ class Forward:
 
     def product_words(self, rows: int, whole: bool) -> int:
         """int32 words of the products the forward of `rows` rows writes to memory (a
-        row buffer's "g"). On whole members the fused kernels that run write none, the
-        terms kernels 16 bits a feature; elsewhere (generation) cuBLAS writes them all."""
+        row buffer's "g"). On whole members the fused kernels that run write none;
+        elsewhere (generation) cuBLAS writes them all."""
         d, plan = self.cfg.model.hidden_dim, self.plan
-        widths = [d // 2]
+        widths = [0]
         if not (whole and plan.fused_up):
             widths.append(4 * d)
         if not (whole and plan.fused_qkv):
             widths.append(3 * d)
-        if not (whole and plan.o_terms and plan.down_terms):
+        if not (whole and plan.o_residual and plan.down_residual):
             widths.append(d)
         return rows * max(widths)
 
@@ -296,8 +296,8 @@ class Forward:
     def mlp(self, batch: Batch, names: Mlp, layer, then: Norm, whole: bool = False) -> None:
         """MLP block of the batch's rows (its norm already in rows.y), then the norm
         `then`. `whole`: the rows are whole members (training), so the up-projection may
-        run fused with mlp_up (`up_gelu`) and the down-projection as residual_norm's
-        terms (`projection_terms`)."""
+        run fused with mlp_up (`up_gelu`) and the down-projection with residual_norm
+        (`projection_residual`)."""
         rows, r, d = batch.rows, batch.n_rows, self.cfg.model.hidden_dim
         if self.plan.fused_up and whole:
             self.up_gelu(batch, names, layer)
@@ -308,9 +308,10 @@ class Forward:
             self.mlp_up(batch, names, layer)
             hidden = rows.y
         shift = self.cfg.quantization.shift_mlp_down
-        if self.plan.down_terms and whole:
-            self.projection_terms(batch, "down_terms_sm90", names.down, layer, shift, hidden)
-            self.residual(batch, names.down, layer, shift, then, names.bias_down, terms=True)
+        if self.plan.down_residual and whole:
+            self.projection_residual(
+                batch, "down_residual_sm90", names.down, layer, shift, then, names.bias_down, hidden
+            )
         else:
             down = self.state.param(names.down, layer)[0]
             if self.plan.fused_up and whole:  # its inputs in hidden_order, as up_gelu_sm90 wrote
@@ -365,60 +366,56 @@ class Forward:
             **self.mlp_up_arguments(batch, names, layer),
         )
 
+    def residual_arguments(
+        self, batch: Batch, matrix: str, layer, then: Norm, bias: str | None = None
+    ) -> dict:
+        """What residual_norm and the sm90 projections fused with it share: the residual
+        (x), its bias, the next norm `then` (into rows.y, its input dots into rows.sb)."""
+        b, ov_b, b_a, b_b = None, None, 0, 0
+        if bias is not None:
+            b, (ov_b,), (b_a, b_b) = self.state.param(bias, layer)
+        _, (_, ov_out), (off_a, _) = self.state.param(matrix, layer)
+        return dict(
+            x=batch.rows.x, seeds=batch.seeds, signs=batch.signs, ov_out=ov_out, off_a=off_a,
+            bias=b, ov_bias=ov_b, bias_a=b_a, bias_b=b_b, y=batch.rows.y,
+            sb_out=batch.rows.sb, rows=batch.n_rows, **self.norm_arguments(then),
+        )  # fmt: skip
+
     def residual(
+        self, batch: Batch, matrix: str, layer, shift: int, then: Norm, bias: str | None = None
+    ) -> None:
+        """rows.x += (rows.g + the rank-1 term of `matrix`) >> shift [+ bias and its
+        noise], max-abs normalised in place (the term's input dot is rows.sbd); then the
+        norm `then` of x into rows.y and its input dots into rows.sb."""
+        self.launch(
+            "residual_norm",
+            (batch.members,),
+            (self.nt,),
+            g=batch.rows.g,
+            sb_in=batch.rows.sbd,
+            shift=shift,
+            seq=batch.positions,
+            **self.residual_arguments(batch, matrix, layer, then, bias),
+        )
+
+    def projection_residual(
         self,
         batch: Batch,
+        kernel: str,
         matrix: str,
         layer,
         shift: int,
         then: Norm,
         bias: str | None = None,
-        terms: bool = False,
-    ) -> None:
-        """rows.x += (rows.g + the rank-1 term of `matrix`) >> shift [+ bias and its
-        noise], max-abs normalised in place (the term's input dot is rows.sbd); then the
-        norm `then` of x into rows.y and its input dots into rows.sb. With terms, the
-        terms come from `projection_terms` instead."""
-        rows = batch.rows
-        _, (_, ov_out), (off_a, _) = self.state.param(matrix, layer)
-        b, ov_b, b_a, b_b = None, None, 0, 0
-        if bias is not None:
-            b, (ov_b,), (b_a, b_b) = self.state.param(bias, layer)
-        self.launch(
-            "residual_norm",
-            (batch.members,),
-            (self.nt,),
-            g=None if terms else rows.g,
-            terms=self.terms(rows, batch.n_rows) if terms else None,
-            sb_in=None if terms else rows.sbd,
-            x=rows.x,
-            seeds=batch.seeds,
-            signs=batch.signs,
-            ov_out=None if terms else ov_out,
-            off_a=off_a,
-            shift=shift,
-            bias=b,
-            ov_bias=ov_b,
-            bias_a=b_a,
-            bias_b=b_b,
-            y=rows.y,
-            sb_out=rows.sb,
-            seq=batch.positions,
-            rows=batch.n_rows,
-            **self.norm_arguments(then),
-        )
-
-    def projection_terms(
-        self, batch: Batch, kernel: str, matrix: str, layer, shift: int, inputs=None, blocks=None
+        inputs=None,
+        blocks: int | None = None,
     ) -> None:
         """The projection of `inputs` (rows.y by default) by `matrix` (its input dot in
-        rows.sbd) as residual_norm's terms, (product + rank-1 term) >> shift in 16 bits,
-        into rows.g's memory (`terms`): no product is written. kernel: o_terms_sm90 or
-        down_terms_sm90 (terms_sm90.cu), `blocks` of them (at most one an SM, by
-        default), each taking tiles of TERMS_ROWS rows in turn. The rows are whole
-        members."""
+        rows.sbd), then `residual`'s steps, in one kernel: o_residual_sm90 or
+        down_residual_sm90 (residual_sm90.cu), `blocks` of them (at most one an SM, by
+        default), each taking tiles of TERMS_ROWS rows in turn. No product is written.
+        The rows are whole members."""
         rows, r = batch.rows, batch.n_rows
-        _, (_, ov_out), (off_a, _) = self.state.param(matrix, layer)
         tile = self.plan.defines["TERMS_ROWS"]
         self.launch(
             kernel,
@@ -427,18 +424,9 @@ class Forward:
             inputs=rows.y if inputs is None else inputs,
             w_cores=self.state.cores[matrix, layer].out,
             sb=rows.sbd,
-            seeds=batch.seeds,
-            signs=batch.signs,
-            ov_out=ov_out,
-            off_a=off_a,
             shift=shift,
-            terms=self.terms(rows, r),
-            rows=r,
+            **self.residual_arguments(batch, matrix, layer, then, bias),
         )
-
-    def terms(self, rows: Rows, r: int):
-        """terms_sm90.cu's output: 16 bits a feature in rows.g's memory."""
-        return rows.g.view(cp.int16)[: r * self.cfg.model.hidden_dim]
 
     def attention(
         self, batch: Batch, layer, then: Norm, cache: Cache | None = None, whole: bool = False
@@ -462,9 +450,8 @@ class Forward:
         else:
             self.cached_attention(batch, cache.layers[layer], cache.start)
         shift = self.cfg.quantization.shift_out
-        if self.plan.o_terms and whole:
-            self.projection_terms(batch, "o_terms_sm90", "w_o", layer, shift)
-            self.residual(batch, "w_o", layer, shift, then, terms=True)
+        if self.plan.o_residual and whole:
+            self.projection_residual(batch, "o_residual_sm90", "w_o", layer, shift, then)
         else:
             self.launch.project(self.state.param("w_o", layer)[0], rows.y, rows.g, d, r, d)
             self.residual(batch, "w_o", layer, shift, then)

@@ -53,10 +53,10 @@ KERNELS: dict[str, str] = {
     "head_loss_sm90": "head_loss_sm90.cu",
     "up_gelu_sm90": "up_gelu_sm90.cu",
     "qkv_rope_sm90": "qkv_rope_sm90.cu",
-    "o_terms_sm90": "terms_sm90.cu",
-    "down_terms_sm90": "terms_sm90.cu",
+    "o_residual_sm90": "residual_sm90.cu",
+    "down_residual_sm90": "residual_sm90.cu",
 }
-SM90_FILES = ("head_loss_sm90.cu", "up_gelu_sm90.cu", "qkv_rope_sm90.cu", "terms_sm90.cu")
+SM90_FILES = ("head_loss_sm90.cu", "up_gelu_sm90.cu", "qkv_rope_sm90.cu", "residual_sm90.cu")
 PROGRAMS: dict[str, tuple[str, ...]] = {
     "main": tuple(dict.fromkeys(f for f in KERNELS.values() if f not in SM90_FILES)),
     "sm90a": SM90_FILES,
@@ -73,8 +73,8 @@ TILE_WARPS, TILE_N = 8, 64  # head_loss: 32 rows a warp, vocabulary tiles of 64 
 HEAD_ROWS, WIDE_HEAD_ROWS, WIDE_HEAD_HIDDEN = 256, 128, 1024
 UP_ROWS = 64  # up_gelu_sm90: rows a block, two warpgroups of 32
 QKV_ROWS = 64  # qkv_rope_sm90: rows a block, one warpgroup
-TERMS_ROWS = 128  # terms_sm90: rows a tile, two warpgroups of 64
-SLICE, SLICE_STAGES = 128, 4  # terms_sm90: bytes of K a pipeline stage holds, stages
+TERMS_ROWS = 128  # residual_sm90: rows a tile, two warpgroups of 64
+SLICE, SLICE_STAGES = 128, 4  # residual_sm90: bytes of K a pipeline stage holds, stages
 MAX_THREADS = 1024  # per block, on every CUDA device
 STATIC_SHARED = 48 << 10  # a kernel may use more shared memory only when it opts in
 STATIC_ROOM = 1 << 10  # room left beside a layout for its kernel's static shared memory
@@ -323,20 +323,21 @@ def qkv_rope_sm90_shared(cfg: Config) -> int | None:
     return rows * d + d * d + rows * (d + 16) + 3 * 4 * tile_members(cfg, rows) * d
 
 
-def terms_sm90_shared(cfg: Config, defines: Mapping[str, int]) -> int | None:
-    """Bytes of dynamic shared memory of o_terms_sm90 and down_terms_sm90 (terms_sm90.cu's
-    layout) as compiled with `defines`: the stages (a slice of a tile's 128 rows and of
-    the matrix each), each warp's 16 staged rows of terms, per member and column the
-    output noise (32 bits), the tiles' inputs (seeds, signs, input dots) in SLICE_STAGES -
-    1 buffers, the output noise's overlay; None where they cannot run the config (a
-    row's products in registers, in whole slices)."""
+def residual_sm90_shared(cfg: Config, defines: Mapping[str, int]) -> int | None:
+    """Bytes of dynamic shared memory of o_residual_sm90 and down_residual_sm90
+    (residual_sm90.cu's layout) as compiled with `defines`: the stages (a slice of a
+    tile's 128 rows and of the matrix each), each member's seven tables of a tile (32-bit
+    entries, 16 words of padding), the tiles' inputs (seeds, signs, input dots) in
+    SLICE_STAGES - 1 buffers, ten bytes a feature copied once; None where they cannot
+    run the config (a row's products in registers, in whole slices; one-word dot entries,
+    not adaptive mode 2's)."""
     d, slice_, rows = cfg.model.hidden_dim, defines["SLICE"], defines["TERMS_ROWS"]
-    if d % slice_ or d > 256:
+    if d % slice_ or d > 256 or cfg.adaptive_noise.mode == 2:
         return None
     stages, members = defines["SLICE_STAGES"] * (rows + d) * slice_, tile_members(cfg, rows)
-    stage = (2 * rows // 32) * 16 * (TILE_N // 2 + 4) * 4  # TERMS_LD words a row
+    tables = members * 7 * (d + 16) * 4
     inputs = (defines["SLICE_STAGES"] - 1) * 4 * (2 * members + rows)  # seeds, signs, dots
-    return stages + stage + 4 * members * d + inputs + d
+    return stages + tables + inputs + 10 * d
 
 
 def attention_shared(cfg: Config) -> int:
@@ -345,22 +346,6 @@ def attention_shared(cfg: Config) -> int:
     (dot_t: 8 bytes at most), the exp table."""
     keys, d = -(-cfg.model.seq_len // 32) * 32, cfg.model.head_dim
     return keys * (d + 16) + d * (keys + 16) + 4 * cfg.softmax.lut_size + 8 * d
-
-
-def projection_terms_fit(cfg: Config, k: int, shift: int) -> bool:
-    """Whether terms_sm90.cu's 16-bit terms (g + rank-1 term) >> shift hold every
-    value the config allows, for a projection of k inputs: |g| <= 128^2 k, the rank-1
-    term's input dot at most 128 n k and its output noise n (n the largest noise; a
-    product past 32 bits wraps, as the CPU's). Adaptive mode 2's factors are unbounded:
-    never there."""
-    if cfg.adaptive_noise.mode == 2:
-        return False
-    q, n = cfg.quantization, cfg.noise.perturb_bound
-    g = 128 * 128 * k
-    rank1 = min(128 * n * n * k, 2**31) >> (q.fixed_point + q.sigma_shift)
-    if g + rank1 >= 2**31:  # the sum before the shift could wrap
-        return False
-    return ((g + rank1) >> shift) + 1 < 2**15  # + 1: the floor of a negative value
 
 
 # --- what a device can run -----------------------------------------------------------
@@ -398,8 +383,8 @@ class Plan:
     fused: the head's GEMM and the loss in one kernel (`head`); else cuBLAS writes the
     logits and sequence_loss reads them. fused_up, fused_qkv: the up-projection and the
     q, k, v projections fused with their epilogues (up_gelu_sm90, qkv_rope_sm90);
-    o_terms, down_terms: the o- and down-projections writing residual_norm's 16-bit terms
-    (terms_sm90.cu); tensor_attention: attention_mma in place of attention_mix.
+    o_residual, down_residual: the o- and down-projections fused with residual_norm
+    (residual_sm90.cu); tensor_attention: attention_mma in place of attention_mix.
     shared: each kernel's dynamic shared memory at training shapes (bytes)."""
 
     defines: dict[str, int]
@@ -409,8 +394,8 @@ class Plan:
     head: str
     fused_up: bool
     fused_qkv: bool
-    o_terms: bool
-    down_terms: bool
+    o_residual: bool
+    down_residual: bool
     tensor_attention: bool
     opt_in: dict[str, int] = field(default_factory=dict)  # kernels past 48 KiB: their size
 
@@ -485,14 +470,11 @@ def make_plan(
     fused_qkv = qkv is not False and sm90("qkv_rope_sm90", qkv_rope_sm90_shared(cfg))
     if qkv and not fused_qkv:
         raise ValueError("qkv_rope_sm90 does not run this config on this device")
-    # The o- and the down-projection's GEMMs writing residual_norm's terms in 16 bits
-    # (terms_sm90.cu) where their tiles fit and the terms fit 16 bits, so that
-    # residual_norm reads half the bytes of a product.
-    m, q, terms = cfg.model, cfg.quantization, terms_sm90_shared(cfg, defines)
-    o_fit = projection_terms_fit(cfg, m.hidden_dim, q.shift_out)
-    down_fit = projection_terms_fit(cfg, 4 * m.hidden_dim, q.shift_mlp_down)
-    o_terms = o_fit and sm90("o_terms_sm90", terms)
-    down_terms = down_fit and sm90("down_terms_sm90", terms)
+    # The o- and the down-projection's GEMMs with residual_norm as their epilogue
+    # (residual_sm90.cu) where their tiles fit: no product goes to memory.
+    m, residual = cfg.model, residual_sm90_shared(cfg, defines)
+    o_residual = sm90("o_residual_sm90", residual)
+    down_residual = sm90("down_residual_sm90", residual)
     # Attention on the tensor cores (attention.cu) where a head fills whole MMAs.
     tensor_attention = m.head_dim % 32 == 0 and attention_shared(cfg) <= optin
     if tensor_attention:
@@ -508,8 +490,8 @@ def make_plan(
         head=chosen_head,
         fused_up=fused_up,
         fused_qkv=fused_qkv,
-        o_terms=o_terms,
-        down_terms=down_terms,
+        o_residual=o_residual,
+        down_residual=down_residual,
         tensor_attention=tensor_attention,
         opt_in=opt_in,
     )

@@ -14,7 +14,14 @@ import numpy as np
 from ...config import Config
 from ..params import EMB_MLP, LAYER_MLP, MATRICES, PARAM, offsets, param_shapes
 from ..state import OptimizerState
-from .cores import CoreCopy, core_pieces, in_hidden_order, sliced_core_pieces, up_order
+from .cores import (
+    CoreCopy,
+    core_pieces,
+    in_hidden_order,
+    residual_order,
+    sliced_core_pieces,
+    up_order,
+)
 from .cuda import DeviceArray, Launcher, cp
 from .plan import TILE_N, Plan
 
@@ -123,16 +130,18 @@ class DeviceState:
             for name, at in [(EMB_MLP.up, None), *((LAYER_MLP.up, layer) for layer in layers)]:
                 keep((name, at), self.param(name, at)[0], index)
         slice_ = plan.defines["SLICE"]
-        if plan.o_terms:
-            index = cp.asarray(sliced_core_pieces(d, d, slice_))
+        if plan.o_residual:  # its output features in residual_order
+            index = cp.asarray(sliced_core_pieces(residual_order(d), d, slice_))
             for layer in layers:
                 keep(("w_o", layer), self.param("w_o", layer)[0], index)
-        # The down-projection's: its slices for down_terms_sm90, and where up_gelu_sm90
-        # writes its input in hidden_order, its inputs in that order (for cuBLAS, as a
-        # plain matrix otherwise)
-        if plan.down_terms or plan.fused_up:
+        # The down-projection's: its slices for down_residual_sm90 (output features in
+        # residual_order), and where up_gelu_sm90 writes its input in hidden_order, its
+        # inputs in that order (for cuBLAS, as a plain matrix otherwise)
+        if plan.down_residual or plan.fused_up:
             pieces = (
-                sliced_core_pieces(d, 4 * d, slice_) if plan.down_terms else np.arange(d * d // 4)
+                sliced_core_pieces(residual_order(d), 4 * d, slice_)
+                if plan.down_residual
+                else np.arange(d * d // 4)
             )
             piece = 1 if plan.fused_up else 16
             index = cp.asarray(in_hidden_order(pieces, 4 * d) if plan.fused_up else pieces)
