@@ -52,10 +52,10 @@ struct ResidualArgs {
 #define RESIDUAL_FIT (HIDDEN % SLICE == 0 && HIDDEN <= 256 && ADAPTIVE_MODE != 2)
 #if RESIDUAL_FIT
 
-// SLICE, SLICE_STAGES, TERMS_ROWS (gpu/plan.py: 128, rows a tile, two warpgroups of 64)
+// SLICE, SLICE_STAGES, RESIDUAL_ROWS (gpu/plan.py: 128, rows a tile, two warpgroups of 64)
 #define SLICE_AHEAD (SLICE_STAGES - 2)  // slices copied ahead of the one multiplied
 #define SLICE_SBO (SLICE / 16 * 128)    // bytes between the matrix slice's 8-row groups
-#define TERMS_MEMBERS MEMBERS_OF(TERMS_ROWS)
+#define RESIDUAL_MEMBERS MEMBERS_OF(RESIDUAL_ROWS)
 #define FPT (HIDDEN / 4)                // features of a row a thread holds: FPT tig ..
 // A member's tables: output noise, bias, norm weight, norm bias, then the dots' entries,
 // each HIDDEN words with 4 words of padding after every FPT (the quad's four 16-byte
@@ -78,7 +78,7 @@ __device__ __forceinline__ void wgmma_wait_one() { asm volatile("wgmma.wait_grou
 __device__ __forceinline__ int byte_of(u32 word, int k) { return (int)(word << (24 - 8 * k)) >> 24; }
 
 // The epilogue of one row (row < rows where `valid`): a thread's FPT features FPT tig +
-// i, i = 16 c + 2 j + e, whose products are acc(c, 4 j + e') (d[c][4 j + 2 s + e]);
+// i, i = 16 c + 2 j + e, whose products are acc(c, 4 j + e) (d[c][4 j + 2 s + e]);
 // `tab` the member's tables at this thread's features, xq its bytes of x. Every lane
 // runs it (quad shuffles); only valid rows are stored.
 template <int NDOTS, typename Acc>
@@ -156,7 +156,7 @@ __device__ __forceinline__ void projection_residual(const i8* a, const i8* w_cor
                                                     const ResidualArgs& r, int rows) {
     constexpr int KS = K / SLICE;             // slices of a tile
     constexpr int PIECES = SLICE / 16;        // 16-byte pieces of a row's slice
-    constexpr int A_BYTES = TERMS_ROWS * SLICE;
+    constexpr int A_BYTES = RESIDUAL_ROWS * SLICE;
     constexpr int B_BYTES = HIDDEN * SLICE;
     constexpr int CHUNKS = HIDDEN / TILE_N;   // accumulators of 64 columns
     static_assert(FPT == 16 * CHUNKS, "a thread's features of a row: 16 of each accumulator");
@@ -166,25 +166,25 @@ __device__ __forceinline__ void projection_residual(const i8* a, const i8* w_cor
     i8* s_a = (i8*)residual_sm90_shared;                  // [SLICE_STAGES][A_BYTES]
     if (shared_address(s_a) & 1023) __trap();  // never: the swizzle would mix rows
     i8* s_b = s_a + SLICE_STAGES * A_BYTES;               // [SLICE_STAGES][B_BYTES]
-    int* s_tab = (int*)(s_b + SLICE_STAGES * B_BYTES);    // [TERMS_MEMBERS][TABLES][TABLE_LD]
+    int* s_tab = (int*)(s_b + SLICE_STAGES * B_BYTES);    // [RESIDUAL_MEMBERS][TABLES][TABLE_LD]
     // What a tile's tables are made of, copied with its first slice (so no global load
     // waits in the tile loop; TILE_INPUTS buffers, as a tile's are copied up to
     // SLICE_AHEAD tiles ahead): its members' seeds and signs, its rows' input dots
     constexpr int TILE_INPUTS = SLICE_AHEAD + 1;
-    u32* s_seed = (u32*)(s_tab + TERMS_MEMBERS * TABLES * TABLE_LD);  // [TILE_INPUTS][TERMS_MEMBERS]
-    int* s_sign = (int*)(s_seed + TILE_INPUTS * TERMS_MEMBERS);        // [TILE_INPUTS][TERMS_MEMBERS]
-    int* s_sb = s_sign + TILE_INPUTS * TERMS_MEMBERS;                  // [TILE_INPUTS][TERMS_ROWS]
+    u32* s_seed = (u32*)(s_tab + RESIDUAL_MEMBERS * TABLES * TABLE_LD);  // [TILE_INPUTS][RESIDUAL_MEMBERS]
+    int* s_sign = (int*)(s_seed + TILE_INPUTS * RESIDUAL_MEMBERS);        // [TILE_INPUTS][RESIDUAL_MEMBERS]
+    int* s_sb = s_sign + TILE_INPUTS * RESIDUAL_MEMBERS;                  // [TILE_INPUTS][RESIDUAL_ROWS]
     // [VECTORS][HIDDEN]: the output noise's overlay, the bias, the norm's weight and
     // bias, their overlays, the dots' overlays (copied once: a tile's tables read no
     // global memory)
-    i8* s_vec = (i8*)(s_sb + TILE_INPUTS * TERMS_ROWS);
+    i8* s_vec = (i8*)(s_sb + TILE_INPUTS * RESIDUAL_ROWS);
     __shared__ u32 s_magic[MEAN_MAX + 1];
     __shared__ __align__(8) u64 full[SLICE_STAGES];  // stage s holds its matrix slice
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, tig = lane & 3;
-    const int tiles = (rows + TERMS_ROWS - 1) / TERMS_ROWS;
+    const int tiles = (rows + RESIDUAL_ROWS - 1) / RESIDUAL_ROWS;
     const int total = tiles > (int)blockIdx.x ? ((tiles - 1 - (int)blockIdx.x) / (int)gridDim.x + 1) * KS : 0;
-    auto first_row = [&](int i) { return ((int)blockIdx.x + i / KS * (int)gridDim.x) * TERMS_ROWS; };
+    auto first_row = [&](int i) { return ((int)blockIdx.x + i / KS * (int)gridDim.x) * RESIDUAL_ROWS; };
 
     // Slice i into stage i % SLICE_STAGES; every thread commits one cp.async group a
     // slice, with or without pieces, so that the groups count slices. A row's slice (128
@@ -195,7 +195,7 @@ __device__ __forceinline__ void projection_residual(const i8* a, const i8* w_cor
     // the ideal L2 sectors). A thread's pieces are piece threadIdx.x % 8 of rows
     // ROW_STEP apart.
     static_assert(SLICE == 128, "the rows' slices are 128-byte swizzled");
-    constexpr int THREADS = 2 * TERMS_ROWS, ROW_STEP = THREADS / PIECES;
+    constexpr int THREADS = 2 * RESIDUAL_ROWS, ROW_STEP = THREADS / PIECES;
     const int my_row = threadIdx.x / PIECES, my_chunk = threadIdx.x % PIECES;
     const i8* my_piece = a + (long)my_row * K + 16 * my_chunk;
     // (ROW_STEP is a multiple of 8: a row's place within its 8 is the same for every u)
@@ -205,12 +205,12 @@ __device__ __forceinline__ void projection_residual(const i8* a, const i8* w_cor
         if (threadIdx.x == 0) bulk_copy(s_b + stage * B_BYTES, w_cores + k * B_BYTES, B_BYTES, &full[stage]);
         if (k == 0) {  // the tile's inputs
             const int at = i / KS % TILE_INPUTS, m0 = row0 / SEQ;
-            const int n_members = (min(row0 + TERMS_ROWS, rows) - 1) / SEQ - m0 + 1;
-            for (int r = threadIdx.x; r < min(TERMS_ROWS, rows - row0); r += blockDim.x)
-                copy4_async(s_sb + at * TERMS_ROWS + r, sb + row0 + r);
+            const int n_members = (min(row0 + RESIDUAL_ROWS, rows) - 1) / SEQ - m0 + 1;
+            for (int r = threadIdx.x; r < min(RESIDUAL_ROWS, rows - row0); r += blockDim.x)
+                copy4_async(s_sb + at * RESIDUAL_ROWS + r, sb + row0 + r);
             for (int m = threadIdx.x; m < n_members; m += blockDim.x) {
-                copy4_async(s_seed + at * TERMS_MEMBERS + m, seeds + m0 + m);
-                copy4_async(s_sign + at * TERMS_MEMBERS + m, signs + m0 + m);
+                copy4_async(s_seed + at * RESIDUAL_MEMBERS + m, seeds + m0 + m);
+                copy4_async(s_sign + at * RESIDUAL_MEMBERS + m, signs + m0 + m);
             }
         }
         i8* to = s_a + stage * A_BYTES + my_place;
@@ -265,7 +265,7 @@ __device__ __forceinline__ void projection_residual(const i8* a, const i8* w_cor
     int i = 0;  // slices taken so far; the tile loop's inner loop is unrolled, so ptxas
                 // sees which products are in flight at every wait (no C7517 wait)
     for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-        const int row0 = tile * TERMS_ROWS;
+        const int row0 = tile * RESIDUAL_ROWS;
         u32 sbs[2];  // the thread's rows' input dots times their members' signs
         int member[2];
 #pragma unroll
@@ -290,19 +290,19 @@ __device__ __forceinline__ void projection_residual(const i8* a, const i8* w_cor
             asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
             if (k == 0) {  // the tile's rows' input dots and its members' tables
                 const int at = i / KS % TILE_INPUTS, m0 = row0 / SEQ;
-                const int n_members = (min(row0 + TERMS_ROWS, rows) - 1) / SEQ - m0 + 1;
+                const int n_members = (min(row0 + RESIDUAL_ROWS, rows) - 1) / SEQ - m0 + 1;
 #pragma unroll
                 for (int s = 0; s < 2; s++) {
                     const int rr = 16 * warp + 8 * s + g;
                     // (a warp's 16 rows are one member's where SEQ is a multiple of 16)
                     member[s] = row0 + rr < rows ? (row0 + (SEQ % 16 == 0 ? rr - 8 * s : rr)) / SEQ - m0 : 0;
-                    sbs[s] = row0 + rr < rows ? (u32)s_sb[at * TERMS_ROWS + rr] * (u32)s_sign[at * TERMS_MEMBERS + member[s]] : 0u;
+                    sbs[s] = row0 + rr < rows ? (u32)s_sb[at * RESIDUAL_ROWS + rr] * (u32)s_sign[at * RESIDUAL_MEMBERS + member[s]] : 0u;
                 }
                 // x's rows into L2 for the epilogue: a 128-byte line a thread
-                const long bytes = (long)(min(row0 + TERMS_ROWS, rows) - row0) * HIDDEN;
+                const long bytes = (long)(min(row0 + RESIDUAL_ROWS, rows) - row0) * HIDDEN;
                 if (128l * threadIdx.x < bytes)
                     asm volatile("prefetch.global.L2 [%0];\n" ::"l"(r.x + (long)row0 * HIDDEN + 128l * threadIdx.x));
-                make_tables(s_seed + at * TERMS_MEMBERS, s_sign + at * TERMS_MEMBERS, n_members);
+                make_tables(s_seed + at * RESIDUAL_MEMBERS, s_sign + at * RESIDUAL_MEMBERS, n_members);
             } else {
                 wgmma_wait_one();  // slice i - 1's products
             }
@@ -354,7 +354,7 @@ __device__ __forceinline__ void residual_kernel(const i8* inputs, const i8* w_co
 }
 
 // The o-projection's (K = HIDDEN): the inputs are attention's mixed rows
-extern "C" __global__ void __launch_bounds__(2 * TERMS_ROWS, 1)
+extern "C" __global__ void __launch_bounds__(2 * RESIDUAL_ROWS, 1)
 o_residual_sm90(const i8* inputs, const i8* w_cores, const int* sb, const u32* seeds, const int* signs,
                 const i8* ov_out, u32 off_a, int shift, const i8* bias, const i8* ov_bias, u32 bias_a,
                 u32 bias_b, i8* x, i8* y, const i8* w, const i8* b, const i8* ov_w, const i8* ov_b, u32 w_a,
@@ -366,7 +366,7 @@ o_residual_sm90(const i8* inputs, const i8* w_cores, const int* sb, const u32* s
 }
 
 // The down-projection's (K = 4 HIDDEN): the inputs are the GELU'd hidden rows
-extern "C" __global__ void __launch_bounds__(2 * TERMS_ROWS, 1)
+extern "C" __global__ void __launch_bounds__(2 * RESIDUAL_ROWS, 1)
 down_residual_sm90(const i8* inputs, const i8* w_cores, const int* sb, const u32* seeds, const int* signs,
                    const i8* ov_out, u32 off_a, int shift, const i8* bias, const i8* ov_bias, u32 bias_a,
                    u32 bias_b, i8* x, i8* y, const i8* w, const i8* b, const i8* ov_w, const i8* ov_b, u32 w_a,

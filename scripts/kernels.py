@@ -331,7 +331,7 @@ def check_o_residual_sm90(b, down=False):
 
     # few members (the tests) in few blocks, so that each block takes several tiles in
     # turn, as it does at training sizes
-    blocks = max(1, min(b.forward.sms, -(-b.rows // b.plan.defines["TERMS_ROWS"]) // 5))
+    blocks = max(1, min(b.forward.sms, -(-b.rows // b.plan.defines["RESIDUAL_ROWS"]) // 5))
 
     def launch():
         forward = b.forward

@@ -521,24 +521,30 @@ def test_the_one_pass_head_takes_a_peak_rising_past_int32():
 
 
 @pytest.mark.parametrize(
-    "model, members",
+    "model, members, mode",
     [
         # the default shapes in mode 1: 12 tiles of 128 rows in 2 blocks, the down
         # projection's K in 8 slices a tile, the o-projection's in 2
-        (DEFAULT_MODEL, 24),
+        (DEFAULT_MODEL, 24, 1),
         # hidden 128: the o-projection's K one slice, so its stages' barriers change phase
         # only across tiles; seq 24, so a warp's rows can be two members' (8 tiles, one
         # block, the last tile partial)
-        (dict(SMALL_MODEL, hidden_dim=128, seq_len=24), 40),
+        (dict(SMALL_MODEL, hidden_dim=128, seq_len=24), 40, 1),
+        # seq 200: a member's rows span tiles (tiles starting mid-member); adaptive mode 0
+        (dict(SMALL_MODEL, hidden_dim=128, seq_len=200), 7, 0),
     ],
-    ids=["default shapes", "hidden 128, seq 24"],
+    ids=["default shapes", "hidden 128, seq 24", "hidden 128, seq 200, mode 0"],
 )
-def test_the_residual_kernels_take_many_tiles_a_block(model, members):
+def test_the_residual_kernels_take_many_tiles_a_block(model, members, mode):
     """residual_sm90.cu's blocks each take several tiles in turn, as at training sizes:
     the next tile's slices and inputs copied during this one's, every stage refilled."""
     import kernels as harness
 
-    cfg = Config().replace(model=model, training=dict(population_size=8, chunk_size=8))
+    cfg = Config().replace(
+        model=model,
+        training=dict(population_size=8, chunk_size=8),
+        adaptive_noise=dict(mode=mode),
+    )
     lines = []
     names = ["down_residual_sm90", "o_residual_sm90", "residual_norm"]
     ok = harness.run(cfg, names, members=members, repeats=1, out=lines.append)

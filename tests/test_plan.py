@@ -153,6 +153,13 @@ def test_up_gelu_packs_its_entries_where_eight_bytes_do_not_fit():
     assert (plan().defines["UP_PACK"], plan().defines["UP_BLOCKS"]) == (0, 3)
 
 
+def test_the_down_projections_residual_only_beside_up_gelu():
+    """down_residual_sm90 writes y into rows.y: its inputs must be up_gelu_sm90's own
+    buffer (rows.hidden), or a tile's y would land on rows other tiles still read."""
+    p = plan(static={**STATIC, "up_gelu_sm90": 1 << 20})  # up_gelu_sm90 does not fit
+    assert not p.fused_up and not p.down_residual and p.o_residual
+
+
 def test_mode_2_runs_no_fused_residual():
     """residual_sm90.cu's tables hold one-word dot entries: not adaptive mode 2's."""
     p = plan(Config().replace(adaptive_noise=dict(mode=2)))

@@ -413,10 +413,12 @@ class Forward:
         """The projection of `inputs` (rows.y by default) by `matrix` (its input dot in
         rows.sbd), then `residual`'s steps, in one kernel: o_residual_sm90 or
         down_residual_sm90 (residual_sm90.cu), `blocks` of them (at most one an SM, by
-        default), each taking tiles of TERMS_ROWS rows in turn. No product is written.
+        default), each taking tiles of RESIDUAL_ROWS rows in turn. No product is written.
         The rows are whole members."""
         rows, r = batch.rows, batch.n_rows
-        tile = self.plan.defines["TERMS_ROWS"]
+        tile = self.plan.defines["RESIDUAL_ROWS"]
+        if len(then.readers) not in (1, 3):  # the kernels' two dot counts
+            raise ValueError(f"{kernel}: a norm read by {len(then.readers)} matrices")
         self.launch(
             kernel,
             (blocks or min(self.sms, -(-r // tile)),),

@@ -73,7 +73,7 @@ TILE_WARPS, TILE_N = 8, 64  # head_loss: 32 rows a warp, vocabulary tiles of 64 
 HEAD_ROWS, WIDE_HEAD_ROWS, WIDE_HEAD_HIDDEN = 256, 128, 1024
 UP_ROWS = 64  # up_gelu_sm90: rows a block, two warpgroups of 32
 QKV_ROWS = 64  # qkv_rope_sm90: rows a block, one warpgroup
-TERMS_ROWS = 128  # residual_sm90: rows a tile, two warpgroups of 64
+RESIDUAL_ROWS = 128  # residual_sm90: rows a tile, two warpgroups of 64
 SLICE, SLICE_STAGES = 128, 4  # residual_sm90: bytes of K a pipeline stage holds, stages
 MAX_THREADS = 1024  # per block, on every CUDA device
 STATIC_SHARED = 48 << 10  # a kernel may use more shared memory only when it opts in
@@ -162,7 +162,7 @@ def kernel_defines(cfg: Config, device: Device) -> dict[str, int]:
         TILE_N=TILE_N,
         UP_ROWS=UP_ROWS,
         QKV_ROWS=QKV_ROWS,
-        TERMS_ROWS=TERMS_ROWS,
+        RESIDUAL_ROWS=RESIDUAL_ROWS,
         SLICE=SLICE,
         SLICE_STAGES=SLICE_STAGES,
         EXP_MAX=lut0,
@@ -331,7 +331,7 @@ def residual_sm90_shared(cfg: Config, defines: Mapping[str, int]) -> int | None:
     SLICE_STAGES - 1 buffers, ten bytes a feature copied once; None where they cannot
     run the config (a row's products in registers, in whole slices; one-word dot entries,
     not adaptive mode 2's)."""
-    d, slice_, rows = cfg.model.hidden_dim, defines["SLICE"], defines["TERMS_ROWS"]
+    d, slice_, rows = cfg.model.hidden_dim, defines["SLICE"], defines["RESIDUAL_ROWS"]
     if d % slice_ or d > 256 or cfg.adaptive_noise.mode == 2:
         return None
     stages, members = defines["SLICE_STAGES"] * (rows + d) * slice_, tile_members(cfg, rows)
@@ -471,10 +471,12 @@ def make_plan(
     if qkv and not fused_qkv:
         raise ValueError("qkv_rope_sm90 does not run this config on this device")
     # The o- and the down-projection's GEMMs with residual_norm as their epilogue
-    # (residual_sm90.cu) where their tiles fit: no product goes to memory.
+    # (residual_sm90.cu) where their tiles fit: no product goes to memory. The
+    # down-projection's only where up_gelu_sm90 writes its inputs apart (rows.hidden):
+    # in rows.y, its tiles' y would land on rows other tiles still read.
     m, residual = cfg.model, residual_sm90_shared(cfg, defines)
     o_residual = sm90("o_residual_sm90", residual)
-    down_residual = sm90("down_residual_sm90", residual)
+    down_residual = fused_up and sm90("down_residual_sm90", residual)
     # Attention on the tensor cores (attention.cu) where a head fills whole MMAs.
     tensor_attention = m.head_dim % 32 == 0 and attention_shared(cfg) <= optin
     if tensor_attention:
