@@ -353,6 +353,8 @@ __device__ __forceinline__ void residual_kernel(const i8* inputs, const i8* w_co
 #endif
 }
 
+// Two entry points, so that a profile tells the two projections apart; each spells out
+// its parameters (the launchers read them from this text, deggs/numerics/launch.py).
 // The o-projection's (K = HIDDEN): the inputs are attention's mixed rows
 extern "C" __global__ void __launch_bounds__(2 * RESIDUAL_ROWS, 1)
 o_residual_sm90(const i8* inputs, const i8* w_cores, const int* sb, const u32* seeds, const int* signs,
