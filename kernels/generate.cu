@@ -50,13 +50,15 @@ __device__ __forceinline__ int token_weight(long long shifted, float temperature
 }
 
 // choose_token for position t: g holds the position's logits before >> SHIFT_LOGIT,
-// tokens[0..t] the sequence so far; writes tokens[t + 1]. The reference runs one block of
+// tokens[0..t] the sequence so far; writes tokens[t + 1]. The seed is read from device
+// memory, so that a generation's launches replay as one CUDA graph (gpu/generate.py)
+// with each call's seed. The reference runs one block of
 // HIDDEN threads: thread j owns tokens j, j + HIDDEN, ... (scan_order), and the running
 // sum of weights visits the threads in order. We run CT_THREADS threads (at most 1024),
 // each playing HIDDEN / CT_THREADS consecutive reference threads. Dynamic shared memory:
 // the earlier occurrences of each token, 16 bits each (t < 65535), two to a word.
 #define CT_PER (HIDDEN / CT_THREADS)
-extern "C" __global__ void choose_token(const int* g, int* tokens, int t, u32 seed, int penalty,
+extern "C" __global__ void choose_token(const int* g, int* tokens, int t, const u32* seed, int penalty,
                                         float temperature, int min_p_limit, const int* exp_tab) {
     extern __shared__ u32 s_count2[];
     __shared__ long long s_start[HIDDEN + 1];  // each reference thread's first running sum
@@ -93,7 +95,7 @@ extern "C" __global__ void choose_token(const int* g, int* tokens, int t, u32 se
     __syncthreads();
     const long long total = s_start[HIDDEN];
     if (total <= 0) return;
-    const long long threshold = (long long)(hash_u32(seed + (u32)t * (u32)SAMPLE_STRIDE, 0) % (u64)total);
+    const long long threshold = (long long)(hash_u32(*seed + (u32)t * (u32)SAMPLE_STRIDE, 0) % (u64)total);
     for (int c = 0; c < CT_PER; c++) {
         const int j = threadIdx.x * CT_PER + c;
         long long running = s_start[j];

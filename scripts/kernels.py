@@ -704,6 +704,7 @@ def check_choose_token(b):
     d_g, d_tokens = cp.asarray(logits), cp.asarray(tokens)
     penalty, min_p_limit = sampler_limits(b.cfg)
     seed, t = int(b.rng.integers(2**32)), 39
+    d_seed = cp.asarray(np.array([seed], np.uint32))
 
     def setup():
         d_tokens[...] = cp.asarray(tokens)
@@ -716,7 +717,7 @@ def check_choose_token(b):
             g=d_g,
             tokens=d_tokens,
             t=t,
-            seed=seed,
+            seed=d_seed,
             penalty=penalty,
             temperature=b.cfg.sampling.temperature,
             min_p_limit=min_p_limit,

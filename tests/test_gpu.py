@@ -196,6 +196,16 @@ def test_generation_matches_cpu(case):
         assert np.array_equal(ours, theirs), (n_prompt, n_tokens, ours, theirs)
         assert np.array_equal(ours[:n_prompt], prompt)
     assert np.array_equal(gpu.generate(prompt, 3), cpu.generate(prompt, 3))  # the default length
+    # a shape's graph replayed with other prompts and seeds, and captured again after
+    # new weights (load_state makes new arrays)
+    assert gpu.generation.shapes and all(s.graph for s in gpu.generation.shapes.values())
+    for _ in range(2):
+        prompt, seed = rng.integers(0, v, 8), int(rng.integers(2**32))
+        assert np.array_equal(gpu.generate(prompt, seed), cpu.generate(prompt, seed))
+    params, overlays = shuffled_weights(rng, params, overlays)
+    cpu.params, cpu.overlays = params, overlays
+    gpu.load_state(params, overlays)
+    assert np.array_equal(gpu.generate(prompt, seed), cpu.generate(prompt, seed))
 
 
 def cp_device_is_hopper() -> bool:

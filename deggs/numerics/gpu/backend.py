@@ -127,6 +127,7 @@ class GpuBackend:
         """Put weights, overlays and (optionally) optimizer state on the device."""
         self.device_state.load(params, overlays, state)
         self.updates.forget_graph()
+        self.generation.forget_graphs()
 
     @property
     def params(self) -> dict:

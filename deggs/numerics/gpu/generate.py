@@ -5,19 +5,43 @@ layer; cached_attention attends over the cache and choose_token samples the next
 into the token buffer on the device, so nothing returns to the host until the end.
 
 Its row buffers and its RoPE table are its own: a generation longer than any before
-makes a longer table here, and the training forward's are never touched.
+makes a longer table here, and the training forward's are never touched. A shape's
+launches (some 45 a position, one row each: bound by the host, not the GPU) are
+captured once as a CUDA graph and replayed with each call's prompt and seed.
 """
 
 from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from ...config import Config
 from ..model import make_tables
 from ..sampling import sampler_limits
-from .cuda import Launcher, cp
+from .cuda import DeviceArray, Launcher, cp
 from .forward import Batch, Cache, Forward, Rows
 from .plan import STATIC_SHARED, Plan
+
+log = logging.getLogger(__name__)
+
+
+# Shapes of generation whose buffers and graph are kept (a worker's samples are one shape)
+KEPT_SHAPES = 4
+
+
+@dataclass
+class Shape:
+    """A generation of one shape (`first` positions run together, `total` in all): its
+    token buffer, seed, key/value caches and, once captured, the CUDA graph of its
+    launches, replayed with each call's prompt and seed written into the buffers."""
+
+    tokens: DeviceArray
+    seed: DeviceArray
+    layers: list[tuple[DeviceArray, DeviceArray]]
+    graph: Any = None
 
 
 class Generate:
@@ -29,6 +53,15 @@ class Generate:
         self.sign = None
         self.rope = forward.rope  # RoPE table of `self.positions` positions
         self.positions = forward.rope_positions
+        # by (first, total), oldest first; their graphs read self.rows and self.rope, so
+        # new ones of those drop them
+        self.shapes: dict[tuple[int, int], Shape] = {}
+        self.use_graph = True  # False once a capture failed: eager launches from then on
+
+    def forget_graphs(self) -> None:
+        """The captured graphs point at the state's arrays: after `state.load`, capture
+        again."""
+        self.shapes.clear()
 
     def _rope_for(self, total: int):
         """A RoPE table covering `total` positions (its own, longer, where needed)."""
@@ -36,13 +69,14 @@ class Generate:
             tables = make_tables(self.cfg, total)
             self.rope = cp.asarray(tables.rope.astype(np.int32).ravel())
             self.positions = total
+            self.shapes.clear()
         return self.rope
 
     def __call__(self, prompt, seed: int, n_tokens: int | None = None) -> np.ndarray:
         """Prompt followed by n_tokens sampled tokens, as deggs.numerics.sampling.generate."""
         cfg = self.cfg
-        m, s = cfg.model, cfg.sampling
-        n_tokens = s.generate_tokens if n_tokens is None else n_tokens
+        m = cfg.model
+        n_tokens = cfg.sampling.generate_tokens if n_tokens is None else n_tokens
         prompt = np.asarray(prompt, np.int64)
         total = len(prompt) + n_tokens
         buffer = np.zeros(total, np.int64)
@@ -56,42 +90,85 @@ class Generate:
         attention = self.launch.kernels["cached_attention"].function
         if 4 * total + attention.shared_size_bytes > STATIC_SHARED:  # a word a visible key
             attention.max_dynamic_shared_size_bytes = 4 * total
-        penalty, min_p_limit = sampler_limits(cfg)
-        seed &= 0xFFFFFFFF
-        d = m.hidden_dim
         with self.stream:
             if self.rows is None or self.rows.n < first:
                 words = max(self.forward.product_words(first, whole=False), m.vocab_size)
                 self.rows = self.forward.make_rows(first, words)
                 self.seed = cp.zeros(1, cp.uint32)
                 self.sign = cp.zeros(1, cp.int32)  # sign 0: the unperturbed model
-            rows = self.rows
-            tokens = cp.asarray(buffer.astype(np.int32))
-            layers = [
-                (cp.zeros(total * d, cp.int8), cp.zeros(total * d, cp.int8))
-                for _ in range(m.n_layers)
-            ]
-            start = 0
-            for t in range(first - 1, total - 1):
-                seq = t + 1 - start
-                batch = Batch(rows, self.seed, self.sign, members=1, positions=seq)
-                self.forward.hidden(batch, tokens[start:], Cache(layers, start, rope))
-                table = self.forward.state.weights["embedding"]
-                self.launch.project(table, rows.y[(seq - 1) * d :], rows.g, m.vocab_size, 1, d)
-                self.launch(
-                    "choose_token",
-                    (1,),
-                    (self.plan.defines["CT_THREADS"],),
-                    g=rows.g,
-                    tokens=tokens,
-                    t=t,
-                    seed=seed,
-                    penalty=penalty,
-                    temperature=s.temperature,
-                    min_p_limit=min_p_limit,
-                    exp_tab=self.forward.exp,
-                )
-                start = t + 1
-            out = tokens.get(stream=self.stream)
+                self.shapes.clear()
+            shape = self._shape(first, total)
+            shape.tokens.set(buffer.astype(np.int32), stream=self.stream)
+            shape.seed.set(np.array([seed & 0xFFFFFFFF], np.uint32), stream=self.stream)
+            if self.use_graph and shape.graph is None:
+                self._capture(shape, first, total, rope)
+            if shape.graph is not None:
+                shape.graph.launch(self.stream)
+            else:
+                self._positions(shape, first, total, rope)
+            out = shape.tokens.get(stream=self.stream)
         self.stream.synchronize()
         return out.astype(np.int64)
+
+    def _shape(self, first: int, total: int) -> Shape:
+        """The kept buffers of this shape, made (and the oldest shape dropped) if new."""
+        shape = self.shapes.pop((first, total), None)
+        if shape is None:
+            m = self.cfg.model
+            layers = [
+                (cp.zeros(total * m.hidden_dim, cp.int8), cp.zeros(total * m.hidden_dim, cp.int8))
+                for _ in range(m.n_layers)
+            ]
+            shape = Shape(cp.zeros(total, cp.int32), cp.zeros(1, cp.uint32), layers)
+            while len(self.shapes) >= KEPT_SHAPES:
+                self.shapes.pop(next(iter(self.shapes)))
+        self.shapes[first, total] = shape  # the newest last
+        return shape
+
+    def _capture(self, shape: Shape, first: int, total: int, rope) -> None:
+        """Capture the shape's launches as a CUDA graph; on failure log why and launch
+        eagerly from now on (slower, the same bits)."""
+        try:
+            mode = getattr(cp.cuda.runtime, "streamCaptureModeRelaxed", None)
+            if mode is None:
+                self.stream.begin_capture()
+            else:
+                self.stream.begin_capture(mode=mode)
+            try:
+                self._positions(shape, first, total, rope)
+            finally:
+                graph = self.stream.end_capture()
+            shape.graph = graph
+        except Exception as e:  # pragma: no cover - depends on the CUDA stack
+            self.use_graph = False
+            log.warning("could not capture a generation as a CUDA graph (%s): launching eagerly", e)
+
+    def _positions(self, shape: Shape, first: int, total: int, rope) -> None:
+        """Every position's launches: the prompt's first positions together, then one
+        position at a time, each followed by its choice of the next token."""
+        cfg, rows = self.cfg, self.rows
+        assert rows is not None
+        m, s = cfg.model, cfg.sampling
+        penalty, min_p_limit = sampler_limits(cfg)
+        d = m.hidden_dim
+        table = self.forward.state.weights["embedding"]
+        start = 0
+        for t in range(first - 1, total - 1):
+            seq = t + 1 - start
+            batch = Batch(rows, self.seed, self.sign, members=1, positions=seq)
+            self.forward.hidden(batch, shape.tokens[start:], Cache(shape.layers, start, rope))
+            self.launch.project(table, rows.y[(seq - 1) * d :], rows.g, m.vocab_size, 1, d)
+            self.launch(
+                "choose_token",
+                (1,),
+                (self.plan.defines["CT_THREADS"],),
+                g=rows.g,
+                tokens=shape.tokens,
+                t=t,
+                seed=shape.seed,
+                penalty=penalty,
+                temperature=s.temperature,
+                min_p_limit=min_p_limit,
+                exp_tab=self.forward.exp,
+            )
+            start = t + 1
