@@ -76,6 +76,23 @@ def device_figures() -> Device:
     )
 
 
+def capture_graph(stream, body: Callable[[], None]):
+    """The launches `body` makes on `stream`, captured as a CUDA graph (in the relaxed
+    mode where CuPy has it, which does not refuse other calls, such as allocations,
+    made meanwhile)."""
+    mode = getattr(cp.cuda.runtime, "streamCaptureModeRelaxed", None)
+    with stream:
+        if mode is None:
+            stream.begin_capture()
+        else:
+            stream.begin_capture(mode=mode)
+        try:
+            body()
+        finally:
+            graph = stream.end_capture()
+    return graph
+
+
 def _load_cublas():
     """libcublas through ctypes, as loaded by CuPy (CuPy's own wrapper refuses to run
     while a stream is being captured, and the update is captured as a CUDA graph)."""

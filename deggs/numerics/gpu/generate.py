@@ -21,7 +21,7 @@ import numpy as np
 from ...config import Config
 from ..model import make_tables
 from ..sampling import sampler_limits
-from .cuda import DeviceArray, Launcher, cp
+from .cuda import DeviceArray, Launcher, capture_graph, cp
 from .forward import Batch, Cache, Forward, Rows
 from .plan import STATIC_SHARED, Plan
 
@@ -129,16 +129,8 @@ class Generate:
         """Capture the shape's launches as a CUDA graph; on failure log why and launch
         eagerly from now on (slower, the same bits)."""
         try:
-            mode = getattr(cp.cuda.runtime, "streamCaptureModeRelaxed", None)
-            if mode is None:
-                self.stream.begin_capture()
-            else:
-                self.stream.begin_capture(mode=mode)
-            try:
-                self._positions(shape, first, total, rope)
-            finally:
-                graph = self.stream.end_capture()
-            shape.graph = graph
+            body = lambda: self._positions(shape, first, total, rope)
+            shape.graph = capture_graph(self.stream, body)
         except Exception as e:  # pragma: no cover - depends on the CUDA stack
             self.use_graph = False
             log.warning("could not capture a generation as a CUDA graph (%s): launching eagerly", e)

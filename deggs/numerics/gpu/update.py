@@ -22,7 +22,7 @@ import numpy as np
 
 from ...config import Config, OptimizerConfig
 from ..params import Slice, param_slices
-from .cuda import DeviceArray, Launcher, cp
+from .cuda import DeviceArray, Launcher, capture_graph, cp
 from .state import DeviceState
 
 log = logging.getLogger(__name__)
@@ -257,19 +257,8 @@ class Update:
     def _capture(self) -> None:
         """Capture the update as a CUDA graph; on failure log why and run eagerly from
         now on (slower, the same bits)."""
-        stream = self.stream
         try:
-            with stream:
-                mode = getattr(cp.cuda.runtime, "streamCaptureModeRelaxed", None)
-                if mode is None:
-                    stream.begin_capture()
-                else:
-                    stream.begin_capture(mode=mode)
-                try:
-                    self.body()
-                finally:
-                    graph = stream.end_capture()
-            self.graph = graph
+            self.graph = capture_graph(self.stream, self.body)
         except Exception as e:  # pragma: no cover - depends on the CUDA stack
             self.graph_error = f"{type(e).__name__}: {e}"
             self.use_graph = False
