@@ -196,16 +196,28 @@ def test_generation_matches_cpu(case):
         assert np.array_equal(ours, theirs), (n_prompt, n_tokens, ours, theirs)
         assert np.array_equal(ours[:n_prompt], prompt)
     assert np.array_equal(gpu.generate(prompt, 3), cpu.generate(prompt, 3))  # the default length
-    # a shape's graph replayed with other prompts and seeds, and captured again after
-    # new weights (load_state makes new arrays)
-    assert gpu.generation.shapes and all(s.graph for s in gpu.generation.shapes.values())
-    for _ in range(2):
-        prompt, seed = rng.integers(0, v, 8), int(rng.integers(2**32))
-        assert np.array_equal(gpu.generate(prompt, seed), cpu.generate(prompt, seed))
+    # One shape called again and again: its first call launches eagerly, its second
+    # captures its graph, the later ones replay it with other prompts and seeds; after an
+    # update (the weights changed in place) the same graph; after new weights (load_state
+    # makes new arrays) a new one, from the shape's second call on.
+    shape = (8, 8 + cfg.sampling.generate_tokens)
+
+    def generations(n):
+        for _ in range(n):
+            prompt, seed = rng.integers(0, v, 8), int(rng.integers(2**32))
+            assert np.array_equal(gpu.generate(prompt, seed), cpu.generate(prompt, seed))
+        return gpu.generation.shapes[shape].graph
+
+    graph = generations(4)
+    assert graph is not None
+    fitness = rng.integers(-1, 2, cfg.training.n_pairs).astype(np.int32)
+    assert gpu.update(fitness, 1, 77) == cpu.update(fitness, 1, 77)
+    assert generations(2) is graph
     params, overlays = shuffled_weights(rng, params, overlays)
     cpu.params, cpu.overlays = params, overlays
     gpu.load_state(params, overlays)
-    assert np.array_equal(gpu.generate(prompt, seed), cpu.generate(prompt, seed))
+    assert generations(1) is None
+    assert generations(2) not in (None, graph)
 
 
 def cp_device_is_hopper() -> bool:

@@ -125,9 +125,10 @@ class GpuBackend:
 
     def load_state(self, params: dict, overlays: dict, state: OptimizerState | None = None):
         """Put weights, overlays and (optionally) optimizer state on the device."""
-        self.device_state.load(params, overlays, state)
+        # the graphs point at the arrays `load` replaces: dropped first, whatever happens
         self.updates.forget_graph()
         self.generation.forget_graphs()
+        self.device_state.load(params, overlays, state)
 
     @property
     def params(self) -> dict:

@@ -30,18 +30,23 @@ log = logging.getLogger(__name__)
 
 # Shapes of generation whose buffers and graph are kept (a worker's samples are one shape)
 KEPT_SHAPES = 4
+# Longer generations launch eagerly: a graph of theirs would hold millions of launches
+GRAPH_POSITIONS = 1024
 
 
 @dataclass
 class Shape:
     """A generation of one shape (`first` positions run together, `total` in all): its
     token buffer, seed, key/value caches and, once captured, the CUDA graph of its
-    launches, replayed with each call's prompt and seed written into the buffers."""
+    launches, replayed with each call's prompt and seed written into the buffers. The
+    graph is captured on the shape's second call: a one-off generation (deggs-generate)
+    launches eagerly."""
 
     tokens: DeviceArray
     seed: DeviceArray
     layers: list[tuple[DeviceArray, DeviceArray]]
     graph: Any = None
+    calls: int = 0
 
 
 class Generate:
@@ -86,11 +91,11 @@ class Generate:
             return buffer
         if total >= 1 << 16:
             raise ValueError(f"{total} positions: the gpu's choose_token counts in 16 bits")
-        rope = self._rope_for(total)
         attention = self.launch.kernels["cached_attention"].function
         if 4 * total + attention.shared_size_bytes > STATIC_SHARED:  # a word a visible key
             attention.max_dynamic_shared_size_bytes = 4 * total
         with self.stream:
+            rope = self._rope_for(total)  # (uploaded on the stream that reads it)
             if self.rows is None or self.rows.n < first:
                 words = max(self.forward.product_words(first, whole=False), m.vocab_size)
                 self.rows = self.forward.make_rows(first, words)
@@ -98,9 +103,10 @@ class Generate:
                 self.sign = cp.zeros(1, cp.int32)  # sign 0: the unperturbed model
                 self.shapes.clear()
             shape = self._shape(first, total)
+            shape.calls += 1
             shape.tokens.set(buffer.astype(np.int32), stream=self.stream)
             shape.seed.set(np.array([seed & 0xFFFFFFFF], np.uint32), stream=self.stream)
-            if self.use_graph and shape.graph is None:
+            if shape.graph is None and self._capturable(shape, total - first):
                 self._capture(shape, first, total, rope)
             if shape.graph is not None:
                 shape.graph.launch(self.stream)
@@ -124,6 +130,14 @@ class Generate:
                 self.shapes.pop(next(iter(self.shapes)))
         self.shapes[first, total] = shape  # the newest last
         return shape
+
+    def _capturable(self, shape: Shape, positions: int) -> bool:
+        """Whether to capture the shape's graph now: from its second call, for at most
+        GRAPH_POSITIONS positions, not while the launches are being timed one by one
+        (Launcher.start_profile), and unless a capture failed before."""
+        if not self.use_graph or self.launch.profile is not None:
+            return False
+        return shape.calls >= 2 and positions <= GRAPH_POSITIONS
 
     def _capture(self, shape: Shape, first: int, total: int, rope) -> None:
         """Capture the shape's launches as a CUDA graph; on failure log why and launch
