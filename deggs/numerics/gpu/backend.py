@@ -68,7 +68,8 @@ class GpuBackend:
     logits and sequence_loss), `hopper` (False: no sm90a kernel), `head` ("head_loss" or
     "head_loss_sm90"), `qkv` (False: q, k, v on cuBLAS; True: qkv_rope_sm90 or a
     ValueError), `defines` (-D values replacing the plan's: a kernel variant), `device`
-    (the CUDA device's number), `use_graph` (False: the update runs eagerly)."""
+    (the CUDA device's number), `use_graph` (False: the update and generations run
+    eagerly)."""
 
     name = "gpu"
 
@@ -117,7 +118,9 @@ class GpuBackend:
         self.updates = Update(
             cfg, self.launch, self.device_state, self.stream, figures.sms, use_graph
         )
-        self.generation = Generate(cfg, self.plan, self.launch, self.forward, self.stream)
+        self.generation = Generate(
+            cfg, self.plan, self.launch, self.forward, self.stream, use_graph
+        )
         self.tokens = DeviceTokens()
         self.load_state(init_params(cfg), init_overlays(cfg), OptimizerState.zeros(cfg))
 

@@ -50,7 +50,9 @@ class Shape:
 
 
 class Generate:
-    def __init__(self, cfg: Config, plan: Plan, launch: Launcher, forward: Forward, stream):
+    def __init__(
+        self, cfg: Config, plan: Plan, launch: Launcher, forward: Forward, stream, use_graph=True
+    ):
         self.cfg, self.plan, self.launch, self.forward = cfg, plan, launch, forward
         self.stream = stream
         self.rows: Rows | None = None  # made for the longest prompt so far
@@ -61,7 +63,7 @@ class Generate:
         # by (first, total), oldest first; their graphs read self.rows and self.rope, so
         # new ones of those drop them
         self.shapes: dict[tuple[int, int], Shape] = {}
-        self.use_graph = True  # False once a capture failed: eager launches from then on
+        self.use_graph = use_graph  # False (or once a capture failed): eager launches
 
     def forget_graphs(self) -> None:
         """The captured graphs point at the state's arrays: after `state.load`, capture
