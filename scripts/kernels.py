@@ -322,10 +322,10 @@ def check_o_residual_sm90(b, down=False):
     x = b.ints(-127, 128, (b.m, b.t, b.d), np.int8)
     # where up_gelu_sm90 runs, the down-projection reads its input in hidden_order
     order = hidden_order(b.d) if down and b.plan.fused_up else np.arange(k)
-    source = b.buf.hidden if down and b.plan.fused_up else b.buf.y
+    source = "hidden" if down and b.plan.fused_up else "y"  # the row buffer it reads
 
     def setup():
-        source[: inputs.size] = b.cp.asarray(np.ascontiguousarray(inputs[..., order]).ravel())
+        b.put(source, np.ascontiguousarray(inputs[..., order]))
         b.put("sbd", sb)
         b.put("x", x)
 
@@ -334,8 +334,8 @@ def check_o_residual_sm90(b, down=False):
     blocks = max(1, min(b.forward.sms, -(-b.rows // b.plan.defines["RESIDUAL_ROWS"]) // 5))
 
     def launch():
-        forward = b.forward
-        forward.projection_residual(b.batch, kernel, name, layer, shift, then, bias, source, blocks)
+        rows = getattr(b.buf, source)
+        b.forward.projection_residual(b.batch, kernel, name, layer, shift, then, bias, rows, blocks)
 
     def reference():
         weights = b.weights if layer is None else b.weights.at(layer)
