@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import importlib
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -85,6 +86,13 @@ def pytest_configure(config):
         "markers",
         f"requires_gpu: {GPU_REASON}; skipped without one (fails instead when DEGGS_REQUIRE_GPU=1)",
     )
+    # Run as a background job (`pytest &` in a script), the tests start with SIGINT
+    # ignored, and so would every process they start: an ignored signal stays ignored
+    # across exec, and the CLIs keep it so (as nohup's SIGHUP). The tests that press
+    # Ctrl-C on a coordinator or run-workers.sh need it as a terminal delivers it: a
+    # handled signal is reset to its default in a child.
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_collection_modifyitems(config, items):
