@@ -106,11 +106,15 @@ def test_a_program_is_its_files_with_each_header_once():
     files = {
         "a.cu": '#include "h.cuh"\nA',
         "b.cu": '#include "h.cuh"\nB',
+        "c.cu": '#include "h.cuh"  // why\nC',
         "h.cuh": "#pragma once\nH",
     }
     assert source(["a.cu", "b.cu"], files.__getitem__) == "H\nA\nB\n"
+    assert source(["c.cu"], files.__getitem__) == "H\nC\n"
+    for program in PROGRAMS:  # NVRTC finds no header: each must be inlined
+        shipped = program_source(program)
+        assert "#include" not in shipped and "#pragma once" not in shipped
     shipped = program_source("sm90a")
-    assert "#include" not in shipped and "#pragma once" not in shipped
     assert shipped.count("#define TILE_M ") == 1  # tiles.cuh, included by every sm90a file
     assert read_kernel_file("common.cuh").replace("#pragma once\n", "") in program_source("main")
 
@@ -395,6 +399,26 @@ def test_the_divisor_by_a_multiply_is_c_division():
         a = np.abs(n)
         q = a if d == 1 else (a * magic) >> 32
         assert np.array_equal(np.where(n < 0, -q, q), cdiv(n, d)), d
+
+
+def test_the_quotient_by_a_wide_multiply_is_c_division():
+    """attention.cu's Quotient: |n| ceil(2^(31 + l) / t) >> (31 + l), l = ceil(log2 t),
+    with n's sign, is C's truncating n / t for 1 <= t < 2^31 and |n| <= 2^31: at each
+    power of two and its neighbours, random t and the default's largest weight sum (64
+    x 2^18), and for each t the largest n, the multiples of t near them and near zero,
+    with their neighbours, and random n."""
+    rng = np.random.default_rng(5)
+    divisors = {2**k + e for k in range(31) for e in (-1, 0, 1)} | {64 * 2**18}
+    divisors |= {int(t) for t in rng.integers(1, 2**31, 64)}
+    for t in sorted(d for d in divisors if 1 <= d < 2**31):
+        shift = 31 + (t - 1).bit_length()
+        magic = (2**shift + t - 1) // t
+        assert magic < 2**32, t
+        top = 2**31 // t * t
+        near = [top - 1, top, top + 1, 2**31, t - 1, t, t + 1, 2 * t - 1, 2 * t, 0, 1]
+        for a in near + [int(x) for x in rng.integers(0, 2**31, 64)]:
+            if 0 <= a <= 2**31:
+                assert (a * magic) >> shift == a // t, (t, a)  # n = -a: the same, negated
 
 
 WIDE = {"qkv_rope_sm90", "o_residual_sm90", "down_residual_sm90"}

@@ -27,7 +27,7 @@ from .plan import PROGRAMS
 log = logging.getLogger(__name__)
 
 KERNEL_PACKAGE = "deggs.kernels"
-INCLUDE = re.compile(r'^#include "([^"]+)"\s*$')
+INCLUDE = re.compile(r'^#include "([^"]+)"\s*(//.*)?$')  # a comment may follow
 OPTIONS = ("--std=c++17", "--fmad=false")  # every float rounds where the CPU's does
 
 

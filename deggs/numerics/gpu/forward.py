@@ -511,14 +511,18 @@ class Forward:
         _, (ov_o_in, _), (_, o_b) = self.state.param("w_o", layer)
         stream = cp.cuda.get_current_stream().ptr
         cp.cuda.runtime.memsetAsync(rows.sbd.data.ptr, 0, batch.n_rows * 4, stream)
-        if tensor_cores:
+        items = batch.members * self.cfg.model.n_heads
+        extra = {}
+        if tensor_cores:  # resident blocks taking (member, head) items in turn
             name, threads = "attention_mma", 32 * self.plan.defines["ATT_WARPS"]
+            grid: tuple[int, ...] = (min(items, self.sms * self.plan.attention_per_sm),)
+            extra["items"] = items
         else:
-            name = "attention_mix"
+            name, grid = "attention_mix", (batch.members, self.cfg.model.n_heads)
             threads = (self.plan.defines["ATT_SPLIT"] * batch.positions + 31) // 32 * 32
         self.launch(
             name,
-            (batch.members, self.cfg.model.n_heads),
+            grid,
             (threads,),
             q=q,
             k=k,
@@ -529,6 +533,7 @@ class Forward:
             ov_o_in=ov_o_in,
             o_b=o_b,
             exp_tab=self.exp,
+            **extra,
         )
 
     def cached_attention(self, batch: Batch, cache, start: int) -> None:

@@ -341,11 +341,22 @@ def residual_sm90_shared(cfg: Config, defines: Mapping[str, int]) -> int | None:
 
 
 def attention_shared(cfg: Config) -> int:
-    """Bytes of dynamic shared memory of attention_mma (attention.cu's layout): the
-    head's keys and its transposed values (keys padded to 32), o's input dot entries
-    (dot_t: 8 bytes at most), the exp table."""
-    keys, d = -(-cfg.model.seq_len // 32) * 32, cfg.model.head_dim
-    return keys * (d + 16) + d * (keys + 16) + 4 * cfg.softmax.lut_size + 8 * d
+    """Bytes of dynamic shared memory of attention_mma (attention.cu's layout): two
+    staging buffers of an item's queries and keys (padded to whole tiles and 32-key
+    chunks, rows of head_dim + 16 bytes) and values (as in memory), the transposed
+    values (keys padded to 32), o's input dot entries (dot_t: 8 bytes at most), the exp
+    table."""
+    m = cfg.model
+    keys, d, queries = -(-m.seq_len // 32) * 32, m.head_dim, -(-m.seq_len // 16) * 16
+    stage = (queries + keys) * (d + 16) + m.seq_len * d
+    return 2 * stage + d * (keys + 16) + 4 * cfg.softmax.lut_size + 8 * d
+
+
+def attention_per_sm(cfg: Config, device: Device, warps: int, static: int) -> int:
+    """attention_mma's blocks an SM, all resident (each takes items until none are
+    left): its launch bounds' 16 warps an SM, or fewer where shared memory runs out."""
+    per_block = attention_shared(cfg) + static + device.reserved_per_block
+    return max(1, min(16 // warps, device.shared_per_sm // per_block))
 
 
 # --- what a device can run -----------------------------------------------------------
@@ -398,6 +409,7 @@ class Plan:
     down_residual: bool
     tensor_attention: bool
     opt_in: dict[str, int] = field(default_factory=dict)  # kernels past 48 KiB: their size
+    attention_per_sm: int = 0  # attention_mma's resident blocks an SM (tensor_attention)
 
     def tile_rows(self, head: str) -> int:
         """Rows a block of a fused head (head_loss or head_loss_sm90) takes."""
@@ -479,8 +491,10 @@ def make_plan(
     down_residual = fused_up and sm90("down_residual_sm90", residual)
     # Attention on the tensor cores (attention.cu) where a head fills whole MMAs.
     tensor_attention = m.head_dim % 32 == 0 and attention_shared(cfg) <= optin
+    per_sm = 0
     if tensor_attention:
         shared["attention_mma"] = attention_shared(cfg)
+        per_sm = attention_per_sm(cfg, device, defines["ATT_WARPS"], static.get("attention_mma", 0))
     opt_in = {
         name: size for name, size in shared.items() if size + static.get(name, 0) > STATIC_SHARED
     }
@@ -496,4 +510,5 @@ def make_plan(
         down_residual=down_residual,
         tensor_attention=tensor_attention,
         opt_in=opt_in,
+        attention_per_sm=per_sm,
     )
