@@ -22,7 +22,7 @@
 // (gpu/plan.py's attention_per_sm: as many as fit the SMs at once): while it scores one
 // item, the next item's queries, keys and values arrive by cp.async into the other of
 // two staging buffers. With a block an item, each waited for those loads twice (keys
-// and values, then queries) before its first product: a third of the warps' samples.
+// and values, then queries) before its first product: a quarter of the warps' samples.
 //
 // Needs HEAD_DIM % 32 == 0; defines ATT_WARPS (warps a block) and EXP_MAX;
 // gpu/plan.py's attention_shared() sizes the dynamic shared memory from the layout below.
