@@ -23,6 +23,9 @@
 // item, the next item's queries, keys and values arrive by cp.async into the other of
 // two staging buffers. With a block an item, each waited for those loads twice (keys
 // and values, then queries) before its first product: a quarter of the warps' samples.
+// The warps of the first query tiles, which score fewer keys, then transpose the next
+// item's values into the other of two prepared buffers while the rest still score:
+// with every warp doing it after an item's barrier, the first ones waited there.
 //
 // Needs HEAD_DIM % 32 == 0; defines ATT_WARPS (warps a block) and EXP_MAX;
 // gpu/plan.py's attention_shared() sizes the dynamic shared memory from the layout below.
@@ -74,13 +77,18 @@ __device__ __forceinline__ u32 byte_plane(u32 w0, u32 w1, u32 w2, u32 w3, u32 se
 }
 
 #define ATT_QROWS (ATT_TILES * 16)  // query rows, padded to whole tiles (zeros)
+// The first ATT_PREP warps stage and prepare the next item after scoring their tiles
+// of this one, the lighter ones (fewer keys): the others score more keys meanwhile.
+#define ATT_PREP (ATT_WARPS > 1 ? ATT_WARPS / 2 : 1)
+#define ATT_PREP_BARRIER 1  // a named barrier of the ATT_PREP warps (0: __syncthreads)
 
 // Item `item`'s queries, keys and values (member item / N_HEADS, head item % N_HEADS) into
-// one staging buffer, 16 bytes a copy; rows past SEQ stay the zeros written at the start.
+// one staging buffer, 16 bytes a copy by each of `threads` threads; rows past SEQ stay the
+// zeros written at the start.
 __device__ __forceinline__ void stage_item(i8* s_q, i8* s_k, i8* s_v, const i8* q, const i8* k,
-                                           const i8* v, int item) {
+                                           const i8* v, int item, int threads) {
     const long head = (long)(item / N_HEADS) * SEQ * HIDDEN + item % N_HEADS * HEAD_DIM;
-    for (int i = threadIdx.x; i < SEQ * (HEAD_DIM / 16); i += blockDim.x) {
+    for (int i = threadIdx.x; i < SEQ * (HEAD_DIM / 16); i += threads) {
         const int s = i / (HEAD_DIM / 16), c = (i % (HEAD_DIM / 16)) * 16;
         const long at = head + (long)s * HIDDEN + c;
         copy16_async(s_q + s * ATT_LDK + c, q + at);
@@ -90,70 +98,75 @@ __device__ __forceinline__ void stage_item(i8* s_q, i8* s_k, i8* s_v, const i8* 
     copy_commit();
 }
 
+// A staged item's values transposed into s_vt (key_slot order) and o's input dot
+// entries of its head, by `threads` threads.
+__device__ __forceinline__ void prepare_item(i8* s_vt, dot_t* s_dot, const i8* s_v, const i8* ov_o_in,
+                                             u32 seed, int head, int threads) {
+    for (int i = threadIdx.x; i < SEQ * (HEAD_DIM / 16); i += threads) {
+        const int s = i / (HEAD_DIM / 16), c = (i % (HEAD_DIM / 16)) * 16;
+        const int4 vv = *(const int4*)(s_v + s * HEAD_DIM + c);
+        const int slot = (s & ~31) + key_slot(s & 31);
+        const u32 words[4] = {(u32)vv.x, (u32)vv.y, (u32)vv.z, (u32)vv.w};
+#pragma unroll
+        for (int e = 0; e < 16; e++) s_vt[(c + e) * ATT_LDV + slot] = (i8)(words[e >> 2] >> (8 * (e & 3)));
+    }
+    for (int i = threadIdx.x; i < HEAD_DIM; i += threads) s_dot[i] = dot_entry(ov_o_in, seed, head * HEAD_DIM + i);
+}
+
 extern "C" __global__ void __launch_bounds__(32 * ATT_WARPS, 16 / ATT_WARPS)
 attention_mma(const i8* q, const i8* k, const i8* v, i8* mixed, int* sb_o, const u32* seeds,
               const i8* ov_o_in, u32 o_b, const int* exp_tab, int items) {
     extern __shared__ __align__(16) unsigned char attention_shared[];
     // [2] staging buffers: queries [ATT_QROWS][ATT_LDK], keys [ATT_KEYS][ATT_LDK] (the
-    // scores read both there), values as they lie in memory [SEQ][HEAD_DIM]
+    // scores read both there), values as they lie in memory [SEQ][HEAD_DIM]; [2] of
+    // the prepared values and dot entries
     constexpr int STAGE = (ATT_QROWS + ATT_KEYS) * ATT_LDK + SEQ * HEAD_DIM;
+    constexpr int VT = HEAD_DIM * ATT_LDV;
     i8* s_stage = (i8*)attention_shared;
-    i8* s_vt = s_stage + 2 * STAGE;                      // [HEAD_DIM][ATT_LDV], key_slot order
-    dot_t* s_dot = (dot_t*)(s_vt + HEAD_DIM * ATT_LDV);  // [HEAD_DIM] o's input dot entries
-    int* s_exp = (int*)(s_dot + HEAD_DIM);               // [LUT_SIZE]
+    i8* s_vts = s_stage + 2 * STAGE;                 // [2][HEAD_DIM][ATT_LDV], key_slot order
+    dot_t* s_dots = (dot_t*)(s_vts + 2 * VT);         // [2][HEAD_DIM] o's input dot entries
+    int* s_exp = (int*)(s_dots + 2 * HEAD_DIM);      // [LUT_SIZE]
     auto queries = [&](int buf) { return s_stage + buf * STAGE; };
     auto keys = [&](int buf) { return queries(buf) + ATT_QROWS * ATT_LDK; };
     auto values = [&](int buf) { return keys(buf) + ATT_KEYS * ATT_LDK; };
 
     // The padding rows, zeros for good: past SEQ in both buffers' queries and keys, and
-    // the padded keys' slots of the transposed values
+    // the padded keys' slots of both transposed values
     for (int buf = 0; buf < 2; buf++) {
         for (int i = SEQ * ATT_LDK + threadIdx.x; i < ATT_QROWS * ATT_LDK; i += blockDim.x) queries(buf)[i] = 0;
         for (int i = SEQ * ATT_LDK + threadIdx.x; i < ATT_KEYS * ATT_LDK; i += blockDim.x) keys(buf)[i] = 0;
-    }
 #if ATT_KEYS > SEQ
-    for (int i = threadIdx.x; i < HEAD_DIM * (ATT_KEYS - SEQ); i += blockDim.x) {
-        const int d = i / (ATT_KEYS - SEQ), s = SEQ + i % (ATT_KEYS - SEQ);
-        s_vt[d * ATT_LDV + (s & ~31) + key_slot(s & 31)] = 0;
-    }
+        for (int i = threadIdx.x; i < HEAD_DIM * (ATT_KEYS - SEQ); i += blockDim.x) {
+            const int d = i / (ATT_KEYS - SEQ), s = SEQ + i % (ATT_KEYS - SEQ);
+            s_vts[buf * VT + d * ATT_LDV + (s & ~31) + key_slot(s & 31)] = 0;
+        }
 #endif
+    }
     for (int i = threadIdx.x; i < LUT_SIZE; i += blockDim.x) s_exp[i] = exp_tab[i];
     if (blockIdx.x >= items) return;
-    stage_item(queries(0), keys(0), values(0), q, k, v, blockIdx.x);
-    u32 seed = seeds[blockIdx.x / N_HEADS];
+    // The first item, by every thread
+    stage_item(queries(0), keys(0), values(0), q, k, v, blockIdx.x, blockDim.x);
+    copy_wait<0>();
+    __syncthreads();
+    prepare_item(s_vts, s_dots, values(0), ov_o_in, seeds[blockIdx.x / N_HEADS] + o_b, blockIdx.x % N_HEADS,
+                 blockDim.x);
 
     const int lane = threadIdx.x & 31, g = lane >> 2, tig = lane & 3;
+    const bool prep = threadIdx.x < 32 * ATT_PREP;
 #pragma unroll 1
     for (int item = blockIdx.x, buf = 0; item < items; item += gridDim.x, buf ^= 1) {
-        // The next item's copies go out first (its buffer was last read before the
-        // previous item's closing barrier), then this item's are waited for.
+        // Item `item` staged and prepared in `buf`, every warp done with the item before
+        // (whose staging and prepared buffers are the other ones)
+        __syncthreads();
         const int next = item + gridDim.x;
-        u32 next_seed = 0u;
-        if (next < items) {
-            stage_item(queries(buf ^ 1), keys(buf ^ 1), values(buf ^ 1), q, k, v, next);
-            next_seed = seeds[next / N_HEADS];
-        } else {
-            copy_commit();  // an empty group: the wait below counts alike
-        }
+        if (prep && next < items)
+            stage_item(queries(buf ^ 1), keys(buf ^ 1), values(buf ^ 1), q, k, v, next, 32 * ATT_PREP);
         const int m = item / N_HEADS, h = item % N_HEADS;
         const long head = (long)m * SEQ * HIDDEN + h * HEAD_DIM;  // (member, position 0, head)
-        copy_wait<1>();
-        __syncthreads();  // every thread's copies of this item in place
-
         const i8* s_q = queries(buf);
         const i8* s_k = keys(buf);
-        const i8* s_v = values(buf);
-        for (int i = threadIdx.x; i < SEQ * (HEAD_DIM / 16); i += blockDim.x) {
-            const int s = i / (HEAD_DIM / 16), c = (i % (HEAD_DIM / 16)) * 16;
-            const int4 vv = *(const int4*)(s_v + s * HEAD_DIM + c);
-            const int slot = (s & ~31) + key_slot(s & 31);
-            const u32 words[4] = {(u32)vv.x, (u32)vv.y, (u32)vv.z, (u32)vv.w};
-#pragma unroll
-            for (int e = 0; e < 16; e++) s_vt[(c + e) * ATT_LDV + slot] = (i8)(words[e >> 2] >> (8 * (e & 3)));
-        }
-        for (int i = threadIdx.x; i < HEAD_DIM; i += blockDim.x)
-            s_dot[i] = dot_entry(ov_o_in, seed + o_b, h * HEAD_DIM + i);
-        __syncthreads();
+        const i8* s_vt = s_vts + buf * VT;
+        const dot_t* s_dot = s_dots + buf * HEAD_DIM;
 
         for (int tile = threadIdx.x >> 5; tile < ATT_TILES; tile += ATT_WARPS) {
             const int tq[2] = {tile * 16 + g, tile * 16 + g + 8};  // the thread's two queries
@@ -283,7 +296,11 @@ attention_mma(const i8* q, const i8* k, const i8* v, i8* mixed, int* sb_o, const
             }
 #undef ATT_KEY
         }
-        __syncthreads();  // s_vt, s_dot and this buffer free for the next items
-        seed = next_seed;
+        if (prep && next < items) {
+            copy_wait<0>();
+            asm volatile("bar.sync %0, %1;\n" ::"n"(ATT_PREP_BARRIER), "n"(32 * ATT_PREP) : "memory");
+            prepare_item(s_vts + (buf ^ 1) * VT, s_dots + (buf ^ 1) * HEAD_DIM, values(buf ^ 1), ov_o_in,
+                         seeds[next / N_HEADS] + o_b, next % N_HEADS, 32 * ATT_PREP);
+        }
     }
 }

@@ -349,7 +349,7 @@ def attention_shared(cfg: Config) -> int:
     m = cfg.model
     keys, d, queries = -(-m.seq_len // 32) * 32, m.head_dim, -(-m.seq_len // 16) * 16
     stage = (queries + keys) * (d + 16) + m.seq_len * d
-    return 2 * stage + d * (keys + 16) + 4 * cfg.softmax.lut_size + 8 * d
+    return 2 * (stage + d * (keys + 16) + 8 * d) + 4 * cfg.softmax.lut_size
 
 
 def attention_per_sm(cfg: Config, device: Device, warps: int, static: int) -> int:
