@@ -99,9 +99,9 @@ __device__ __forceinline__ void stage_item(i8* s_q, i8* s_k, i8* s_v, const i8* 
 }
 
 // A staged item's values transposed into s_vt (key_slot order) and o's input dot
-// entries of its head, by `threads` threads.
+// entries of its head h (seed: its member's plus o's offset), by `threads` threads.
 __device__ __forceinline__ void prepare_item(i8* s_vt, dot_t* s_dot, const i8* s_v, const i8* ov_o_in,
-                                             u32 seed, int head, int threads) {
+                                             u32 seed, int h, int threads) {
     for (int i = threadIdx.x; i < SEQ * (HEAD_DIM / 16); i += threads) {
         const int s = i / (HEAD_DIM / 16), c = (i % (HEAD_DIM / 16)) * 16;
         const int4 vv = *(const int4*)(s_v + s * HEAD_DIM + c);
@@ -110,7 +110,7 @@ __device__ __forceinline__ void prepare_item(i8* s_vt, dot_t* s_dot, const i8* s
 #pragma unroll
         for (int e = 0; e < 16; e++) s_vt[(c + e) * ATT_LDV + slot] = (i8)(words[e >> 2] >> (8 * (e & 3)));
     }
-    for (int i = threadIdx.x; i < HEAD_DIM; i += threads) s_dot[i] = dot_entry(ov_o_in, seed, head * HEAD_DIM + i);
+    for (int i = threadIdx.x; i < HEAD_DIM; i += threads) s_dot[i] = dot_entry(ov_o_in, seed, h * HEAD_DIM + i);
 }
 
 extern "C" __global__ void __launch_bounds__(32 * ATT_WARPS, 16 / ATT_WARPS)
