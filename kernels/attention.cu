@@ -25,10 +25,13 @@
 // and values, then queries) before its first product: a quarter of the warps' samples.
 // The warps of the first query tiles, which score fewer keys, then transpose the next
 // item's values into the other of two prepared buffers while the rest still score:
-// with every warp doing it after an item's barrier, the first ones waited there.
+// with every warp doing it after an item's barrier, the first ones waited there. Where
+// two of each do not fit (long sequences: gpu/plan.py's ATT_BUFFERS), one of each, and
+// the next item is loaded after this one.
 //
-// Needs HEAD_DIM % 32 == 0; defines ATT_WARPS (warps a block) and EXP_MAX;
-// gpu/plan.py's attention_shared() sizes the dynamic shared memory from the layout below.
+// Needs HEAD_DIM % 32 == 0; defines ATT_WARPS (warps a block), ATT_BUFFERS (1 or 2) and
+// EXP_MAX; gpu/plan.py's attention_shared() sizes the dynamic shared memory from the
+// layout below.
 
 #include "common.cuh"
 #include "tiles.cuh"
@@ -52,8 +55,9 @@ __device__ __forceinline__ int key_slot(int s) {
 // ceil(2^(31 + l) / t) < 2^32, |n| M / 2^(31 + l) = |n| / t + |n| e / (t 2^(31 + l)) for
 // some 0 <= e < t: e = 0 where t = 2^l, else the second part is below 2^-l < 1 / t as
 // |n| <= 2^31, so the floor is |n| / t's (tests/test_kernels.py checks the identity at
-// its edges). M is one 64-bit division a query; a value then takes a wide multiply and
-// a shift, where ptxas's int division took some twelve instructions.
+// its edges). M is a 64-bit division (two lanes of a quad make a query's); a value
+// then takes a wide multiply and a shift, where ptxas's int division took some twelve
+// instructions.
 struct Quotient {
     u32 magic;
     int shift;
@@ -66,8 +70,8 @@ struct Quotient {
         : magic(__shfl_sync(0xffffffffu, q.magic, from)), shift(__shfl_sync(0xffffffffu, q.shift, from)) {}
     __device__ __forceinline__ int operator()(int n) const {
         const u32 a = n < 0 ? 0u - (u32)n : (u32)n;
-        const int q = (int)(((u64)a * magic) >> shift);
-        return n < 0 ? -q : q;
+        const u32 q = (u32)(((u64)a * magic) >> shift);
+        return (int)(n < 0 ? 0u - q : q);  // (negated as u32: q may be 2^31)
     }
 };
 
@@ -77,10 +81,16 @@ __device__ __forceinline__ u32 byte_plane(u32 w0, u32 w1, u32 w2, u32 w3, u32 se
 }
 
 #define ATT_QROWS (ATT_TILES * 16)  // query rows, padded to whole tiles (zeros)
-// The first ATT_PREP warps stage and prepare the next item after scoring their tiles
-// of this one, the lighter ones (fewer keys): the others score more keys meanwhile.
-#define ATT_PREP (ATT_WARPS > 1 ? ATT_WARPS / 2 : 1)
+// With two buffers (ATT_BUFFERS), the first ATT_PREP warps stage and prepare the next
+// item after scoring their tiles of this one: where the warps take one tile each, as at
+// the default, those of the first tiles (fewer keys) while the others score more keys.
+// With one (where two do not fit shared memory beside each other), every warp does,
+// after the item.
+#define ATT_PREP (ATT_BUFFERS == 1 ? ATT_WARPS : ATT_WARPS > 1 ? ATT_WARPS / 2 : 1)
 #define ATT_PREP_BARRIER 1  // a named barrier of the ATT_PREP warps (0: __syncthreads)
+// Rows of staged queries: with one buffer none, the queries read from global memory
+// (the layout of two at the longest sequences would not fit shared memory)
+#define ATT_QROWS_STAGED (ATT_BUFFERS == 2 ? ATT_QROWS : 0)
 
 // Item `item`'s queries, keys and values (member item / N_HEADS, head item % N_HEADS) into
 // one staging buffer, 16 bytes a copy by each of `threads` threads; rows past SEQ stay the
@@ -91,7 +101,7 @@ __device__ __forceinline__ void stage_item(i8* s_q, i8* s_k, i8* s_v, const i8* 
     for (int i = threadIdx.x; i < SEQ * (HEAD_DIM / 16); i += threads) {
         const int s = i / (HEAD_DIM / 16), c = (i % (HEAD_DIM / 16)) * 16;
         const long at = head + (long)s * HIDDEN + c;
-        copy16_async(s_q + s * ATT_LDK + c, q + at);
+        if (ATT_QROWS_STAGED) copy16_async(s_q + s * ATT_LDK + c, q + at);
         copy16_async(s_k + s * ATT_LDK + c, k + at);
         copy16_async(s_v + s * HEAD_DIM + c, v + at);
     }
@@ -117,23 +127,23 @@ extern "C" __global__ void __launch_bounds__(32 * ATT_WARPS, 16 / ATT_WARPS)
 attention_mma(const i8* q, const i8* k, const i8* v, i8* mixed, int* sb_o, const u32* seeds,
               const i8* ov_o_in, u32 o_b, const int* exp_tab, int items) {
     extern __shared__ __align__(16) unsigned char attention_shared[];
-    // [2] staging buffers: queries [ATT_QROWS][ATT_LDK], keys [ATT_KEYS][ATT_LDK] (the
-    // scores read both there), values as they lie in memory [SEQ][HEAD_DIM]; [2] of
-    // the prepared values and dot entries
-    constexpr int STAGE = (ATT_QROWS + ATT_KEYS) * ATT_LDK + SEQ * HEAD_DIM;
+    // [ATT_BUFFERS] staging buffers: queries [ATT_QROWS_STAGED][ATT_LDK], keys
+    // [ATT_KEYS][ATT_LDK] (the scores read both there), values as they lie in memory
+    // [SEQ][HEAD_DIM]; [ATT_BUFFERS] of the prepared values and dot entries
+    constexpr int STAGE = (ATT_QROWS_STAGED + ATT_KEYS) * ATT_LDK + SEQ * HEAD_DIM;
     constexpr int VT = HEAD_DIM * ATT_LDV;
     i8* s_stage = (i8*)attention_shared;
-    i8* s_vts = s_stage + 2 * STAGE;                 // [2][HEAD_DIM][ATT_LDV], key_slot order
-    dot_t* s_dots = (dot_t*)(s_vts + 2 * VT);         // [2][HEAD_DIM] o's input dot entries
-    int* s_exp = (int*)(s_dots + 2 * HEAD_DIM);      // [LUT_SIZE]
+    i8* s_vts = s_stage + ATT_BUFFERS * STAGE;                 // [HEAD_DIM][ATT_LDV]: key_slot order
+    dot_t* s_dots = (dot_t*)(s_vts + ATT_BUFFERS * VT);         // [HEAD_DIM] o's input dot entries
+    int* s_exp = (int*)(s_dots + ATT_BUFFERS * HEAD_DIM);      // [LUT_SIZE]
     auto queries = [&](int buf) { return s_stage + buf * STAGE; };
-    auto keys = [&](int buf) { return queries(buf) + ATT_QROWS * ATT_LDK; };
+    auto keys = [&](int buf) { return queries(buf) + ATT_QROWS_STAGED * ATT_LDK; };
     auto values = [&](int buf) { return keys(buf) + ATT_KEYS * ATT_LDK; };
 
-    // The padding rows, zeros for good: past SEQ in both buffers' queries and keys, and
-    // the padded keys' slots of both transposed values
-    for (int buf = 0; buf < 2; buf++) {
-        for (int i = SEQ * ATT_LDK + threadIdx.x; i < ATT_QROWS * ATT_LDK; i += blockDim.x) queries(buf)[i] = 0;
+    // The padding rows, zeros for good: past SEQ in every buffer's queries and keys, and
+    // the padded keys' slots of the transposed values
+    for (int buf = 0; buf < ATT_BUFFERS; buf++) {
+        for (int i = SEQ * ATT_LDK + threadIdx.x; i < ATT_QROWS_STAGED * ATT_LDK; i += blockDim.x) queries(buf)[i] = 0;
         for (int i = SEQ * ATT_LDK + threadIdx.x; i < ATT_KEYS * ATT_LDK; i += blockDim.x) keys(buf)[i] = 0;
 #if ATT_KEYS > SEQ
         for (int i = threadIdx.x; i < HEAD_DIM * (ATT_KEYS - SEQ); i += blockDim.x) {
@@ -154,13 +164,13 @@ attention_mma(const i8* q, const i8* k, const i8* v, i8* mixed, int* sb_o, const
     const int lane = threadIdx.x & 31, g = lane >> 2, tig = lane & 3;
     const bool prep = threadIdx.x < 32 * ATT_PREP;
 #pragma unroll 1
-    for (int item = blockIdx.x, buf = 0; item < items; item += gridDim.x, buf ^= 1) {
+    for (int item = blockIdx.x, buf = 0; item < items; item += gridDim.x, buf ^= ATT_BUFFERS - 1) {
         // Item `item` staged and prepared in `buf`, every warp done with the item before
-        // (whose staging and prepared buffers are the other ones)
+        // (whose staging and prepared buffers are the other ones, with two)
         __syncthreads();
-        const int next = item + gridDim.x;
-        if (prep && next < items)
-            stage_item(queries(buf ^ 1), keys(buf ^ 1), values(buf ^ 1), q, k, v, next, 32 * ATT_PREP);
+        const int next = item + gridDim.x, to = buf ^ (ATT_BUFFERS - 1);  // the next one's buffers
+        if (ATT_BUFFERS == 2 && prep && next < items)
+            stage_item(queries(to), keys(to), values(to), q, k, v, next, 32 * ATT_PREP);
         const int m = item / N_HEADS, h = item % N_HEADS;
         const long head = (long)m * SEQ * HIDDEN + h * HEAD_DIM;  // (member, position 0, head)
         const i8* s_q = queries(buf);
@@ -175,8 +185,11 @@ attention_mma(const i8* q, const i8* k, const i8* v, i8* mixed, int* sb_o, const
             for (int kc = 0; kc < HEAD_DIM / 32; kc++)
 #pragma unroll
                 for (int i = 0; i < 4; i++) {
-                    const i8* p = s_q + tq[i & 1] * ATT_LDK + kc * 32 + 4 * tig + 16 * (i >> 1);
-                    qa[kc][i] = *(const u32*)p;
+                    const int t = tq[i & 1], at = kc * 32 + 4 * tig + 16 * (i >> 1);
+                    if (ATT_QROWS_STAGED)
+                        qa[kc][i] = *(const u32*)(s_q + t * ATT_LDK + at);
+                    else
+                        qa[kc][i] = t < SEQ ? *(const u32*)(q + head + (long)t * HIDDEN + at) : 0u;
                 }
             const int chunks = min(tile * 16 + 15, SEQ - 1) / 32 + 1;
 
@@ -266,7 +279,7 @@ attention_mma(const i8* q, const i8* k, const i8* v, i8* mixed, int* sb_o, const
                 // Epilogue: the thread's two queries, dimensions d0 + 8 nt + 2 tig + (0, 1).
 #if !ATTN_ACC_LL
                 // a quad's lanes share their two queries: each makes one's, and takes both
-                const Quotient made(total[tig & 1]);
+                const Quotient made(tig & 1 ? total[1] : total[0]);  // (an index: local memory)
                 const Quotient by_total[2] = {Quotient(made, lane & ~3), Quotient(made, (lane & ~3) + 1)};
 #endif
                 u32 dot[2] = {0u, 0u};
@@ -296,11 +309,15 @@ attention_mma(const i8* q, const i8* k, const i8* v, i8* mixed, int* sb_o, const
             }
 #undef ATT_KEY
         }
+        if (ATT_BUFFERS == 1 && next < items) {  // every warp done with this item first
+            __syncthreads();
+            stage_item(queries(to), keys(to), values(to), q, k, v, next, 32 * ATT_PREP);
+        }
         if (prep && next < items) {
             copy_wait<0>();
             asm volatile("bar.sync %0, %1;\n" ::"n"(ATT_PREP_BARRIER), "n"(32 * ATT_PREP) : "memory");
-            prepare_item(s_vts + (buf ^ 1) * VT, s_dots + (buf ^ 1) * HEAD_DIM, values(buf ^ 1), ov_o_in,
-                         seeds[next / N_HEADS] + o_b, next % N_HEADS, 32 * ATT_PREP);
+            prepare_item(s_vts + to * VT, s_dots + to * HEAD_DIM, values(to), ov_o_in, seeds[next / N_HEADS] + o_b,
+                         next % N_HEADS, 32 * ATT_PREP);
         }
     }
 }

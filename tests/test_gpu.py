@@ -575,6 +575,34 @@ def test_the_residual_kernels_take_many_tiles_a_block(model, members, mode):
     assert ok and all(e in line for e, line in zip(expected, lines, strict=True)), lines
 
 
+@pytest.mark.parametrize(
+    "model, members",
+    [
+        # the default shapes: two staging buffers, four blocks of four warps an SM (528
+        # on an H100 or H200), 1,600 items, so three or four a block
+        (DEFAULT_MODEL, 400),
+        # seq 80: five query tiles (warp 0 takes two), three key chunks, 64-bit sums
+        (dict(SMALL_MODEL, hidden_dim=128, head_dim=64, seq_len=80), 700),
+        # head_dim 128: one buffer (two would leave fewer blocks an SM), the queries
+        # read from global memory
+        (dict(SMALL_MODEL, hidden_dim=256, head_dim=128, seq_len=64), 700),
+        # seq 16: one warp a block, sixteen blocks an SM
+        (SMALL_MODEL, 2500),
+    ],
+    ids=["default shapes", "seq 80", "head_dim 128, one buffer", "one warp a block"],
+)
+def test_attention_blocks_take_many_items(model, members):
+    """attention_mma's resident blocks each take several (member, head) items in turn,
+    as at training sizes: the next item staged and prepared while one is scored, both
+    buffers used in turn."""
+    import kernels as harness
+
+    cfg = Config().replace(model=model, training=dict(population_size=8, chunk_size=8))
+    lines = []
+    ok = harness.run(cfg, ["attention_mma"], members=members, repeats=1, out=lines.append)
+    assert ok and " ok " in lines[0], lines
+
+
 def test_a_chunk_is_one_sub_batch_where_every_projection_is_fused():
     """At the default shapes on an H100 or H200 every projection is fused: a sub-batch's
     product buffer holds nothing, and a default chunk is one sub-batch, an

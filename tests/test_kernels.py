@@ -408,7 +408,7 @@ def test_the_quotient_by_a_wide_multiply_is_c_division():
     x 2^18), and for each t the largest n, the multiples of t near them and near zero,
     with their neighbours, and random n."""
     rng = np.random.default_rng(5)
-    divisors = {2**k + e for k in range(31) for e in (-1, 0, 1)} | {64 * 2**18}
+    divisors = {2**k + e for k in range(32) for e in (-1, 0, 1)} | {64 * 2**18}  # to 2^31 - 1
     divisors |= {int(t) for t in rng.integers(1, 2**31, 64)}
     for t in sorted(d for d in divisors if 1 <= d < 2**31):
         shift = 31 + (t - 1).bit_length()

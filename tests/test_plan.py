@@ -153,6 +153,24 @@ def test_up_gelu_packs_its_entries_where_eight_bytes_do_not_fit():
     assert (plan().defines["UP_PACK"], plan().defines["UP_BLOCKS"]) == (0, 3)
 
 
+def test_attention_stages_the_next_item_where_two_buffers_fit():
+    """attention_mma's resident blocks: two staging buffers (the next item loading while
+    one is scored) at the default, four blocks an SM; one where two would not fit or
+    would leave fewer blocks an SM; the tensor cores at every sequence length up to 512
+    at head_dim 32 to 128, where its layout of one buffer fits."""
+    p = plan()
+    assert (p.defines["ATT_BUFFERS"], p.attention_per_sm) == (2, 4)
+    for d in (32, 64, 128):
+        for seq in (16, 64, 80, 200, 512):
+            model = dict(hidden_dim=256, head_dim=d, n_layers=1, seq_len=seq, vocab_size=512)
+            p = plan(Config().replace(model=model))
+            assert p.tensor_attention and p.attention_per_sm >= 1, (d, seq)
+            if p.defines["ATT_BUFFERS"] == 1:  # two: too big, or fewer blocks an SM
+                cfg = Config().replace(model=model)
+                two = make_plan(cfg, H100, {**p.defines, "ATT_BUFFERS": 2}, STATIC)
+                assert two.attention_per_sm < p.attention_per_sm, (d, seq)
+
+
 def test_the_down_projections_residual_only_beside_up_gelu():
     """down_residual_sm90 writes y into rows.y: its inputs must be up_gelu_sm90's own
     buffer (rows.hidden), or a tile's y would land on rows other tiles still read."""

@@ -514,6 +514,8 @@ class Forward:
         items = batch.members * self.cfg.model.n_heads
         extra = {}
         if tensor_cores:  # resident blocks taking (member, head) items in turn
+            if not self.plan.tensor_attention:
+                raise ValueError("attention_mma does not run this config (plan.tensor_attention)")
             name, threads = "attention_mma", 32 * self.plan.defines["ATT_WARPS"]
             grid: tuple[int, ...] = (min(items, self.sms * self.plan.attention_per_sm),)
             extra["items"] = items

@@ -184,6 +184,7 @@ def kernel_defines(cfg: Config, device: Device) -> dict[str, int]:
     defines["UP_PACK"] = int(wide and cfg.adaptive_noise.mode != 2)
     three = m.seq_len % 32 == 0 and blocks_fit(3, up_gelu_sm90_shared(cfg, defines), device)
     defines["UP_BLOCKS"] = 3 if three else 1 if defines["UP_PACK"] else 2
+    defines["ATT_BUFFERS"] = attention_buffers(cfg, device)
     return defines
 
 
@@ -340,22 +341,32 @@ def residual_sm90_shared(cfg: Config, defines: Mapping[str, int]) -> int | None:
     return stages + tables + inputs + 10 * d
 
 
-def attention_shared(cfg: Config) -> int:
-    """Bytes of dynamic shared memory of attention_mma (attention.cu's layout): two
-    staging buffers of an item's queries and keys (padded to whole tiles and 32-key
-    chunks, rows of head_dim + 16 bytes) and values (as in memory), the transposed
-    values (keys padded to 32), o's input dot entries (dot_t: 8 bytes at most), the exp
-    table."""
+def attention_shared(cfg: Config, buffers: int) -> int:
+    """Bytes of dynamic shared memory of attention_mma (attention.cu's layout) with
+    `buffers` (ATT_BUFFERS) of each: the staging of an item's queries (with two buffers
+    only) and keys (padded to whole tiles and 32-key chunks, rows of head_dim + 16
+    bytes) and values (as in memory), and its transposed values (keys padded to 32) and
+    o's input dot entries (dot_t: 8 bytes at most); then the exp table."""
     m = cfg.model
     keys, d, queries = -(-m.seq_len // 32) * 32, m.head_dim, -(-m.seq_len // 16) * 16
-    stage = (queries + keys) * (d + 16) + m.seq_len * d
-    return 2 * (stage + d * (keys + 16) + 8 * d) + 4 * cfg.softmax.lut_size
+    stage = (queries * (buffers == 2) + keys) * (d + 16) + m.seq_len * d
+    return buffers * (stage + d * (keys + 16) + 8 * d) + 4 * cfg.softmax.lut_size
 
 
-def attention_per_sm(cfg: Config, device: Device, warps: int, static: int) -> int:
+def attention_buffers(cfg: Config, device: Device) -> int:
+    """attention_mma's ATT_BUFFERS: two, so that the next item loads while one is scored,
+    unless they do not fit or leave fewer blocks an SM than one (long sequences)."""
+    warps = min(ATT_WARPS, -(-cfg.model.seq_len // 16))
+    if not fits_alone(attention_shared(cfg, 2), device):
+        return 1
+    blocks = lambda b: attention_per_sm(cfg, device, warps, b, STATIC_ROOM)
+    return 2 if blocks(2) >= blocks(1) else 1
+
+
+def attention_per_sm(cfg: Config, device: Device, warps: int, buffers: int, static: int) -> int:
     """attention_mma's blocks an SM, all resident (each takes items until none are
     left): its launch bounds' 16 warps an SM, or fewer where shared memory runs out."""
-    per_block = attention_shared(cfg) + static + device.reserved_per_block
+    per_block = attention_shared(cfg, buffers) + static + device.reserved_per_block
     return max(1, min(16 // warps, device.shared_per_sm // per_block))
 
 
@@ -490,11 +501,18 @@ def make_plan(
     o_residual = sm90("o_residual_sm90", residual)
     down_residual = fused_up and sm90("down_residual_sm90", residual)
     # Attention on the tensor cores (attention.cu) where a head fills whole MMAs.
-    tensor_attention = m.head_dim % 32 == 0 and attention_shared(cfg) <= optin
+    att = attention_shared(cfg, defines["ATT_BUFFERS"])
+    tensor_attention = m.head_dim % 32 == 0 and att + static.get("attention_mma", 0) <= optin
     per_sm = 0
     if tensor_attention:
-        shared["attention_mma"] = attention_shared(cfg)
-        per_sm = attention_per_sm(cfg, device, defines["ATT_WARPS"], static.get("attention_mma", 0))
+        shared["attention_mma"] = att
+        per_sm = attention_per_sm(
+            cfg,
+            device,
+            defines["ATT_WARPS"],
+            defines["ATT_BUFFERS"],
+            static.get("attention_mma", 0),
+        )
     opt_in = {
         name: size for name, size in shared.items() if size + static.get(name, 0) > STATIC_SHARED
     }
