@@ -257,6 +257,15 @@ attention_mma(const i8* q, const i8* k, const i8* v, i8* mixed, int* sb_o, const
                         for (int nt = 0; nt < ATT_DG / 8; nt++) {
                             const i8* pb = s_vt + (d0 + nt * 8 + g) * ATT_LDV + c * 32 + 4 * tig;
                             const u32 b[2] = {*(const u32*)pb, *(const u32*)(pb + 16)};
+#if !ATTN_ACC_LL
+                            // the low plane's products added by the MMA itself (its C):
+                            // every partial sum is a sum of w v over bits of w, below
+                            // the whole one's bound, 2^31, so the int32 sum is exact
+                            if (p == 0) {
+                                mma_u8s8(acc[nt], a, b);
+                                continue;
+                            }
+#endif
                             int part[4] = {0, 0, 0, 0};
                             mma_u8s8(part, a, b);
 #pragma unroll
