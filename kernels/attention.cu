@@ -288,7 +288,7 @@ attention_mma(const i8* q, const i8* k, const i8* v, i8* mixed, int* sb_o, const
                 // Epilogue: the thread's two queries, dimensions d0 + 8 nt + 2 tig + (0, 1).
 #if !ATTN_ACC_LL
                 // a quad's lanes share their two queries: each makes one's, and takes both
-                const Quotient made(tig & 1 ? total[1] : total[0]);  // (an index: local memory)
+                const Quotient made(tig & 1 ? total[1] : total[0]);  // (total[tig & 1]: local memory)
                 const Quotient by_total[2] = {Quotient(made, lane & ~3), Quotient(made, (lane & ~3) + 1)};
 #endif
                 u32 dot[2] = {0u, 0u};
