@@ -163,10 +163,10 @@ def test_attention_stages_the_next_item_where_two_buffers_fit():
     for d in (32, 64, 128):
         for seq in (16, 64, 80, 200, 512):
             model = dict(hidden_dim=256, head_dim=d, n_layers=1, seq_len=seq, vocab_size=512)
-            p = plan(Config().replace(model=model))
+            cfg = Config().replace(model=model)
+            p = plan(cfg)
             assert p.tensor_attention and p.attention_per_sm >= 1, (d, seq)
             if p.defines["ATT_BUFFERS"] == 1:  # two: too big, or fewer blocks an SM
-                cfg = Config().replace(model=model)
                 two = make_plan(cfg, H100, {**p.defines, "ATT_BUFFERS": 2}, STATIC)
                 assert two.attention_per_sm < p.attention_per_sm, (d, seq)
 

@@ -184,7 +184,7 @@ def kernel_defines(cfg: Config, device: Device) -> dict[str, int]:
     defines["UP_PACK"] = int(wide and cfg.adaptive_noise.mode != 2)
     three = m.seq_len % 32 == 0 and blocks_fit(3, up_gelu_sm90_shared(cfg, defines), device)
     defines["UP_BLOCKS"] = 3 if three else 1 if defines["UP_PACK"] else 2
-    defines["ATT_BUFFERS"] = attention_buffers(cfg, device)
+    defines["ATT_BUFFERS"] = attention_buffers(cfg, device, defines["ATT_WARPS"])
     return defines
 
 
@@ -353,10 +353,10 @@ def attention_shared(cfg: Config, buffers: int) -> int:
     return buffers * (stage + d * (keys + 16) + 8 * d) + 4 * cfg.softmax.lut_size
 
 
-def attention_buffers(cfg: Config, device: Device) -> int:
-    """attention_mma's ATT_BUFFERS: two, so that the next item loads while one is scored,
-    unless they do not fit or leave fewer blocks an SM than one (long sequences)."""
-    warps = min(ATT_WARPS, -(-cfg.model.seq_len // 16))
+def attention_buffers(cfg: Config, device: Device, warps: int) -> int:
+    """attention_mma's ATT_BUFFERS (with `warps`, its ATT_WARPS): two, so that the next
+    item loads while one is scored, unless they do not fit or leave fewer blocks an SM
+    than one (long sequences)."""
     if not fits_alone(attention_shared(cfg, 2), device):
         return 1
     blocks = lambda b: attention_per_sm(cfg, device, warps, b, STATIC_ROOM)
@@ -501,17 +501,13 @@ def make_plan(
     o_residual = sm90("o_residual_sm90", residual)
     down_residual = fused_up and sm90("down_residual_sm90", residual)
     # Attention on the tensor cores (attention.cu) where a head fills whole MMAs.
-    att = attention_shared(cfg, defines["ATT_BUFFERS"])
-    tensor_attention = m.head_dim % 32 == 0 and att + static.get("attention_mma", 0) <= optin
+    att, att_static = attention_shared(cfg, defines["ATT_BUFFERS"]), static.get("attention_mma", 0)
+    tensor_attention = m.head_dim % 32 == 0 and att + att_static <= optin
     per_sm = 0
     if tensor_attention:
         shared["attention_mma"] = att
         per_sm = attention_per_sm(
-            cfg,
-            device,
-            defines["ATT_WARPS"],
-            defines["ATT_BUFFERS"],
-            static.get("attention_mma", 0),
+            cfg, device, defines["ATT_WARPS"], defines["ATT_BUFFERS"], att_static
         )
     opt_in = {
         name: size for name, size in shared.items() if size + static.get(name, 0) > STATIC_SHARED
