@@ -180,7 +180,7 @@ __device__ __forceinline__ void projection_residual(const i8* a, const i8* w_cor
     i8* s_vec = (i8*)(s_sb + TILE_INPUTS * RESIDUAL_ROWS);
     __shared__ u32 s_magic[MEAN_MAX + 1];
     __shared__ __align__(8) u64 full[SLICE_STAGES];  // stage s holds its matrix slice
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wg = warpgroup_index();
     const int g = lane >> 2, tig = lane & 3;
     const int tiles = (rows + RESIDUAL_ROWS - 1) / RESIDUAL_ROWS;
     const int total = tiles > (int)blockIdx.x ? ((tiles - 1 - (int)blockIdx.x) / (int)gridDim.x + 1) * KS : 0;
@@ -277,15 +277,17 @@ __device__ __forceinline__ void projection_residual(const i8* a, const i8* w_cor
             if (i + SLICE_AHEAD < total) load(i + SLICE_AHEAD);  // into slice i - 2's stage
             copy_commit();
             barrier_wait(&full[stage], (i / SLICE_STAGES) & 1);
-            const i8* rows_slice = s_a + stage * A_BYTES + (warp >> 2) * 64 * SLICE;  // the warpgroup's 64 rows
-            const i8* w_slice = s_b + stage * B_BYTES;
+            // The slice's two descriptors, each product's an offset from them (the start
+            // address field of 14 bits holds every shared address): from the addresses,
+            // ptxas remade each one in five instructions.
+            const u64 rows_slice = rows_descriptor(s_a + stage * A_BYTES + wg * 64 * SLICE);  // the warpgroup's 64 rows
+            const u64 w_slice = core_descriptor(s_b + stage * B_BYTES, SLICE_SBO);
             asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 #pragma unroll
             for (int kk = 0; kk < SLICE / 32; kk++)
 #pragma unroll
                 for (int c = 0; c < CHUNKS; c++)
-                    wgmma_64x64x32(d[c], rows_descriptor(rows_slice) + 2 * kk,
-                                   core_descriptor(w_slice + c * 8 * SLICE_SBO + 2 * CORE_LBO * kk, SLICE_SBO),
+                    wgmma_64x64x32(d[c], rows_slice + 2 * kk, w_slice + (c * 8 * SLICE_SBO + 2 * CORE_LBO * kk) / 16,
                                    k > 0 || kk > 0);
             asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
             if (k == 0) {  // the tile's rows' input dots and its members' tables

@@ -60,6 +60,12 @@ __device__ __forceinline__ u64 core_descriptor(const i8* at, u32 sbo = CORE_SBO)
     return (u64)((a & 0x3FFFF) >> 4) | ((u64)(CORE_LBO >> 4) << 16) | ((u64)(sbo >> 4) << 32);
 }
 
+// The thread's warpgroup in its block, as lane 0 of its warp has it: the compiler then
+// knows the value is the warp's (threadIdx.x / 128 it treats as the thread's own) and keeps
+// the MMA descriptors made from it in uniform registers, where each MMA had moved its
+// descriptor there from ordinary registers (two R2UR an MMA, in the instructions' path).
+__device__ __forceinline__ int warpgroup_index() { return __shfl_sync(0xffffffffu, threadIdx.x / 128, 0); }
+
 // Writes of the generic proxy (cp.async, plain stores) become visible to wgmma's reads.
 __device__ __forceinline__ void fence_async_shared() {
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
