@@ -65,9 +65,8 @@ qkv_rope_sm90(const i8* y, const i8* w_cores, const int* sb, i8* out, const u32*
         barrier_init(&full);
         load_matrix(0);
     }
-    tile_noise(s_av, n_members, m0, seeds, q_a, ov_q, 0, HIDDEN, HIDDEN);
-    tile_noise(s_av + QKV_MEMBERS * HIDDEN, n_members, m0, seeds, k_a, ov_k, 0, HIDDEN, HIDDEN);
-    tile_noise(s_av + 2 * QKV_MEMBERS * HIDDEN, n_members, m0, seeds, v_a, ov_v, 0, HIDDEN, HIDDEN);
+    tables_noise<3>(s_av, QKV_MEMBERS * HIDDEN, n_members, m0, seeds, {q_a, k_a, v_a}, {ov_q, ov_k, ov_v}, 0, HIDDEN,
+                    HIDDEN, false);
     // The thread's two rows' positions, for RoPE
     int position[2];
 #pragma unroll
@@ -79,6 +78,9 @@ qkv_rope_sm90(const i8* y, const i8* w_cores, const int* sb, i8* out, const u32*
 
 #pragma unroll 1
     for (int p = 0; p < 3; p++) {
+        // The rows' input dots and signs, loaded before the products that hide their
+        // latency (after them, 7% of the kernel's stall samples waited on these loads)
+        const ThreadRows<2> mine(sb + p * rows, signs, row0, m0, rows);
         barrier_wait(&full, p & 1);  // the matrix in place
         int d[QKV_TILES][32];
 #pragma unroll
@@ -95,7 +97,6 @@ qkv_rope_sm90(const i8* y, const i8* w_cores, const int* sb, i8* out, const u32*
 
         // The rank-1 term of every product, then RoPE on q and k, and the rows' peaks.
         // d[c][4 j + 2 s + e]: row 16 warp + 8 s + g, column TILE_N c + 8 j + 2 tig + e.
-        const ThreadRows<2> mine(sb + p * rows, signs, row0, m0, rows);
         const int* av = s_av + p * QKV_MEMBERS * HIDDEN;
         u32 peak[2] = {0u, 0u};
         auto finish = [&](auto with_rope) {
@@ -142,11 +143,20 @@ qkv_rope_sm90(const i8* y, const i8* w_cores, const int* sb, i8* out, const u32*
                 }
         }
         __syncwarp();  // a warp stages and stores its own 16 rows
-        for (int i = lane; i < 16 * (HIDDEN / 16); i += 32) {
-            const int r = i / (HIDDEN / 16), piece = i % (HIDDEN / 16);
+        // every piece read before any is stored: a piece's load and store in turn, under
+        // its own branch, waited for each load (11% of the stall samples)
+        constexpr int PIECES = HIDDEN / 32;  // a lane's 16-byte pieces of the 16 rows
+        int4 piece_of[PIECES];
+#pragma unroll
+        for (int k = 0; k < PIECES; k++) {
+            const int i = lane + 32 * k, r = i / (HIDDEN / 16), piece = i % (HIDDEN / 16);
+            piece_of[k] = *(const int4*)(s_out + (16 * warp + r) * QKV_LD + 16 * piece);
+        }
+#pragma unroll
+        for (int k = 0; k < PIECES; k++) {
+            const int i = lane + 32 * k, r = i / (HIDDEN / 16), piece = i % (HIDDEN / 16);
             const long row = row0 + 16 * warp + r;
-            if (row < rows)
-                *(int4*)(out_p + row * HIDDEN + 16 * piece) = *(const int4*)(s_out + (16 * warp + r) * QKV_LD + 16 * piece);
+            if (row < rows) *(int4*)(out_p + row * HIDDEN + 16 * piece) = piece_of[k];
         }
         __syncwarp();  // before the next matrix's bytes are staged
     }

@@ -165,32 +165,49 @@ __device__ __forceinline__ int shared_word(u32 at) {
 // = (int)(a_j * factor_j) for the matrix columns j = j0 + col (0 past `limit`), members
 // m0.. of the block; by_pair: av[pair][col], a row for each of n pairs from the pair of
 // member m0 (ThreadRows::of_pair), made from the seed of the pair's first member in the
-// block.
-template <typename T>
-__device__ __forceinline__ void tile_noise(T* av, int n, int m0, const u32* seeds, u32 off_a,
-                                           const i8* ov_out, int j0, int limit,
-                                           int width = TILE_N, bool by_pair = false) {
-    // A thread loads the seeds and overlay bytes of four entries, then computes them:
-    // entry by entry, each entry's loads were waited for in turn.
-    constexpr int BATCH = 4;
-    const int entries = n * width;
-    for (int first = threadIdx.x; first < entries; first += BATCH * blockDim.x) {
+// block. For P matrices at once (offsets off_a[p], overlays ov_out[p]), matrix p's at
+// av + p * stride: a thread loads the seeds and overlay bytes of BATCH entries, of any
+// matrix, then computes them (entry by entry, or matrix by matrix, each wait for loads
+// was the block's in turn: qkv_rope_sm90's three tables, 12% of its stall samples).
+template <int P, typename T>
+__device__ __forceinline__ void tables_noise(T* av, int stride, int n, int m0, const u32* seeds,
+                                             const u32 (&off_a)[P], const i8* const (&ov_out)[P], int j0,
+                                             int limit, int width, bool by_pair) {
+    constexpr int BATCH = P == 1 ? 4 : 8;
+    const int entries = n * width;  // a matrix's
+    // matrix p's value of a (p from the entry: selects, not a local array)
+    auto pick = [](const auto& a, int p) {
+        auto v = a[0];
+#pragma unroll
+        for (int q = 1; q < P; q++)
+            if (p == q) v = a[q];
+        return v;
+    };
+    for (int first = threadIdx.x; first < P * entries; first += BATCH * blockDim.x) {
         u32 seed[BATCH];
         int o[BATCH];
 #pragma unroll
         for (int b = 0; b < BATCH; b++) {
-            const int i = first + b * blockDim.x, j = j0 + i % width, r = i / width;
-            const bool used = i < entries && j < limit;
+            const int i = first + b * blockDim.x, p = P == 1 ? 0 : i / entries, e = P == 1 ? i : i % entries;
+            const int j = j0 + e % width, r = e / width;
+            const bool used = i < P * entries && j < limit;
             const int m = by_pair ? max(m0, (m0 & ~1) + 2 * r) : m0 + r;
-            seed[b] = used ? seeds[m] + off_a : 0u;
-            o[b] = used ? overlay_byte(ov_out, j) : 0;
+            seed[b] = used ? seeds[m] + pick(off_a, p) : 0u;
+            o[b] = used ? overlay_byte(pick(ov_out, p), j) : 0;
         }
 #pragma unroll
         for (int b = 0; b < BATCH; b++) {
-            const int i = first + b * blockDim.x, j = j0 + i % width;
-            if (i < entries) av[i] = j < limit ? (T)dot_term(1, dot_entry_of(o[b], seed[b], j)) : 0;
+            const int i = first + b * blockDim.x, p = P == 1 ? 0 : i / entries, e = P == 1 ? i : i % entries;
+            const int j = j0 + e % width;
+            if (i < P * entries) av[p * stride + e] = j < limit ? (T)dot_term(1, dot_entry_of(o[b], seed[b], j)) : 0;
         }
     }
+}
+
+template <typename T>
+__device__ __forceinline__ void tile_noise(T* av, int n, int m0, const u32* seeds, u32 off_a, const i8* ov_out,
+                                           int j0, int limit, int width = TILE_N, bool by_pair = false) {
+    tables_noise<1>(av, 0, n, m0, seeds, {off_a}, {ov_out}, j0, limit, width, by_pair);
 }
 
 // One sweep over n tiles: load(t, buf) starts tile t's copy into buffer buf (and

@@ -161,12 +161,12 @@ __device__ __forceinline__ void tile_product_steps(int (&d)[32], const u32 (&a)[
 template <int STEPS>
 __device__ __forceinline__ void tile_product_regs(int (&d)[32], const u32 (&a)[STEPS][4], const i8* s_b) {
     asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-    if constexpr (STEPS > 8) {  // (at hidden 256 the descriptors made before kept the head 1.6% faster)
-        const u64 b = core_descriptor(s_b);
+    const u64 b = core_descriptor(s_b);
+    if constexpr (STEPS > 8) {
         tile_product_steps(d, a, (u32)b, (u32)(b >> 32));
-    } else {
+    } else {  // a uniform 64-bit add a step (from each step's address, five instructions)
 #pragma unroll
-        for (int k = 0; k < STEPS; k++) wgmma_64x64x32(d, a[k], core_descriptor(s_b + 2 * CORE_LBO * k), k > 0);
+        for (int k = 0; k < STEPS; k++) wgmma_64x64x32(d, a[k], b + 2 * CORE_LBO / 16 * k, k > 0);
     }
     asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
 }
