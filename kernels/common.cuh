@@ -131,8 +131,12 @@ __device__ __forceinline__ dot_t dot_entry_of(int o, u32 seed, u32 j) {
     const int k = ADAPTIVE_MODE == 0 ? 64 : (o < 0 ? 0 : (o < 64 ? o : 64));
     return noise(seed, j) * k;
 }
-__device__ __forceinline__ int dot_term(int v, dot_t e) { return v * e / 64; }
-__device__ __forceinline__ int down_step(int partial, int h, dot_t e) { return (h * e + partial * 64) / 64; }
+// x / 64 rounded toward zero as C divides, for |x| < 2^26 (here always below 2^22):
+// adding 63 to a negative x is adding its top six bits as an unsigned number, one LEA.HI
+// (C's division takes the sign in an instruction of its own first).
+__device__ __forceinline__ int div64(int x) { return (x + (int)((u32)x >> 26)) >> 6; }
+__device__ __forceinline__ int dot_term(int v, dot_t e) { return div64(v * e); }
+__device__ __forceinline__ int down_step(int partial, int h, dot_t e) { return div64(h * e + partial * 64); }
 #else
 typedef int2 dot_t;  // the noise and the bits of its float factor
 __device__ __forceinline__ dot_t dot_entry_of(int o, u32 seed, u32 j) {

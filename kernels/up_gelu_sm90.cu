@@ -164,22 +164,23 @@ up_gelu_sm90(const i8* y, const i8* up_cores, const int* sb_up, const u32* seeds
 #pragma unroll
             for (int r = 0; r < 8; r++) {
                 if (SEQ % 32 != 0) load(r);
-                if (h == 0) {
-                    bytes[r] = 0u;
-                    partial[r] = 0;
-                }
+                if (h == 0) partial[r] = 0;
+                int hv[2];  // the GELU'd values of subs 2 h and 2 h + 1
 #pragma unroll
                 for (int s = 0; s < 2; s++) {
 #if UP_FOLD
                     const u32 key = folded_term(d[4 * (r >> 1) + 2 * s + (r & 1)], sbs[r], up[s].x) + (u32)up[s].y;
-                    const int hv = s_gelu[min(max((int)key, 0), (2 * MAXV + 1) * (1 << UP_Q) - 1) >> UP_Q];
+                    hv[s] = s_gelu[min(max((int)key, 0), (2 * MAXV + 1) * (1 << UP_Q) - 1) >> UP_Q];
 #else
                     const int out = wrap_add(d[4 * (r >> 1) + 2 * s + (r & 1)], rank1_term(sbs[r], up[s].x));
-                    const int hv = s_gelu[clip8((out >> SHIFT_MLP_UP) + up[s].y) + MAXV];
+                    hv[s] = s_gelu[clip8((out >> SHIFT_MLP_UP) + up[s].y) + MAXV];
 #endif
-                    bytes[r] |= (u32)(unsigned char)hv << (8 * (2 * h + s));
-                    partial[r] = down_step(partial[r], hv, down[s]);
+                    partial[r] = down_step(partial[r], hv[s], down[s]);
                 }
+                // bytes 0 and 1 of a word by a permute (put in place one by one, each
+                // value was taken twice: loaded unsigned for its byte, signed for the dot)
+                const u32 pair = __byte_perm(hv[0], hv[1], 0x0040);
+                bytes[r] = h == 0 ? pair : __byte_perm(bytes[r], pair, 0x5410);
                 if (h == 1) {
                     total[r] += (u32)partial[r];
                     // one address and the rows' constant offsets: eight addresses kept
