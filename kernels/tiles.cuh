@@ -165,10 +165,11 @@ __device__ __forceinline__ int shared_word(u32 at) {
 // = (int)(a_j * factor_j) for the matrix columns j = j0 + col (0 past `limit`), members
 // m0.. of the block; by_pair: av[pair][col], a row for each of n pairs from the pair of
 // member m0 (ThreadRows::of_pair), made from the seed of the pair's first member in the
-// block. For P matrices at once (offsets off_a[p], overlays ov_out[p]), matrix p's at
-// av + p * stride: a thread loads the seeds and overlay bytes of BATCH entries, of any
-// matrix, then computes them (entry by entry, or matrix by matrix, each wait for loads
-// was the block's in turn: qkv_rope_sm90's three tables, 12% of its stall samples).
+// block. tables_noise makes P matrices' at once (offsets off_a[p], overlays ov_out[p];
+// matrix p's entries at av + p * stride). A thread loads the seeds and overlay bytes of
+// BATCH entries, of any of the matrices, before it computes them: made entry by entry,
+// or a matrix at a time, each one's loads were waited for in turn (qkv_rope_sm90's
+// three tables: 12% of its stall samples).
 template <int P, typename T>
 __device__ __forceinline__ void tables_noise(T* av, int stride, int n, int m0, const u32* seeds,
                                              const u32 (&off_a)[P], const i8* const (&ov_out)[P], int j0,

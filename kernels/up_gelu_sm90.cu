@@ -145,7 +145,9 @@ up_gelu_sm90(const i8* y, const i8* up_cores, const int* sb_up, const u32* seeds
     // input dot's partial sum over them; over all tiles, the rows' input dots.
     u32 bytes[8], total[8] = {};
     int partial[8];
-    const i8* s_rows = s_a + 32 * warpgroup_index() * HIDDEN;  // (not wg_row: its descriptors)
+    // the warpgroup's rows from warpgroup_index(), so that their descriptors stay in
+    // uniform registers (wg_row made so too spilled 16 bytes)
+    const i8* s_rows = s_a + 32 * warpgroup_index() * HIDDEN;
     sweep_async<TILE_N * HIDDEN, 16>(
         TILES, s_b, up_cores, [&](int (&d)[16], const i8* tile) { features_product_async(d, tile, s_rows); },
         [&](const int (&d)[16], int tile) {
