@@ -379,6 +379,21 @@ def test_the_integer_input_dot_term_of_modes_0_and_1_is_the_float_one():
     assert np.array_equal(cdiv(v * (b * k), 64), spec)
 
 
+def test_div64_is_c_division_by_64():
+    """common.cuh's div64: (x + (x as u32 >> 26)) >> 6 (its top six bits: 63 where x is
+    negative) is C's truncating x / 64 for every |x| < 2^22, the bound of its uses (the
+    input dots' terms and down_step), and at the edges of its own bound, -2^26 <= x < 2^26."""
+    x = np.concatenate(
+        [
+            np.arange(-(2**22) + 1, 2**22),
+            np.arange(-(2**26), -(2**26) + 200),
+            np.arange(2**26 - 200, 2**26),
+        ]
+    ).astype(np.int64)
+    top6 = (x & 0xFFFFFFFF) >> 26
+    assert np.array_equal((x + top6) >> 6, cdiv(x, 64))
+
+
 def test_the_divisor_by_a_multiply_is_c_division():
     """common.cuh's Divisor: the high word of |n| ceil(2^32 / d), with n's sign, is C's
     truncating n / d for every d < 2^10 and |n| < 2^22 (its bound: the largest n, and
