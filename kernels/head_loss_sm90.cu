@@ -142,6 +142,23 @@ head_loss_sm90(const i8* y, const i8* emb_t, const i8* emb_cores, const int* sb,
     // a move's error (one_pass.py); counting all values left 1.3% of hidden-1024 rows
     // open, and a wide block sweeps again for one
     u32 live[2] = {0u, 0u};
+#if HEAD_REGS_A
+    // The lookups in a clamp, a shift and a multiply-add a logit (the integer pipe
+    // bounds this epilogue): entry min(peak - (key >> LOOKUP_SHIFT), EXP_LAST) is at
+    // last - (max(key, lowest) >> LOOKUP_SHIFT) entries, last the address of entry peak
+    // (wrapping) and lowest the least key whose logit is peak - EXP_LAST or more (an
+    // arithmetic shift is monotone), or INT_MIN. Made again only when a peak rises (made
+    // every tile, they were 15 instructions a tile and row). (Beside rows read from
+    // shared memory, last and lowest spilled registers: the plain lookup there.)
+    u32 last[2];
+    int lowest[2];
+    auto set_lookup = [&](int s) {
+        last[s] = my_exp + (u32)peak[s] * (4 * EXP_COPIES);
+        lowest[s] = (int)max(((long long)peak[s] - EXP_LAST) * (1ll << LOOKUP_SHIFT), (long long)INT_MIN_);
+    };
+    set_lookup(0);
+    set_lookup(1);
+#endif
 
     // A value's key: its logit is key >> LOOKUP_SHIFT (HEAD_FOLD: the folded term).
     auto key_of = [&](const int (&d)[32], auto av, int j, int e, int s) {
@@ -192,25 +209,13 @@ head_loss_sm90(const i8* y, const i8* emb_t, const i8* emb_cores, const int* sb,
                         total[s] = 0;
                     }
                     peak[s] = top[s];
+#if HEAD_REGS_A
+                    set_lookup(s);
+#endif
                 }
             }
             if (!HEAD_ONE_PASS) return;
         }
-#if HEAD_REGS_A
-        // The lookups in a clamp, a shift and a multiply-add a logit (the integer
-        // pipe bounds this epilogue): entry min(peak - (key >> LOOKUP_SHIFT), EXP_LAST) is
-        // at last - (max(key, lowest) >> LOOKUP_SHIFT) entries, last the address of entry
-        // peak (wrapping) and lowest the least key whose logit is peak - EXP_LAST or more
-        // (an arithmetic shift is monotone), or INT_MIN. (Beside rows read from shared
-        // memory, last and lowest spilled registers: the plain lookup there.)
-        u32 last[2];
-        int lowest[2];
-#pragma unroll
-        for (int s = 0; s < 2; s++) {
-            last[s] = my_exp + (u32)peak[s] * (4 * EXP_COPIES);
-            lowest[s] = (int)max(((long long)peak[s] - EXP_LAST) * (1ll << LOOKUP_SHIFT), (long long)INT_MIN_);
-        }
-#endif
 #if TOTAL32
         u32 part[2] = {0u, 0u};
 #else
