@@ -108,7 +108,9 @@ head_loss_sm90(const i8* y, const i8* emb_t, const i8* emb_cores, const int* sb,
     const int row0 = blockIdx.x * HEAD_ROWS;
     const int m0 = row0 / SEQ;
     const int n_members = (min(row0 + HEAD_ROWS, rows) - 1) / SEQ - m0 + 1;
-    const i8* s_rows = s_a + (warp >> 2) * 64 * HIDDEN;  // the warpgroup's 64 rows
+    // the warpgroup's 64 rows (not from warpgroup_index(), as up_gelu_sm90's: at hidden
+    // 512, where the products read them here, their descriptors then spilled 160 bytes)
+    const i8* s_rows = s_a + (warp >> 2) * 64 * HIDDEN;
 
     rows_to_cores(s_a, y, row0, HEAD_ROWS, rows);
     copy_commit();  // waited for before the rows' fragments are loaded, or the first products
