@@ -182,30 +182,45 @@ __device__ __forceinline__ int output_term(int sb, int av, int sign) { return ra
 // (MSHIFT32: MSHIFT wherever FOLD_FITS; compiled everywhere, it must not shift by 32.)
 __device__ __forceinline__ u32 folded_term(int g, u32 sbs, int av) { return (u32)g * (1u << MSHIFT32) + sbs * (u32)av; }
 
-// C's truncating n / d for one d (1 <= d < 2^10) and many n, by a multiply: with M =
-// ceil(2^32 / d), |n| M / 2^32 = |n| / d + |n| e / (d 2^32) for some 0 <= e < d, and
-// where |n| < 2^22 the second part is below 1 / d, so the floor is |n| / d's
-// (tests/test_kernels.py checks the identity there). Full-rate instructions only (a
-// float quotient's conversions are quarter-rate); M is one division a d. In modes 0
-// and 1 the caller's n stay below 2^22; mode 2's unbounded factors can pass it, and
-// those n are divided as C does.
+// C's truncating n / d for one d (1 <= d <= MEAN_MAX, a row's mean) and many n, by a
+// multiply: full-rate instructions only (a float quotient's conversions are
+// quarter-rate), the multiplier one division a d, looked up (divisor_magic: some twenty
+// instructions, quarter-rate conversions among them).
 #define MEAN_MAX 128  // a row's mean magnitude: |x| <= 128 for a byte x
+#if ADAPTIVE_MODE != 2
+// In modes 0 and 1 |n| < 2^22, and the norm's tables hold their weights times
+// NORM_SCALE = 4, so the caller's product is 4 n. With M = floor(2^30 / d) + 1 (M d =
+// 2^30 + e, 1 <= e <= d), the high word of 4 n M is floor(n M / 2^30), and n M / 2^30 =
+// n / d + n e / (d 2^30), the second part of |n| between 0 (n = 0 alone) and 1 / d.
+// For n >= 0 the floor is n / d's; for n < 0 it is one below the truncation (never an
+// integer: a multiple of d is passed by the second part), and the sign bit adds the one.
+// Three instructions with the product, against six with the sign taken apart.
+// tests/test_kernels.py checks the identity.
+#define NORM_SCALE 4
+__device__ __forceinline__ u32 divisor_magic(int d) { return (1u << 30) / (u32)max(d, 1) + 1u; }
+struct Divisor {
+    int magic;
+    __device__ __forceinline__ Divisor(int, u32 magic_) : magic((int)magic_) {}
+    __device__ __forceinline__ int operator()(int n4) const { return __mulhi(n4, magic) + (int)((u32)n4 >> 31); }
+};
+#else
+// Mode 2's unbounded factors take n as it is: with M = ceil(2^32 / d), |n| M / 2^32 =
+// |n| / d + |n| e / (d 2^32) for some 0 <= e < d, and where |n| < 2^22 the second part
+// is below 1 / d, so the floor is |n| / d's; larger n are divided as C does.
+#define NORM_SCALE 1
 __device__ __forceinline__ u32 divisor_magic(int d) { return d <= 1 ? 0u : 0xFFFFFFFFu / (u32)d + 1u; }
 struct Divisor {
     int d;
     u32 magic;  // ceil(2^32 / d); 0 for d = 1, whose quotient is n
-    // magic: divisor_magic(d), looked up where d takes few values (a row's mean): the
-    // division is some twenty instructions, quarter-rate conversions among them.
     __device__ __forceinline__ Divisor(int d_, u32 magic_) : d(d_), magic(magic_) {}
     __device__ __forceinline__ int operator()(int n) const {
-#if ADAPTIVE_MODE == 2
         if ((u32)n + (1u << 22) >= (1u << 23)) return n / d;  // |n| >= 2^22
-#endif
         const u32 a = (u32)abs(n);
         const int q = (int)(magic ? __umulhi(a, magic) : a);
         return n < 0 ? -q : q;
     }
 };
+#endif
 
 __device__ __forceinline__ int wrap_add(int a, int b) { return (int)((u32)a + (u32)b); }
 __device__ __forceinline__ int clip8(int v) { return v > MAXV ? MAXV : (v < -MAXV ? -MAXV : v); }

@@ -100,7 +100,7 @@ __device__ __forceinline__ void norm_tables(int* s_norm, u32* s_magic, u32 seed,
     // live in local memory, read and written for every element.
     for (int f = threadIdx.x; f < HIDDEN; f += blockDim.x) {
         const int at = lane_slot(f);
-        s_norm[at] = w[f] + vector_noise(ov_w, seed, w_a, w_b, f, sign);
+        s_norm[at] = (w[f] + vector_noise(ov_w, seed, w_a, w_b, f, sign)) * NORM_SCALE;
         s_norm[HIDDEN + at] = b[f] + vector_noise(ov_b, seed, b_a, b_b, f, sign);
 #pragma unroll
         for (int p = 0; p < 3; p++)
@@ -119,7 +119,8 @@ __device__ __forceinline__ void norm_row_dots(const int* xv, i8* yr, int* sb, lo
 #pragma unroll
     for (int i = 0; i < FPL; i++) s += (u32)abs(xv[i]);
     // The mean is at most MEAN_MAX (xv are bytes), and in modes 0 and 1 |xv w| < 2^21:
-    // |w| <= 127 + 93^2 (a weight and its vector noise), as Divisor's multiply needs.
+    // |w| <= 127 + 93^2 (a weight and its vector noise), as Divisor's multiply needs
+    // (the table's w is NORM_SCALE times it).
     const int mean = (int)(warp_sum_u32(s) / HIDDEN);
     const Divisor by_mean(mean == 0 ? 1 : mean, s_magic[mean]);
     u32 dots[3] = {0u, 0u, 0u};

@@ -254,7 +254,7 @@ __device__ __forceinline__ void projection_residual(const i8* a, const i8* w_cor
             int* t = s_tab + m * TABLES * TABLE_LD + f + 4 * (f / FPT);
             t[0] = output_noise_of(s_vec, seed + off_a, f);
             t[TABLE_LD] = r.bias ? s_vec[HIDDEN + f] + vector_noise(s_vec + 4 * HIDDEN, seed, r.bias_a, r.bias_b, f, sign) : 0;
-            t[2 * TABLE_LD] = s_vec[2 * HIDDEN + f] + vector_noise(s_vec + 5 * HIDDEN, seed, r.w_a, r.w_b, f, sign);
+            t[2 * TABLE_LD] = (s_vec[2 * HIDDEN + f] + vector_noise(s_vec + 5 * HIDDEN, seed, r.w_a, r.w_b, f, sign)) * NORM_SCALE;
             t[3 * TABLE_LD] = s_vec[3 * HIDDEN + f] + vector_noise(s_vec + 6 * HIDDEN, seed, r.b_a, r.b_b, f, sign);
 #pragma unroll
             for (int p = 0; p < NDOTS; p++) t[(4 + p) * TABLE_LD] = dot_entry(s_vec + (7 + p) * HIDDEN, seed + offs[p], f);

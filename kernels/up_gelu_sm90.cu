@@ -127,18 +127,24 @@ up_gelu_sm90(const i8* y, const i8* up_cores, const int* sb_up, const u32* seeds
     auto entries = [&](int r) { return (min(row_of(r), rows - 1) / SEQ - m0) * TABLE; };
     // Every member's entries at once, before the sweep: built tile by tile, their global
     // loads (seeds, overlays, bias) held every warp between two tiles' products.
-    for (int i = threadIdx.x; i < UP_MEMBERS * TABLE; i += blockDim.x) {
-        const int member = i / TABLE;
-        if (member >= n_members) continue;
-        const int m = m0 + member, j = i % TABLE / 4 + i % 4 * HIDDEN;
-        const u32 seed = seeds[m];
-        const int bias = bias_up[j] + vector_noise(ov_bias_up, seed, bias_a, bias_b, j, signs[m]);
+    // Member by member: a member's seed and sign loaded once, not at each entry.
+#pragma unroll 1
+    for (int member = 0; member < n_members; member++) {
+        const u32 seed = seeds[m0 + member];
+        const int sign = signs[m0 + member];
+        // unrolled: every round's global loads issue before the first is waited for
+#pragma unroll
+        for (int k = 0; k < (TABLE + UP_THREADS - 1) / UP_THREADS; k++) {
+            const int e = threadIdx.x + k * UP_THREADS, i = member * TABLE + e, j = e / 4 + e % 4 * HIDDEN;
+            if (TABLE % UP_THREADS != 0 && e >= TABLE) break;
+            const int bias = bias_up[j] + vector_noise(ov_bias_up, seed, bias_a, bias_b, j, sign);
 #if UP_FOLD
-        s_up[i] = make_up_entry(output_noise_of(ov_up_out, seed + up_a, j), (int)((u32)(bias + MAXV) << UP_Q));
+            s_up[i] = make_up_entry(output_noise_of(ov_up_out, seed + up_a, j), (int)((u32)(bias + MAXV) << UP_Q));
 #else
-        s_up[i] = make_up_entry(output_noise_of(ov_up_out, seed + up_a, j), bias);
+            s_up[i] = make_up_entry(output_noise_of(ov_up_out, seed + up_a, j), bias);
 #endif
-        s_down[i] = dot_entry(ov_down_in, seed + down_b, j);
+            s_down[i] = dot_entry(ov_down_in, seed + down_b, j);
+        }
     }
 
     // Carried from tile 2 u to 2 u + 1, per row: the GELU'd bytes of subs 0 and 1, the

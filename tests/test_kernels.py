@@ -394,23 +394,36 @@ def test_div64_is_c_division_by_64():
     assert np.array_equal((x + top6) >> 6, cdiv(x, 64))
 
 
+def _divisor_cases(d, rng):
+    """n with |n| < 2^22 for a divisor d: the largest, each multiple of d near them and
+    near zero, with its neighbours, and random n, each with its negation."""
+    top = (2**22 - 1) // d * d
+    n = np.concatenate(
+        [
+            np.arange(-2, 3)[:, None] + np.array([top, 2**22 - 1, d, 2 * d, 0])[None, :],
+            rng.integers(0, 2**22, (1, 256)),
+        ],
+        axis=None,
+    )
+    n = np.concatenate([n, -n])
+    return n[np.abs(n) < 2**22].astype(np.int64)
+
+
 def test_the_divisor_by_a_multiply_is_c_division():
-    """common.cuh's Divisor: the high word of |n| ceil(2^32 / d), with n's sign, is C's
-    truncating n / d for every d < 2^10 and |n| < 2^22 (its bound: the largest n, and
-    each multiple of d near them and near zero, with its neighbours, and random n)."""
+    """common.cuh's Divisor in modes 0 and 1: the high word of 4 n (floor(2^30 / d) + 1)
+    (a signed 32-bit product), plus n's sign bit, is C's truncating n / d for every
+    1 <= d <= MEAN_MAX and |n| < 2^22. Mode 2's (the high word of |n| ceil(2^32 / d), with
+    n's sign) the same for every d < 2^10."""
     rng = np.random.default_rng(3)
+    for d in range(1, 129):
+        n = _divisor_cases(d, rng)
+        magic = 2**30 // d + 1
+        assert magic < 2**31, d  # a signed word
+        q = (4 * n * magic) >> 32  # mul.hi.s32: an arithmetic shift of the 64-bit product
+        assert np.array_equal(q + (n < 0), cdiv(n, d)), d
     for d in range(1, 1024):
+        n = _divisor_cases(d, rng)
         magic = 0 if d == 1 else 0xFFFFFFFF // d + 1
-        top = (2**22 - 1) // d * d
-        n = np.concatenate(
-            [
-                np.arange(-2, 3)[:, None] + np.array([top, 2**22 - 1, d, 2 * d, 0])[None, :],
-                rng.integers(0, 2**22, (1, 256)),
-            ],
-            axis=None,
-        )
-        n = np.concatenate([n, -n])
-        n = n[np.abs(n) < 2**22].astype(np.int64)
         a = np.abs(n)
         q = a if d == 1 else (a * magic) >> 32
         assert np.array_equal(np.where(n < 0, -q, q), cdiv(n, d)), d
