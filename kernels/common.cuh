@@ -191,9 +191,9 @@ __device__ __forceinline__ u32 folded_term(int g, u32 sbs, int av) { return (u32
 // In modes 0 and 1 |n| < 2^22, and the norm's tables hold their weights times
 // NORM_SCALE = 4, so the caller's product is 4 n. With M = floor(2^30 / d) + 1 (M d =
 // 2^30 + e, 1 <= e <= d), the high word of 4 n M is floor(n M / 2^30), and n M / 2^30 =
-// n / d + n e / (d 2^30), the second part of |n| between 0 (n = 0 alone) and 1 / d.
-// For n >= 0 the floor is n / d's; for n < 0 it is one below the truncation (never an
-// integer: a multiple of d is passed by the second part), and the sign bit adds the one.
+// n / d + n e / (d 2^30), whose second part is nonzero for n != 0 and below 1 / d in
+// magnitude (|n| e < 2^30). For n >= 0 the floor is n / d's; for n < 0 the sum is never
+// an integer, its floor one below the truncation, and the sign bit adds the one.
 // Three instructions with the product, against six with the sign taken apart.
 // tests/test_kernels.py checks the identity.
 #define NORM_SCALE 4

@@ -127,7 +127,8 @@ up_gelu_sm90(const i8* y, const i8* up_cores, const int* sb_up, const u32* seeds
     auto entries = [&](int r) { return (min(row_of(r), rows - 1) / SEQ - m0) * TABLE; };
     // Every member's entries at once, before the sweep: built tile by tile, their global
     // loads (seeds, overlays, bias) held every warp between two tiles' products.
-    // Member by member: a member's seed and sign loaded once, not at each entry.
+    // Member by member: its seed and sign loaded once, and the loads that do not depend
+    // on the member (overlays, bias) hoisted out of the loop by the compiler.
 #pragma unroll 1
     for (int member = 0; member < n_members; member++) {
         const u32 seed = seeds[m0 + member];
