@@ -277,9 +277,7 @@ __device__ __forceinline__ void projection_residual(const i8* a, const i8* w_cor
             if (i + SLICE_AHEAD < total) load(i + SLICE_AHEAD);  // into slice i - 2's stage
             copy_commit();
             barrier_wait(&full[stage], (i / SLICE_STAGES) & 1);
-            // The slice's two descriptors, each product's an offset from them (the start
-            // address field of 14 bits holds every shared address): from the addresses,
-            // ptxas remade each one in five instructions.
+            // The slice's two descriptors, each product's an offset from them
             const u64 rows_slice = rows_descriptor(s_a + stage * A_BYTES + wg * 64 * SLICE);  // the warpgroup's 64 rows
             const u64 w_slice = core_descriptor(s_b + stage * B_BYTES, SLICE_SBO);
             asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
@@ -287,7 +285,8 @@ __device__ __forceinline__ void projection_residual(const i8* a, const i8* w_cor
             for (int kk = 0; kk < SLICE / 32; kk++)
 #pragma unroll
                 for (int c = 0; c < CHUNKS; c++)
-                    wgmma_64x64x32(d[c], rows_slice + 2 * kk, w_slice + (c * 8 * SLICE_SBO + 2 * CORE_LBO * kk) / 16,
+                    wgmma_64x64x32(d[c], descriptor_plus(rows_slice, 32 * kk),
+                                   descriptor_plus(w_slice, c * 8 * SLICE_SBO + 2 * CORE_LBO * kk),
                                    k > 0 || kk > 0);
             asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
             if (k == 0) {  // the tile's rows' input dots and its members' tables

@@ -59,6 +59,10 @@ __device__ __forceinline__ u64 core_descriptor(const i8* at, u32 sbo = CORE_SBO)
     const u32 a = shared_address(at);
     return (u64)((a & 0x3FFFF) >> 4) | ((u64)(CORE_LBO >> 4) << 16) | ((u64)(sbo >> 4) << 32);
 }
+// The descriptor of the operand `bytes` further on: the start address field (14 bits,
+// 16-byte units) holds every shared address, so one add (from the address, ptxas
+// remade a descriptor in five instructions).
+__device__ __forceinline__ u64 descriptor_plus(u64 descriptor, int bytes) { return descriptor + bytes / 16; }
 
 // The thread's warpgroup in its block, as lane 0 of its warp has it: the compiler then
 // knows the value is the warp's (threadIdx.x / 128 it treats as the thread's own) and keeps
@@ -164,9 +168,9 @@ __device__ __forceinline__ void tile_product_regs(int (&d)[32], const u32 (&a)[S
     const u64 b = core_descriptor(s_b);
     if constexpr (STEPS > 8) {
         tile_product_steps(d, a, (u32)b, (u32)(b >> 32));
-    } else {  // a uniform 64-bit add a step (from each step's address, five instructions)
+    } else {  // a uniform 64-bit add a step
 #pragma unroll
-        for (int k = 0; k < STEPS; k++) wgmma_64x64x32(d, a[k], b + 2 * CORE_LBO / 16 * k, k > 0);
+        for (int k = 0; k < STEPS; k++) wgmma_64x64x32(d, a[k], descriptor_plus(b, 2 * CORE_LBO * k), k > 0);
     }
     asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
 }
