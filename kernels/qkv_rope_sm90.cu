@@ -83,8 +83,7 @@ qkv_rope_sm90(const i8* y, const i8* w_cores, const int* sb, i8* out, const u32*
         const ThreadRows<2> mine(sb + p * rows, signs, row0, m0, rows);
         barrier_wait(&full, p & 1);  // the matrix in place
         int d[QKV_TILES][32];
-#pragma unroll
-        for (int c = 0; c < QKV_TILES; c++) tile_product_async(d[c], s_a, s_w + c * TILE_N * HIDDEN);
+        tiles_product_async(d, s_a, s_w);
 #pragma unroll
         for (int c = 0; c < QKV_TILES; c++) tile_product_wait(d[c]);
         __syncthreads();  // every warp's products are done reading the matrix

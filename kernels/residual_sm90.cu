@@ -282,12 +282,9 @@ __device__ __forceinline__ void projection_residual(const i8* a, const i8* w_cor
             const u64 w_slice = core_descriptor(s_b + stage * B_BYTES, SLICE_SBO);
             asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 #pragma unroll
-            for (int kk = 0; kk < SLICE / 32; kk++)
-#pragma unroll
-                for (int c = 0; c < CHUNKS; c++)
-                    wgmma_64x64x32(d[c], descriptor_plus(rows_slice, 32 * kk),
-                                   descriptor_plus(w_slice, c * 8 * SLICE_SBO + 2 * CORE_LBO * kk),
-                                   k > 0 || kk > 0);
+            for (int kk = 0; kk < SLICE / 32; kk++)  // all HIDDEN columns in one MMA
+                wgmma_64xNx32(reinterpret_cast<int(&)[CHUNKS * 32]>(d), descriptor_plus(rows_slice, 32 * kk),
+                              descriptor_plus(w_slice, 2 * CORE_LBO * kk), k > 0 || kk > 0);
             asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
             if (k == 0) {  // the tile's rows' input dots and its members' tables
                 const int at = i / KS % TILE_INPUTS, m0 = row0 / SEQ;

@@ -2,16 +2,16 @@
 // warpgroup MMAs (wgmma.cuh).
 //
 // Unfused, cuBLAS writes rows x 4 HIDDEN int32 products and mlp_up reads them back: at
-// the default config that traffic bounds both. Here a block owns UP_ROWS rows (32 a
-// warpgroup) and sweeps the up matrix Wt[4 HIDDEN, HIDDEN] in tiles of TILE_N (64: the
+// the default config that traffic bounds both. Here a block owns UP_ROWS rows (UP_WG_ROWS
+// a warpgroup) and sweeps the up matrix Wt[4 HIDDEN, HIDDEN] in tiles of TILE_N (64: the
 // MMA's rows) of its rows; each tile is finished in registers (rank-1 term, shift, bias,
 // GELU table, the int8 store and the down-projection's input dot) while the next tile's
 // products run, and no product is written.
 //
 // The products are taken transposed: the tile's matrix rows are the MMA's rows (A) and
 // the warpgroup's activation rows its columns (B), so that a thread holds two features
-// for eight rows, and their per-member entries (output noise, bias, the down-projection's
-// input noise) are loaded once a tile for all eight. The other way round (a thread
+// for UP_RPT rows (8 or 16), and their per-member entries (output noise, bias, the
+// down-projection's input noise) are loaded once a tile for all of them. The other way round (a thread
 // holding sixteen features of two rows) each product needed its own loads, and
 // shared-memory loads bounded the kernel.
 //
@@ -20,7 +20,7 @@
 // over two tiles: in tiles 2 u + h, tile row 16 w + 8 s + g (warp w of the warpgroup,
 // g = lane / 4) is feature G + (2 h + s) HIDDEN of group G = 32 u + 8 w + g (gpu/cores.py's
 // up_order), and thread (w, g) holds its features (the accumulator's rows g, g + 8) for
-// its rows 8 j + 2 tig + e (the columns; j < 4, e < 2). Tile 2 u + 1 finishes what
+// its rows 8 j + 2 tig + e (the columns; j < UP_WG_ROWS / 8, e < 2). Tile 2 u + 1 finishes what
 // tile 2 u began.
 //
 // The hidden row is written group by group, byte 4 G + sub for feature G + sub HIDDEN
@@ -35,7 +35,17 @@
 #include "tiles.cuh"
 #include "wgmma.cuh"
 
-#define UP_THREADS (4 * UP_ROWS)  // a warpgroup of 128 threads for 32 rows
+// UP_WG_ROWS (gpu/plan.py): rows a warpgroup, the MMA's N: 64 where a warpgroup's rows
+// are one member's and the entries are not packed, so that each MMA reads the tile's
+// bytes from shared memory once for 64 rows (at 32, shared memory bounded the kernel);
+// else 32, two warpgroups a block.
+#ifndef UP_WG_ROWS
+#define UP_WG_ROWS 32
+#endif
+static_assert(UP_WG_ROWS == 32 || UP_WG_ROWS == 64, "m64n32k32 or m64n64k32");
+#define UP_THREADS (128 * UP_ROWS / UP_WG_ROWS)  // a warpgroup of 128 threads a UP_WG_ROWS rows
+#define UP_RPT (UP_WG_ROWS / 4)                   // rows a thread holds
+#define UP_ACC (UP_WG_ROWS / 2)                   // accumulators a tile
 // The GELU table's index clip8((out >> SHIFT_MLP_UP) + bias) + MAXV is
 // clamp(key, 0, 255 2^Q - 1) >> Q for key = the folded term (common.cuh's folded_term)
 // + (bias + MAXV) 2^Q, Q = SHIFT_MLP_UP + MSHIFT (a shift is monotone): two
@@ -68,23 +78,23 @@ __device__ __forceinline__ int2 up_entry(up_entry_t v) { return v; }
 // blocks of 128 rows, one an SM, 16% slower (0.65, 0.69 and 0.81 ms at 8,192 members on
 // an H100).
 
-// The tile's TILE_N = 64 matrix rows (s_tile) times the warpgroup's 32 rows (s_rows), K =
-// HIDDEN, into d[4 j + 2 s + e] = tile row 16 w + 8 s + g times row 8 j + 2 tig + e:
-// issued and committed as one group, not waited for.
+// The tile's TILE_N = 64 matrix rows (s_tile) times the warpgroup's UP_WG_ROWS rows
+// (s_rows), K = HIDDEN, into d[4 j + 2 s + e] = tile row 16 w + 8 s + g times row 8 j +
+// 2 tig + e: issued and committed as one group, not waited for.
 template <int K = 0>
-__device__ __forceinline__ void features_product_async(int (&d)[16], const i8* s_tile, const i8* s_rows) {
+__device__ __forceinline__ void features_product_async(int (&d)[UP_ACC], const i8* s_tile, const i8* s_rows) {
     if (K == 0) asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
     const u64 tile = core_descriptor(s_tile);
-    wgmma_64x32x32<K>(d, (u32)tile, (u32)core_descriptor(s_rows), (u32)(tile >> 32), K > 0);
+    wgmma_64xNx32<K>(d, (u32)tile, (u32)core_descriptor(s_rows), (u32)(tile >> 32), K > 0);
     if constexpr (K + 1 < TILE_PIECES / 2)
         features_product_async<K + 1>(d, s_tile, s_rows);
     else
         asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
 }
 
-// Two warpgroups of 32 rows a block, UP_BLOCKS blocks an SM: in blocks of sixteen warps,
-// one an SM, every warp waited at each tile's barrier for the slowest of sixteen, and
-// nothing ran beside a block's tables and first loads.
+// One warpgroup of 64 rows or two of 32 a block, UP_BLOCKS blocks an SM: in blocks of
+// sixteen warps, one an SM, every warp waited at each tile's barrier for the slowest of
+// sixteen, and nothing ran beside a block's tables and first loads.
 extern "C" __global__ void __launch_bounds__(UP_THREADS, UP_BLOCKS)
 up_gelu_sm90(const i8* y, const i8* up_cores, const int* sb_up, const u32* seeds, const int* signs,
              const i8* bias_up, const i8* ov_up_out, const i8* ov_bias_up, const i8* ov_down_in,
@@ -107,23 +117,23 @@ up_gelu_sm90(const i8* y, const i8* up_cores, const int* sb_up, const u32* seeds
     const int row0 = blockIdx.x * UP_ROWS;
     const int m0 = row0 / SEQ;
     const int n_members = (min(row0 + UP_ROWS, rows) - 1) / SEQ - m0 + 1;
-    const int wg_row = 32 * (warp >> 2);  // the warpgroup's first row, of the block's
+    const int wg_row = UP_WG_ROWS * (warp >> 2);  // the warpgroup's first row, of the block's
 
     rows_to_cores(s_a, y, row0, UP_ROWS, rows);
     copy_commit();  // waited for before the sweep's first products
     for (int i = threadIdx.x; i < 2 * MAXV + 1; i += blockDim.x) s_gelu[i] = (i8)gelu[(i - MAXV) & 0xFF];
-    // The thread's 8 rows, 8 j + 2 tig + e as r = 2 j + e; their input dots times their
-    // member's sign (u32: wraps as the CPU's int32).
+    // The thread's UP_RPT rows, 8 j + 2 tig + e as r = 2 j + e; their input dots times
+    // their member's sign (u32: wraps as the CPU's int32).
     const int first_row = row0 + wg_row + 2 * tig, rows_left = rows - first_row;
     auto row_of = [&](int r) { return first_row + 8 * (r >> 1) + (r & 1); };
-    u32 sbs[8];
+    u32 sbs[UP_RPT];
 #pragma unroll
-    for (int r = 0; r < 8; r++) {
+    for (int r = 0; r < UP_RPT; r++) {
         const int row = row_of(r);
         sbs[r] = row < rows ? (u32)sb_up[row] * (u32)signs[row / SEQ] : 0u;
     }
-    // Where row r's member's entries start (a warpgroup's 32 rows are one member's where
-    // SEQ is a multiple of 32; rows past the last take the last member's)
+    // Where row r's member's entries start (a warpgroup's rows are one member's where SEQ
+    // is a multiple of UP_WG_ROWS; rows past the last take the last member's)
     auto entries = [&](int r) { return (min(row_of(r), rows - 1) / SEQ - m0) * TABLE; };
     // Every member's entries at once, before the sweep: built tile by tile, their global
     // loads (seeds, overlays, bias) held every warp between two tiles' products.
@@ -150,14 +160,14 @@ up_gelu_sm90(const i8* y, const i8* up_cores, const int* sb_up, const u32* seeds
 
     // Carried from tile 2 u to 2 u + 1, per row: the GELU'd bytes of subs 0 and 1, the
     // input dot's partial sum over them; over all tiles, the rows' input dots.
-    u32 bytes[8], total[8] = {};
-    int partial[8];
+    u32 bytes[UP_RPT], total[UP_RPT] = {};
+    int partial[UP_RPT];
     // the warpgroup's rows from warpgroup_index(), so that their descriptors stay in
     // uniform registers (wg_row made so too spilled 16 bytes)
-    const i8* s_rows = s_a + 32 * warpgroup_index() * HIDDEN;
-    sweep_async<TILE_N * HIDDEN, 16>(
-        TILES, s_b, up_cores, [&](int (&d)[16], const i8* tile) { features_product_async(d, tile, s_rows); },
-        [&](const int (&d)[16], int tile) {
+    const i8* s_rows = s_a + UP_WG_ROWS * warpgroup_index() * HIDDEN;
+    sweep_async<TILE_N * HIDDEN, UP_ACC>(
+        TILES, s_b, up_cores, [&](int (&d)[UP_ACC], const i8* tile) { features_product_async(d, tile, s_rows); },
+        [&](const int (&d)[UP_ACC], int tile) {
             const int h = tile & 1, group = tile / 2 * 32 + 8 * w + g;
             int2 up[2];  // [s]: sub 2 h + s
             dot_t down[2];
@@ -169,10 +179,10 @@ up_gelu_sm90(const i8* y, const i8* up_cores, const int* sb_up, const u32* seeds
                     down[s] = s_down[at + s];
                 }
             };
-            if (SEQ % 32 == 0) load(0);
+            if (SEQ % UP_WG_ROWS == 0) load(0);
 #pragma unroll
-            for (int r = 0; r < 8; r++) {
-                if (SEQ % 32 != 0) load(r);
+            for (int r = 0; r < UP_RPT; r++) {
+                if (SEQ % UP_WG_ROWS != 0) load(r);
                 if (h == 0) partial[r] = 0;
                 int hv[2];  // the GELU'd values of subs 2 h and 2 h + 1
 #pragma unroll
@@ -204,7 +214,7 @@ up_gelu_sm90(const i8* y, const i8* up_cores, const int* sb_up, const u32* seeds
     // warpgroup's four warps (through s_b, free after the sweep).
     u32* s_sums = (u32*)s_b;  // [UP_ROWS][4]
 #pragma unroll
-    for (int r = 0; r < 8; r++) {
+    for (int r = 0; r < UP_RPT; r++) {
         u32 t = total[r];
         for (int o = 4; o < 32; o <<= 1) t += __shfl_xor_sync(0xffffffffu, t, o);
         if (g == 0) s_sums[(row_of(r) - row0) * 4 + w] = t;

@@ -107,7 +107,7 @@ __device__ __forceinline__ void wgmma_64x64x32(int (&d)[32], const u32 (&a)[4], 
 }
 
 // The same with B's descriptor at K step K (32 bytes a step) made in the asm from the
-// low word at step 0 and the high word (as wgmma_64x32x32 below): at hidden 1024 the
+// low word at step 0 and the high word (as wgmma_64xNx32 below): at hidden 1024 the
 // 32 steps' descriptors, made before the products, spilled head_loss_sm90's registers.
 template <int K>
 __device__ __forceinline__ void wgmma_64x64x32(int (&d)[32], const u32 (&a)[4], u32 b, u32 high, int accumulate) {
@@ -120,22 +120,60 @@ __device__ __forceinline__ void wgmma_64x64x32(int (&d)[32], const u32 (&a)[4], 
                    "n"(2 * CORE_LBO / 16 * K));
 }
 
-// d = A[64 rows, 32 bytes] B[32 rows, 32 bytes]^T, or d += it (accumulate), at K step
-// K (32 bytes a step) of descriptors a and b given by their low words at step 0
-// (core_descriptor's) and their common high word: made in the asm, so that the
-// compiler keeps three registers and not every step's two 64-bit descriptors
-// (up_gelu_sm90 spilled them).
+// d = A[64 rows, 32 bytes] B[N rows, 32 bytes]^T, or d += it (accumulate), N = 32 (16
+// accumulators) or 64 (32), at K step K (32 bytes a step) of descriptors a and b given by
+// their low words at step 0 (core_descriptor's) and their common high word: made in the
+// asm, so that the compiler keeps three registers and not every step's two 64-bit
+// descriptors (up_gelu_sm90 spilled them).
+// (A, B, H, P, O: the asm's operand numbers of a, b, high, accumulate and the offset)
+#define WGMMA_64XNX32(N, ACC, TEXT, A, B, H, P, O)                                          \
+    asm volatile("{\n.reg .pred p;\n.reg .b32 la, lb;\n.reg .b64 da, db;\n"               \
+                 "setp.ne.b32 p, %" P ", 0;\n"                                               \
+                 "add.u32 la, %" A ", %" O ";\nadd.u32 lb, %" B ", %" O ";\n"                \
+                 "mov.b64 da, {la, %" H "};\nmov.b64 db, {lb, %" H "};\n"                    \
+                 "wgmma.mma_async.sync.aligned.m64n" N "k32.s32.s8.s8 " TEXT ", da, db, p;\n}\n" \
+                 : ACC(d)                                                                   \
+                 : "r"(a), "r"(b), "r"(high), "r"(accumulate), "n"(2 * CORE_LBO / 16 * K))
 template <int K>
-__device__ __forceinline__ void wgmma_64x32x32(int (&d)[16], u32 a, u32 b, u32 high, int accumulate) {
-    asm volatile(
-        "{\n.reg .pred p;\n.reg .b32 la, lb;\n.reg .b64 da, db;\n"
-        "setp.ne.b32 p, %19, 0;\n"
-        "add.u32 la, %16, %20;\nadd.u32 lb, %17, %20;\n"
-        "mov.b64 da, {la, %18};\nmov.b64 db, {lb, %18};\n"
-        "wgmma.mma_async.sync.aligned.m64n32k32.s32.s8.s8 " ACC16_TEXT ", da, db, p;\n}\n"
-        : ACC16(d)
-        : "r"(a), "r"(b), "r"(high), "r"(accumulate), "n"(2 * CORE_LBO / 16 * K));
+__device__ __forceinline__ void wgmma_64xNx32(int (&d)[16], u32 a, u32 b, u32 high, int accumulate) {
+    WGMMA_64XNX32("32", ACC16, ACC16_TEXT, "16", "17", "18", "19", "20");
 }
+template <int K>
+__device__ __forceinline__ void wgmma_64xNx32(int (&d)[32], u32 a, u32 b, u32 high, int accumulate) {
+    WGMMA_64XNX32("64", ACC32, ACC32_TEXT, "32", "33", "34", "35", "36");
+}
+#undef WGMMA_64XNX32
+
+// d (+)= A[64 rows, 32 bytes] B[N rows, 32 bytes]^T for N = 128 or 256 (N / 2
+// accumulators: columns 64 c + 8 j + 2 tig + e in d[32 c + 4 j + 2 s + e], as N / 64
+// m64n64k32 products side by side), both operands' descriptors given. One MMA reads A's
+// bytes from shared memory once for all N columns, where N / 64 products read them N / 64
+// times.
+#define R10(t) "%" t "0, %" t "1, %" t "2, %" t "3, %" t "4, %" t "5, %" t "6, %" t "7, %" t "8, %" t "9"
+#define ACC8(d, o) "+r"(d[o]), "+r"(d[o + 1]), "+r"(d[o + 2]), "+r"(d[o + 3]), "+r"(d[o + 4]), \
+    "+r"(d[o + 5]), "+r"(d[o + 6]), "+r"(d[o + 7])
+#define ACC64(d, o) ACC8(d, o), ACC8(d, o + 8), ACC8(d, o + 16), ACC8(d, o + 24), ACC8(d, o + 32), \
+    ACC8(d, o + 40), ACC8(d, o + 48), ACC8(d, o + 56)
+__device__ __forceinline__ void wgmma_64xNx32(int (&d)[64], u64 a, u64 b, int accumulate) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n128k32.s32.s8.s8 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, "
+                 R10("1") ", " R10("2") ", " R10("3") ", " R10("4") ", " R10("5") ", %60, %61, %62, %63}, "
+                 "%64, %65, p;\n}\n"
+                 : ACC64(d, 0)
+                 : "l"(a), "l"(b), "r"(accumulate));
+}
+__device__ __forceinline__ void wgmma_64xNx32(int (&d)[128], u64 a, u64 b, int accumulate) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n256k32.s32.s8.s8 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, "
+                 R10("1") ", " R10("2") ", " R10("3") ", " R10("4") ", " R10("5") ", " R10("6") ", " R10("7") ", "
+                 R10("8") ", " R10("9") ", " R10("10") ", " R10("11") ", %120, %121, %122, %123, %124, %125, %126, "
+                 "%127}, %128, %129, p;\n}\n"
+                 : ACC64(d, 0), ACC64(d, 64)
+                 : "l"(a), "l"(b), "r"(accumulate));
+}
+#undef R10
+#undef ACC8
+#undef ACC64
 
 // The warpgroup's 64 rows (s_a) times a tile's TILE_N rows (s_b), K = HIDDEN, into d:
 // issued and committed as one group, not waited for.
@@ -146,6 +184,24 @@ __device__ __forceinline__ void tile_product_async(int (&d)[32], const i8* s_a, 
         wgmma_64x64x32(d, core_descriptor(s_a + 2 * CORE_LBO * k),
                        core_descriptor(s_b + 2 * CORE_LBO * k), k > 0);
     asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+
+// The warpgroup's 64 rows (s_a) times T tiles of TILE_N rows side by side (s_b), K =
+// HIDDEN, into d[c] for tile c (as tile_product_async's): one MMA a K step where its
+// shape exists (T = 2 or 4), issued and committed as one group, not waited for.
+template <int T>
+__device__ __forceinline__ void tiles_product_async(int (&d)[T][32], const i8* s_a, const i8* s_b) {
+    if constexpr (T == 2 || T == 4) {
+        asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+        for (int k = 0; k < TILE_PIECES / 2; k++)
+            wgmma_64xNx32(reinterpret_cast<int(&)[T * 32]>(d), core_descriptor(s_a + 2 * CORE_LBO * k),
+                          core_descriptor(s_b + 2 * CORE_LBO * k), k > 0);
+        asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+    } else {
+#pragma unroll
+        for (int c = 0; c < T; c++) tile_product_async(d[c], s_a, s_b + c * TILE_N * HIDDEN);
+    }
 }
 
 // Steps K.. of a product with A from registers (tile_product_regs), B's descriptors made

@@ -352,11 +352,11 @@ class Forward:
         """mlp_up of the up-projection of rows.y (its input dot in rows.sb) without
         writing the projection: the GEMM and mlp_up in one kernel (up_gelu_sm90.cu). The
         GELU'd hidden goes to rows.hidden, the down-projection's input dot to rows.sbd."""
-        rows, r, up_rows = batch.rows, batch.n_rows, self.plan.defines["UP_ROWS"]
+        rows, r, defines = batch.rows, batch.n_rows, self.plan.defines
         self.launch(
             "up_gelu_sm90",
-            (-(-r // up_rows),),
-            (4 * up_rows,),  # a warpgroup of 128 threads for 32 rows
+            (-(-r // defines["UP_ROWS"]),),
+            (128 * defines["UP_ROWS"] // defines["UP_WG_ROWS"],),  # a warpgroup a UP_WG_ROWS rows
             y=rows.y,
             up_cores=self.state.cores[names.up, layer].out,
             sb_up=rows.sb,

@@ -71,7 +71,7 @@ TILE_WARPS, TILE_N = 8, 64  # head_loss: 32 rows a warp, vocabulary tiles of 64 
 # head_loss_sm90: rows a block, four warpgroups; where they do not fit beside two tiles,
 # two warpgroups whose registers hold the rows (up to hidden 1024: 128 registers a thread)
 HEAD_ROWS, WIDE_HEAD_ROWS, WIDE_HEAD_HIDDEN = 256, 128, 1024
-UP_ROWS = 64  # up_gelu_sm90: rows a block, two warpgroups of 32
+UP_ROWS = 64  # up_gelu_sm90: rows a block, one warpgroup of 64 or two of 32 (UP_WG_ROWS)
 QKV_ROWS = 64  # qkv_rope_sm90: rows a block, one warpgroup
 RESIDUAL_ROWS = 128  # residual_sm90: rows a tile, two warpgroups of 64
 SLICE, SLICE_STAGES = 128, 4  # residual_sm90: bytes of K a pipeline stage holds, stages
@@ -176,14 +176,17 @@ def kernel_defines(cfg: Config, device: Device) -> dict[str, int]:
     )
     # up_gelu_sm90: its entries packed in one word where 8-byte ones do not fit one
     # block (the static shared memory's kilobyte beside it) and 16 bits hold them (not in
-    # mode 2); three blocks an SM (80 registers a thread) where a warpgroup's rows are
-    # one member's and three fit the SM's shared memory; else two (96 registers: 80 spill
-    # there, and a cap that no third block uses only slows the kernel); packed, one (at
-    # hidden 1024 128 registers spill)
+    # mode 2); three blocks an SM where a warpgroup's rows are one member's and three fit
+    # the SM's shared memory; else two (with warpgroups of 32 rows, 96 registers: 80
+    # spill there, and a cap that no third block uses only slows the kernel); packed, one
+    # (at hidden 1024 128 registers spill). A block is one warpgroup of 64 rows where a
+    # member is whole groups of 64 rows (167 registers a thread at the default) and the
+    # entries are not packed (one warpgroup an SM would be too few), else two of 32.
     wide = not fits_alone(up_gelu_sm90_shared(cfg, defines), device)  # 8-byte entries
     defines["UP_PACK"] = int(wide and cfg.adaptive_noise.mode != 2)
     three = m.seq_len % 32 == 0 and blocks_fit(3, up_gelu_sm90_shared(cfg, defines), device)
     defines["UP_BLOCKS"] = 3 if three else 1 if defines["UP_PACK"] else 2
+    defines["UP_WG_ROWS"] = 64 if m.seq_len % 64 == 0 and not defines["UP_PACK"] else 32
     defines["ATT_BUFFERS"] = attention_buffers(cfg, device, defines["ATT_WARPS"])
     return defines
 
