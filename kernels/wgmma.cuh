@@ -4,10 +4,10 @@
 //
 // A block's warpgroups own 64 rows each (head_loss_sm90: four or two, HEAD_ROWS rows;
 // qkv_rope_sm90: one, which takes a whole matrix's products at once and does not sweep;
-// residual_sm90.cu's: two, taking all columns at once and K in slices, its own pipeline),
-// or 32 (up_gelu_sm90: two, UP_ROWS = 64, so that two or three blocks share an SM, its
-// products transposed: the matrix's rows as the MMA's rows); head_loss_sm90 and up_gelu_sm90
-// sweep a weight matrix Wt[out, HIDDEN] in tiles of TILE_N rows.
+// residual_sm90.cu's: two, taking all columns at once and K in slices, its own pipeline;
+// up_gelu_sm90: one, or two of 32 rows, UP_WG_ROWS, so that two or three blocks share an
+// SM, its products transposed: the matrix's rows as the MMA's rows); head_loss_sm90 and
+// up_gelu_sm90 sweep a weight matrix Wt[out, HIDDEN] in tiles of TILE_N rows.
 // `wgmma.mma_async` reads both operands straight from shared memory (head_loss_sm90's
 // rows from registers: tile_product_regs) and runs asynchronously: each warpgroup
 // starts tile t + 1's products into a second set of accumulators, then runs tile t's
