@@ -255,7 +255,7 @@ head_loss_sm90(const i8* y, const i8* emb_t, const i8* emb_cores, const int* sb,
 #endif
     };
     // `pass` a constant in each sweep's epilogue, as in head_loss
-    sweep_async<TILE_N * HIDDEN>(TILES, s_b, emb_cores, products,
+    sweep_async<TILE_N * HIDDEN, 32, HEAD_THREADS>(TILES, s_b, emb_cores, products,
                                  [&](int (&d)[32], int tile) { epilogue(d, tile, 0); });
     // A row's sum: exact where no term was moved, else 2^floor(log2) where the interval
     // [lo, hi] leaves one (it holds the sum, which is at least the peak's 2^SCALE_BIT).
@@ -294,7 +294,7 @@ head_loss_sm90(const i8* y, const i8* emb_t, const i8* emb_cores, const int* sb,
     if (n_open > OPEN_ROWS) {  // sweep_async synchronizes the block
         if (threadIdx.x == 0) atomicAdd(again, 1ull);
         total[0] = total[1] = 0;
-        sweep_async<TILE_N * HIDDEN>(TILES, s_b, emb_cores, products,
+        sweep_async<TILE_N * HIDDEN, 32, HEAD_THREADS>(TILES, s_b, emb_cores, products,
                                      [&](int (&d)[32], int tile) { epilogue(d, tile, 1); });
 #pragma unroll
         for (int s = 0; s < 2; s++) sums[s] = quad_sum((unsigned long long)total[s]);

@@ -165,7 +165,7 @@ up_gelu_sm90(const i8* y, const i8* up_cores, const int* sb_up, const u32* seeds
     // the warpgroup's rows from warpgroup_index(), so that their descriptors stay in
     // uniform registers (wg_row made so too spilled 16 bytes)
     const i8* s_rows = s_a + UP_WG_ROWS * warpgroup_index() * HIDDEN;
-    sweep_async<TILE_N * HIDDEN, UP_ACC>(
+    sweep_async<TILE_N * HIDDEN, UP_ACC, UP_THREADS>(
         TILES, s_b, up_cores, [&](int (&d)[UP_ACC], const i8* tile) { features_product_async(d, tile, s_rows); },
         [&](const int (&d)[UP_ACC], int tile) {
             const int h = tile & 1, group = tile / 2 * 32 + 8 * w + g;
