@@ -11,17 +11,17 @@
 // The products are taken transposed: the tile's matrix rows are the MMA's rows (A) and
 // the warpgroup's activation rows its columns (B), so that a thread holds two features
 // for UP_RPT rows (8 or 16), and their per-member entries (output noise, bias, the
-// down-projection's input noise) are loaded once a tile for all of them. The other way round (a thread
-// holding sixteen features of two rows) each product needed its own loads, and
-// shared-memory loads bounded the kernel.
+// down-projection's input noise) are loaded once a tile for all of them. The other way
+// round (a thread holding sixteen features of two rows) each product needed its own
+// loads, and shared-memory loads bounded the kernel.
 //
 // The input dot rounds in float over each group of four features j, j + HIDDEN,
 // j + 2 HIDDEN, j + 3 HIDDEN, in that order (mlp_up's), so a thread takes whole groups
 // over two tiles: in tiles 2 u + h, tile row 16 w + 8 s + g (warp w of the warpgroup,
 // g = lane / 4) is feature G + (2 h + s) HIDDEN of group G = 32 u + 8 w + g (gpu/cores.py's
 // up_order), and thread (w, g) holds its features (the accumulator's rows g, g + 8) for
-// its rows 8 j + 2 tig + e (the columns; j < UP_WG_ROWS / 8, e < 2). Tile 2 u + 1 finishes what
-// tile 2 u began.
+// its rows 8 j + 2 tig + e (the columns; j < UP_WG_ROWS / 8, e < 2). Tile 2 u + 1
+// finishes what tile 2 u began.
 //
 // The hidden row is written group by group, byte 4 G + sub for feature G + sub HIDDEN
 // (gpu/cores.py's hidden_order), a thread's four bytes at once: the down-projection reads it

@@ -345,7 +345,9 @@ __device__ __forceinline__ void sweep_async(int n, i8* s_b, const i8* tiles, Pro
         if (tile + 1 < n) barrier_wait(&full[(tile + 1) & 1], ((tile + 1) >> 1) & 1);
         if (WARPS == 4) __syncthreads();
         product(next, s_b + ((tile + 1) & 1) * BYTES);
-        auto refill = [&] { bulk_copy(s_b + (tile & 1) * BYTES, tiles + (long)(tile + 2) * BYTES, BYTES, &full[tile & 1]); };
+        auto refill = [&] {  // tile t + 2 into the buffer t used
+            bulk_copy(s_b + (tile & 1) * BYTES, tiles + (long)(tile + 2) * BYTES, BYTES, &full[tile & 1]);
+        };
         if (WARPS == 4) {
             if (tile + 2 < n && threadIdx.x == 0) refill();
         } else if (tile < n && (threadIdx.x & 31) == 0) {
