@@ -202,7 +202,7 @@ up_gelu_sm90(const i8* y, const i8* up_cores, const int* sb_up, const u32* seeds
                 bytes[r] = h == 0 ? pair : __byte_perm(bytes[r], pair, 0x5410);
                 if (h == 1) {
                     total[r] += (u32)partial[r];
-                    // one address and the rows' constant offsets: eight addresses kept
+                    // one address and the rows' constant offsets: an address a row kept
                     // over the sweep spilled registers
                     const int offset = 8 * (r >> 1) + (r & 1);
                     if (offset < rows_left)

@@ -312,7 +312,8 @@ __device__ __forceinline__ u32 count_arrival(u32* counter) {
 // (tile_product_async, as one committed group); epilogue(d, t) gets them for tile t and
 // may overwrite them (the next product into d starts from zero, behind wgmma.fence).
 // The block's rows (the operand product reads besides the tile) must be in shared
-// memory, their cp.async copy committed before. Tables the epilogues read are best
+// memory, their cp.async copy committed before. THREADS is the block's size as
+// launched: the refills count its warps. Tables the epilogues read are best
 // built before: between two tiles, a global load's wait stalls every warp.
 template <u32 BYTES, int ACC, int THREADS, typename Product, typename Epilogue>
 __device__ __forceinline__ void sweep_async(int n, i8* s_b, const i8* tiles, Product product,
