@@ -45,6 +45,7 @@ from deggs.numerics.gpu.plan import (
     row_kernels_shared,
     supports,
     up_gelu_sm90_shared,
+    up_gelu_sm90_threads,
 )
 from deggs.numerics.launch import Kernel, signatures
 from deggs.numerics.model import cdiv, f32, fma32, make_tables, trunc_i32
@@ -556,8 +557,8 @@ def test_the_sources_compile_for_hopper_without_spills(model, tmp_path):
             wide = kernel in WIDE or (kernel == "head_loss_sm90" and defines["HEAD_ROWS"] == 128)
             limit = 255 if wide else 128
             if kernel == "up_gelu_sm90":  # its blocks an SM share the 64K registers
-                threads = 128 * defines["UP_ROWS"] // defines["UP_WG_ROWS"]
-                limit = min(255, 65536 // (threads * defines["UP_BLOCKS"]) // 8 * 8)
+                threads = up_gelu_sm90_threads(defines) * defines["UP_BLOCKS"]
+                limit = min(255, 65536 // threads // 8 * 8)
             assert registers <= limit, (kernel, usage)
         static.update(static_shared_by_nvcc(run.stderr))
         return run.stderr

@@ -16,7 +16,7 @@ from ...config import Config
 from ..params import EMB_MLP, LAYER_MLP, Mlp
 from .cuda import DeviceArray, Launcher, cp
 from .one_pass import exp_bounds
-from .plan import Plan
+from .plan import Plan, up_gelu_sm90_threads
 from .state import QKV, DeviceState
 
 FORWARD_BUDGET = 16 << 30  # bytes of a forward sub-batch's row buffers (Forward.batch)
@@ -356,7 +356,7 @@ class Forward:
         self.launch(
             "up_gelu_sm90",
             (-(-r // defines["UP_ROWS"]),),
-            (128 * defines["UP_ROWS"] // defines["UP_WG_ROWS"],),  # a warpgroup a UP_WG_ROWS rows
+            (up_gelu_sm90_threads(defines),),
             y=rows.y,
             up_cores=self.state.cores[names.up, layer].out,
             sb_up=rows.sb,

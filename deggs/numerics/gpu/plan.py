@@ -302,6 +302,12 @@ def head_loss_sm90_shared(cfg: Config, defines: Mapping[str, int]) -> int:
     return head_loss_sm90_layout(cfg, rows, last, copies)
 
 
+def up_gelu_sm90_threads(defines: Mapping[str, int]) -> int:
+    """up_gelu_sm90's threads a block as compiled (its UP_THREADS): a warpgroup of 128
+    for each UP_WG_ROWS of its UP_ROWS rows."""
+    return 128 * defines["UP_ROWS"] // defines["UP_WG_ROWS"]
+
+
 def up_gelu_sm90_shared(cfg: Config, defines: Mapping[str, int]) -> int:
     """Bytes of dynamic shared memory of up_gelu_sm90 (up_gelu_sm90.cu's layout): the
     block's rows, two tiles of the up matrix, per member and feature of the matrix an
