@@ -3,7 +3,7 @@
 
     python scripts/bench.py [--config PATH | --golden NAME.npz] [--backend cpu|gpu]
         [--members N] [--repeats R] [--updates U] [--steps S] [--batch B] [--profile]
-        [--timeline] [--head KERNEL] [--qkv KERNEL] [--replay N]
+        [--timeline] [--head KERNEL] [--qkv KERNEL] [--replay N] [-D NAME=VALUE ...]
 
 After one warm-up of each (compilation, caches, graph capture) it times R forward runs
 of N members (default: a whole chunk on the GPU, 64 members on the CPU), U updates from
@@ -21,6 +21,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -76,6 +77,28 @@ def device_name(backend):
     return f"{platform.machine()} CPU, {os.cpu_count()} cores"
 
 
+def gpu_thermals() -> dict | None:
+    """The card's temperature (C), SM clock (MHz) and power limit (W) now, from
+    nvidia-smi (None where it cannot tell): at its power limit a card runs its clock
+    lower the warmer it is, so a figure is compared only at a like temperature."""
+    import cupy as cp
+
+    p = cp.cuda.runtime.getDeviceProperties(0)
+    bus = f"{p['pciDomainID']:08x}:{p['pciBusID']:02x}:{p['pciDeviceID']:02x}.0"
+    query = "--query-gpu=temperature.gpu,clocks.sm,power.limit"
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "-i", bus, query, "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout
+        temperature, clock, limit = (float(x) for x in out.strip().split(","))
+    except (OSError, subprocess.TimeoutExpired, ValueError):
+        return None
+    return {"temperature_c": temperature, "sm_clock_mhz": clock, "power_limit_w": limit}
+
+
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False))
 @click.option(
@@ -116,6 +139,14 @@ def device_name(backend):
     default=0,
     help="time a replay of N steps",
 )
+@click.option(
+    "-D",
+    "--define",
+    "defines",
+    multiple=True,
+    metavar="NAME=VALUE",
+    help="GPU: compile a kernel variant: replace a -D value (UP_ROWS=192, ...)",
+)
 def main(
     config_path,
     golden,
@@ -130,6 +161,7 @@ def main(
     head,
     qkv,
     replay_steps,
+    defines,
 ):
     if golden:
         from golden import golden_config
@@ -138,8 +170,12 @@ def main(
     else:
         cfg = load_config(config_path)
     m, t = cfg.model, cfg.training
-    if (head or qkv or timeline) and backend != "gpu":
-        raise click.UsageError("--head, --qkv and --timeline are for --backend gpu")
+    if (head or qkv or timeline or defines) and backend != "gpu":
+        raise click.UsageError("--head, --qkv, --timeline and -D are for --backend gpu")
+    try:
+        overrides = {k: int(v) for k, v in (d.split("=", 1) for d in defines)}
+    except ValueError:
+        raise click.UsageError("-D takes NAME=VALUE, VALUE an integer") from None
     start = time.perf_counter()
     if backend == "gpu":
         from deggs.numerics.gpu import GpuBackend
@@ -148,7 +184,11 @@ def main(
         # this config on this device is refused
         try:
             engine = GpuBackend(
-                cfg, batch=batch, head=head, qkv=None if qkv is None else qkv == "qkv_rope_sm90"
+                cfg,
+                batch=batch,
+                head=head,
+                qkv=None if qkv is None else qkv == "qkv_rope_sm90",
+                defines=overrides or None,
             )
         except ValueError as e:
             raise click.UsageError(str(e)) from None
@@ -185,6 +225,7 @@ def main(
         },
         "init_s": round(init_s, 3),
         "members": n,
+        **({"defines": overrides} if overrides else {}),
         "forward_s": round(forward_s, 4),
         "forward_runs": [round(x, 4) for x in forward_runs],
         "member_tokens_per_s": round(n * m.seq_len / forward_s),
@@ -199,8 +240,11 @@ def main(
         trainer.train_step(data)  # every chunk's losses and fitness, then the update
 
     if steps:
+        before = gpu_thermals() if backend == "gpu" else None
         step_s, step_runs = median_time(whole_step, steps)
         record.update(step_runs=[round(x, 4) for x in step_runs], extrapolated=False)
+        if before is not None:
+            record["thermals"] = {"before_steps": before, "after_steps": gpu_thermals()}
     else:
         step_s = t.population_size / n * forward_s + record.get("update_s", 0.0)
         record["extrapolated"] = True

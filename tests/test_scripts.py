@@ -322,14 +322,16 @@ def test_scaling_report_compares_step_times_and_losses():
         scaling.summary("late", late[:9])
 
 
-@pytest.mark.parametrize("choice", [["--qkv", "qkv_rope"], ["--head", "head_loss"], ["--timeline"]])
+@pytest.mark.parametrize(
+    "choice", [["--qkv", "qkv_rope"], ["--head", "head_loss"], ["--timeline"], ["-D", "UP_ROWS=64"]]
+)
 def test_bench_refuses_gpu_options_for_the_cpu_backend(choice):
     import bench
     from click.testing import CliRunner
 
     result = CliRunner().invoke(bench.main, ["--config", str(ROOT / "config.toml"), *choice])
     assert result.exit_code == 2
-    assert "--head, --qkv and --timeline are for --backend gpu" in result.output
+    assert "--head, --qkv, --timeline and -D are for --backend gpu" in result.output
 
 
 def test_bench_reports_the_int8_rate_and_its_share(tmp_path):
