@@ -240,6 +240,9 @@ def main(
         trainer.train_step(data)  # every chunk's losses and fitness, then the update
 
     if steps:
+        # one untimed: each timed step then starts behind the update of the one before,
+        # as in training (the host queues the first chunk while the GPU updates)
+        whole_step(-1)
         before = gpu_thermals() if backend == "gpu" else None
         step_s, step_runs = median_time(whole_step, steps)
         record.update(step_runs=[round(x, 4) for x in step_runs], extrapolated=False)
@@ -282,13 +285,13 @@ def step_timeline(engine, trainer, data) -> list[dict]:
     the update are queued. span_ms: from when the GPU got to it (or the host began to
     queue it, if later) to the end of its last kernel; idle_before_ms: from the end of
     the one before to that; host_ms: the host's time in start_losses (queuing a chunk)
-    or in update (which waits for it). A chunk whose host_ms is well under the span of
-    the one before was queued before the GPU got to it, so its span is GPU time alone;
-    the first chunk's and the update's include what the host did first."""
+    or start_update. A chunk whose host_ms is well under the span of the one before was
+    queued before the GPU got to it, so its span is GPU time alone; the update's
+    includes what the host did first (the last chunk's fitness)."""
     import cupy as cp
 
     marks = []
-    start_losses, update = engine.start_losses, engine.update
+    start_losses, start_update = engine.start_losses, engine.start_update
 
     def event():
         e = cp.cuda.Event()
@@ -306,12 +309,12 @@ def step_timeline(engine, trainer, data) -> list[dict]:
         return run
 
     engine.start_losses = timed(lambda: f"chunk {len(marks)}", start_losses)
-    engine.update = timed(lambda: "update", update)
+    engine.start_update = timed(lambda: "update", start_update)
     try:
         trainer.train_step(data)
         engine.stream.synchronize()
     finally:
-        del engine.start_losses, engine.update  # the methods again
+        del engine.start_losses, engine.start_update  # the methods again
     ms = lambda event: cp.cuda.get_elapsed_time(marks[0][1], event)
     rows, previous = [], 0.0
     for name, first, last, host_ms in marks:

@@ -11,13 +11,13 @@ from deggs.cli import main
 from deggs.numerics.es import Trainer
 
 FLIP_AT = int(os.environ["DEGGS_TEST_FLIP_AT_STEP"])
-_apply = Trainer.apply
+_start_apply = Trainer.start_apply
 flipped = False
 
 
 def apply_then_flip(self, fitness):
     global flipped
-    changed = _apply(self, fitness)
+    changed = _start_apply(self, fitness)
     if self.step == FLIP_AT and not flipped:
         flipped = True
         backend = self.backend
@@ -28,5 +28,5 @@ def apply_then_flip(self, fitness):
     return changed
 
 
-Trainer.apply = apply_then_flip
+Trainer.start_apply = apply_then_flip
 main(prog_name="python -m deggs")

@@ -81,6 +81,37 @@ def test_a_failing_chunk_still_waits_for_the_chunk_queued_behind_it():
     assert backend.events[-3:] == [("start", 2), ("wait", 1), ("wait", 2)]
 
 
+class UpdatingBackend(QueuedBackend):
+    """QueuedBackend that also records when an update is started and waited for."""
+
+    def start_update(self, fitness, step, step_seed):
+        self.events.append(("update", step))
+        changed = self.update(fitness, step, step_seed)
+
+        def wait():
+            self.events.append(("updated", step))
+            return changed
+
+        return wait
+
+
+def test_the_next_steps_first_chunk_is_queued_behind_the_update():
+    """train_step starts the update and returns: the next step's first chunk is started
+    with the update still running (a GPU queues it behind), and nothing waits for it."""
+    backend = UpdatingBackend(CFG)
+    trainer = Trainer(backend)
+    trainer.train_step(DATA)
+    trainer.train_step(DATA)
+    at = backend.events.index(("update", 0))
+    assert backend.events[at - 1] == ("wait", 3) and backend.events[at + 1] == ("start", 0)
+    assert ("updated", 0) not in backend.events and trainer.step == 2
+    # the weights are the same as those of updates waited for one by one
+    alone = Trainer(CpuBackend(CFG, threads=1))
+    for _ in range(2):
+        alone.apply(np.concatenate([r.fitness for r in alone.score_population(DATA)]))
+    assert all(np.array_equal(alone.backend.params[k], v) for k, v in backend.params.items())
+
+
 def test_apply_moves_to_the_next_step_and_seed():
     trainer = Trainer(CpuBackend(CFG, threads=1))
     before = {k: v.copy() for k, v in trainer.backend.params.items()}

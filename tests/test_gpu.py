@@ -81,15 +81,22 @@ def test_gpu_matches_cpu_on_random_configs(case):
     compare_states(cpu, gpu)
     seed = cfg.training.seed
     members = np.arange(cfg.training.population_size)
+    updating, changed = None, 0  # the GPU's update, started and not yet waited for
     for step in range(3):
         picked = members if step != 1 else rng.permutation(members)[:17]
+        # queued behind the update started below, before its count is waited for
         ours = gpu.losses(data, step, seed, picked)
         theirs = cpu.losses(data, step, seed, picked)
         assert np.array_equal(ours, theirs), f"losses at step {step}"
+        if updating is not None:
+            assert updating() == changed
+            compare_states(cpu, gpu)
         fitness = rng.integers(-1, 2, cfg.training.n_pairs).astype(np.int32)
-        assert gpu.update(fitness, step, seed) == cpu.update(fitness, step, seed)
-        compare_states(cpu, gpu)
+        updating = gpu.start_update(fitness, step, seed)
+        changed = cpu.update(fitness, step, seed)
         seed = int(rng.integers(2**32))
+    assert updating() == changed
+    compare_states(cpu, gpu)
     prompt = data[: cfg.sampling.prompt_tokens]
     assert np.array_equal(gpu.generate(prompt, 7), cpu.generate(prompt, 7))
 

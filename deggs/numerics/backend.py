@@ -59,6 +59,13 @@ class Backend(Protocol):
         """Apply a step's whole-population fitness; returns how many weights changed."""
         ...
 
+    def start_update(self, fitness: np.ndarray, step: int, step_seed: int) -> Callable[[], int]:
+        """Start `update`; returns a function that waits for it and returns how many
+        weights changed. A backend that runs asynchronously (the GPU) queues it ahead of
+        whatever comes next (the next step's chunks, which see the new weights) and
+        returns at once; one that does not updates here."""
+        ...
+
     def generate(self, prompt, seed: int, n_tokens: int | None = None) -> np.ndarray:
         """The prompt followed by n_tokens tokens sampled from the unperturbed model."""
         ...

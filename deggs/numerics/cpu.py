@@ -127,6 +127,10 @@ class CpuBackend:
             self.cfg, self.params, self.overlays, self.state, fitness, step, step_seed
         )
 
+    def start_update(self, fitness, step: int, step_seed: int) -> Callable[[], int]:
+        changed = self.update(fitness, step, step_seed)  # here and now
+        return lambda: changed
+
     def generate(self, prompt, seed: int, n_tokens: int | None = None) -> np.ndarray:
         needed = len(prompt) + (self.cfg.sampling.generate_tokens if n_tokens is None else n_tokens)
         if needed > self.tables.rope.shape[0]:

@@ -14,8 +14,9 @@ Member 2i of the population adds pair i's noise to the weights, member 2i + 1 su
 it; a chunk is `chunk_size` consecutive members. `Trainer` holds one replica of the model
 (a backend) with the step and seed it is at. Where one process scores every chunk
 (`Trainer.score_population`), each chunk is started (`Backend.start_losses`) before the
-fitness of the one ahead is taken, so that a GPU does not wait for the host between
-chunks.
+fitness of the one ahead is taken, and the update is started (`Backend.start_update`)
+before the next step's first chunk, so that a GPU does not wait for the host between
+chunks or steps.
 """
 
 from __future__ import annotations
@@ -162,15 +163,22 @@ class Trainer:
         """The update from the whole population's fitness; moves to the next step.
 
         Returns how many weights changed."""
-        changed = self.backend.update(fitness, self.step, self.seed)
+        return self.start_apply(fitness)()
+
+    def start_apply(self, fitness: np.ndarray) -> Callable[[], int]:
+        """`apply`, started (Backend.start_update): the function returned waits for the
+        update and returns how many weights changed. A GPU updates while the caller
+        queues the next step's first chunk behind it."""
+        wait = self.backend.start_update(fitness, self.step, self.seed)
         self.step += 1
         self.seed = next_step_seed(self.seed, self.step)
-        return changed
+        return wait
 
     def train_step(self, data: np.ndarray) -> list[ChunkResult]:
-        """One whole step in this process: score every chunk, then apply the update."""
+        """One whole step in this process: score every chunk, then start the update
+        (the next step's chunks queue behind it)."""
         results = self.score_population(data)
-        self.apply(np.concatenate([r.fitness for r in results]))
+        self.start_apply(np.concatenate([r.fitness for r in results]))
         return results
 
     def prompt(self, data: np.ndarray) -> np.ndarray:

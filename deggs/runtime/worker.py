@@ -157,6 +157,7 @@ class Worker:
         self.log = log
         self.training: Training | None = None  # once the config is known
         self.last_updates = self.chunks_done = 0
+        self._updating: Callable[[], int] | None = None  # an update started, not waited for
         self._asked_at = 0.0  # when our last JOB_REQUEST went out
         self.deggs_coordinator = False  # may we send deggs messages (EVALUATION, HEALTH)?
         self._windows: np.ndarray | None = None  # validation windows, once loaded
@@ -341,6 +342,7 @@ class Worker:
                 results.append(self._finish_chunk(started.popleft()))
             while started:
                 results.append(self._finish_chunk(started.popleft()))
+            self._settle_update()
         finally:
             for chunk in started:  # a chunk's copy still in flight is waited for
                 chunk.wait()
@@ -613,13 +615,18 @@ class Worker:
             fitness = unpack_trits(response.data, training.trainer.cfg.training.n_pairs)
         except ValueError as e:
             raise ProtocolError(f"bad fitness for step {self.step}: {e}") from None
-        started = time.perf_counter()
-        self.last_updates = training.trainer.apply(fitness)
-        self.log(
-            f"[worker] updated to step {self.step}: {self.last_updates} weights changed "
-            f"({time.perf_counter() - started:.2f} s)"
-        )
+        self._settle_update()
+        # a GPU updates while we ask for the next chunk and queue it behind the update
+        self._updating = training.trainer.start_apply(fitness)
         self._reached_step()
+
+    def _settle_update(self):
+        """Wait for the update last started, if not yet waited for: its count of weights
+        changed goes with the next RESULT."""
+        if self._updating is None:
+            return
+        self.last_updates, self._updating = self._updating(), None
+        self.log(f"[worker] updated to step {self.step}: {self.last_updates} weights changed")
 
     # --- digests and snapshots (snapshot.Keeper keeps them) ---------------------------
 
@@ -699,6 +706,7 @@ class Worker:
         """A scored chunk's RESULT frame, and its line in the log."""
         trainer = self._ready().trainer
         cfg = trainer.cfg
+        self._settle_update()
         frame = Result(
             trainer.seed,
             trainer.step,

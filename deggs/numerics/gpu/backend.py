@@ -5,6 +5,7 @@ device state (state.py) and the three paths: forward.py, update.py, generate.py.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import numpy as np
 
@@ -264,6 +265,10 @@ class GpuBackend:
 
     def update(self, fitness, step: int, step_seed: int) -> int:
         return self.updates(fitness, step, step_seed)
+
+    def start_update(self, fitness, step: int, step_seed: int) -> Callable[[], int]:
+        """The update queued on the stream, ahead of whatever is queued next (Update.start)."""
+        return self.updates.start(fitness, step, step_seed)
 
     def generate(self, prompt, seed: int, n_tokens: int | None = None) -> np.ndarray:
         """Prompt followed by n_tokens sampled tokens, as deggs.numerics.sampling.generate."""

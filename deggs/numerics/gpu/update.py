@@ -194,6 +194,21 @@ DEVICE_OPTIMIZERS: dict[str, type[AdamWDevice] | type[SgdDevice]] = {
 }
 
 
+class UpdateCount:
+    """How many weights an update queued on the stream changed: calling it waits for
+    the update (once) and returns the count."""
+
+    def __init__(self, done, host: np.ndarray):
+        self.done, self.host = done, host
+        self.value: int | None = None
+
+    def __call__(self) -> int:
+        if self.value is None:
+            self.done.synchronize()
+            self.value = int(self.host[0])
+        return self.value
+
+
 class Update:
     """The update of `state` from a step's fitness, captured as a CUDA graph (unless
     use_graph is False, or the capture fails: then it runs eagerly, and says so in the
@@ -216,6 +231,10 @@ class Update:
         self.graph = None
         self.graph_error: str | None = None
         self._buffers: UpdateBuffers | None = None  # made at the first update
+        # the changes' count of the update last started comes here (pinned: copied
+        # while the stream runs on), read by its UpdateCount
+        self._host = np.frombuffer(cp.cuda.alloc_pinned_memory(8), np.uint64, 1)
+        self._count: UpdateCount | None = None
 
     @property
     def buffers(self) -> UpdateBuffers:
@@ -229,18 +248,29 @@ class Update:
 
     def __call__(self, fitness, step: int, step_seed: int) -> int:
         """Apply the fitness of `step`; returns how many weights changed."""
+        return self.start(fitness, step, step_seed)()
+
+    def start(self, fitness, step: int, step_seed: int) -> UpdateCount:
+        """Queue the update of `step` on the stream and return at once: whatever is
+        queued behind it (the next step's chunks) sees the new weights, and the host
+        prepares the next chunk while the GPU updates. The UpdateCount returned waits
+        for the update and gives how many weights changed."""
         cfg = self.cfg
         fitness = np.asarray(fitness)
         if fitness.shape != (cfg.training.n_pairs,):
             raise ValueError(f"fitness must have {cfg.training.n_pairs} entries")
         if np.abs(fitness).max(initial=0) > 1:
             raise ValueError("the gpu update takes ternary fitness (-1, 0, 1)")
+        if self._count is not None:
+            self._count()  # its host word is about to be written again
         U = self.buffers
         fit = np.zeros(U.pairs, np.int8)
         fit[: len(fitness)] = fitness
         lr = np.float32(cfg.learning_rate(step))
         lrs = np.array([lr, lr * np.float32(cfg.optimizer.bias_lr_scale)], np.float32)
+        done = cp.cuda.Event(disable_timing=True)
         with self.stream:
+            # (from pageable memory: the copies take the host arrays before they return)
             U.fitness.set(fit, stream=self.stream)
             U.seed.set(np.array([int(step_seed) & 0xFFFFFFFF], np.uint32), stream=self.stream)
             U.lr.set(lrs, stream=self.stream)
@@ -250,9 +280,10 @@ class Update:
                 self.graph.launch(self.stream)
             else:
                 self.body()
-            changes = U.changes.get(stream=self.stream)
-        self.stream.synchronize()
-        return int(changes[0])
+            U.changes.data.copy_to_host_async(self._host.ctypes.data, 8, self.stream)
+            done.record(self.stream)
+        self._count = UpdateCount(done, self._host)
+        return self._count
 
     def _capture(self) -> None:
         """Capture the update as a CUDA graph; on failure log why and run eagerly from
