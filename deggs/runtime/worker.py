@@ -157,7 +157,8 @@ class Worker:
         self.log = log
         self.training: Training | None = None  # once the config is known
         self.last_updates = self.chunks_done = 0
-        self._updating: Callable[[], int] | None = None  # an update started, not waited for
+        # an update started and not yet waited for, and the step it brings the model to
+        self._updating: tuple[Callable[[], int], int] | None = None
         self._asked_at = 0.0  # when our last JOB_REQUEST went out
         self.deggs_coordinator = False  # may we send deggs messages (EVALUATION, HEALTH)?
         self._windows: np.ndarray | None = None  # validation windows, once loaded
@@ -617,7 +618,8 @@ class Worker:
             raise ProtocolError(f"bad fitness for step {self.step}: {e}") from None
         self._settle_update()
         # a GPU updates while we ask for the next chunk and queue it behind the update
-        self._updating = training.trainer.start_apply(fitness)
+        wait = training.trainer.start_apply(fitness)
+        self._updating = (wait, self.step)
         self._reached_step()
 
     def _settle_update(self):
@@ -625,8 +627,9 @@ class Worker:
         changed goes with the next RESULT."""
         if self._updating is None:
             return
-        self.last_updates, self._updating = self._updating(), None
-        self.log(f"[worker] updated to step {self.step}: {self.last_updates} weights changed")
+        (wait, step), self._updating = self._updating, None
+        self.last_updates = wait()
+        self.log(f"[worker] updated to step {step}: {self.last_updates} weights changed")
 
     # --- digests and snapshots (snapshot.Keeper keeps them) ---------------------------
 
