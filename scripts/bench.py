@@ -32,6 +32,8 @@ import numpy as np
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
 
+from variants import define_option, parse_defines  # noqa: E402
+
 from deggs.config import load_config  # noqa: E402
 from deggs.numerics.backend import BACKENDS, make_backend  # noqa: E402
 from deggs.numerics.es import Trainer  # noqa: E402
@@ -139,14 +141,7 @@ def gpu_thermals() -> dict | None:
     default=0,
     help="time a replay of N steps",
 )
-@click.option(
-    "-D",
-    "--define",
-    "defines",
-    multiple=True,
-    metavar="NAME=VALUE",
-    help="GPU: compile a kernel variant: replace a -D value (UP_ROWS=192, ...)",
-)
+@define_option("GPU: compile a kernel variant: replace a -D value (UP_ROWS=192, ...)")
 def main(
     config_path,
     golden,
@@ -172,10 +167,7 @@ def main(
     m, t = cfg.model, cfg.training
     if (head or qkv or timeline or defines) and backend != "gpu":
         raise click.UsageError("--head, --qkv, --timeline and -D are for --backend gpu")
-    try:
-        overrides = {k: int(v) for k, v in (d.split("=", 1) for d in defines)}
-    except ValueError:
-        raise click.UsageError("-D takes NAME=VALUE, VALUE an integer") from None
+    overrides = parse_defines(defines)
     start = time.perf_counter()
     if backend == "gpu":
         from deggs.numerics.gpu import GpuBackend

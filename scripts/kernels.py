@@ -29,7 +29,9 @@ from pathlib import Path
 import click
 import numpy as np
 
-sys.path[:0] = [str(Path(__file__).resolve().parents[1])]
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
+
+from variants import define_option, parse_defines  # noqa: E402
 
 from deggs.config import Config, load_config  # noqa: E402
 from deggs.numerics import model  # noqa: E402
@@ -815,14 +817,7 @@ def run(
 )
 @click.option("--members", type=click.IntRange(min=1), default=256, show_default=True)
 @click.option("--repeats", type=click.IntRange(min=1), default=10, show_default=True)
-@click.option(
-    "-D",
-    "--define",
-    "defines",
-    multiple=True,
-    metavar="NAME=VALUE",
-    help="compile a kernel variant: replace a -D value (ATT_SPLIT=4, ...)",
-)
+@define_option("compile a kernel variant: replace a -D value (ATT_SPLIT=4, ...)")
 @click.option(
     "--no-check",
     is_flag=True,
@@ -830,7 +825,7 @@ def run(
 )
 def main(names, config_path, members, repeats, defines, no_check):
     cfg = load_config(config_path) if config_path else SMALL
-    overrides = {k: int(v) for k, v in (d.split("=", 1) for d in defines)}
+    overrides = parse_defines(defines)
     ok = run(cfg, names or sorted(CHECKS), members, repeats, defines=overrides, check=not no_check)
     sys.exit(0 if ok else 1)
 
