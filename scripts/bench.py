@@ -21,7 +21,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -32,6 +31,7 @@ import numpy as np
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
 
+from power import thermals  # noqa: E402
 from variants import define_option, parse_defines  # noqa: E402
 
 from deggs.config import load_config  # noqa: E402
@@ -77,28 +77,6 @@ def device_name(backend):
 
         return cp.cuda.runtime.getDeviceProperties(0)["name"].decode()
     return f"{platform.machine()} CPU, {os.cpu_count()} cores"
-
-
-def gpu_thermals() -> dict | None:
-    """The card's temperature (C), SM clock (MHz) and power limit (W) now, from
-    nvidia-smi (None where it cannot tell): at its power limit a card runs its clock
-    lower the warmer it is, so a figure is compared only at a like temperature."""
-    import cupy as cp
-
-    p = cp.cuda.runtime.getDeviceProperties(0)
-    bus = f"{p['pciDomainID']:08x}:{p['pciBusID']:02x}:{p['pciDeviceID']:02x}.0"
-    query = "--query-gpu=temperature.gpu,clocks.sm,power.limit"
-    try:
-        out = subprocess.run(
-            ["nvidia-smi", "-i", bus, query, "--format=csv,noheader,nounits"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-        ).stdout
-        temperature, clock, limit = (float(x) for x in out.strip().split(","))
-    except (OSError, subprocess.TimeoutExpired, ValueError):
-        return None
-    return {"temperature_c": temperature, "sm_clock_mhz": clock, "power_limit_w": limit}
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -235,11 +213,11 @@ def main(
         # one untimed: each timed step then starts behind the update of the one before,
         # as in training (the host queues the first chunk while the GPU updates)
         whole_step(-1)
-        before = gpu_thermals() if backend == "gpu" else None
+        before = thermals() if backend == "gpu" else None
         step_s, step_runs = median_time(whole_step, steps)
         record.update(step_runs=[round(x, 4) for x in step_runs], extrapolated=False)
         if before is not None:
-            record["thermals"] = {"before_steps": before, "after_steps": gpu_thermals()}
+            record["thermals"] = {"before_steps": before, "after_steps": thermals()}
     else:
         step_s = t.population_size / n * forward_s + record.get("update_s", 0.0)
         record["extrapolated"] = True

@@ -2,7 +2,7 @@
 """Check and time the GPU kernels one at a time against the CPU specification.
 
     python scripts/kernels.py [NAME ...] [--config PATH] [--members N] [--repeats R]
-        [-D NAME=VALUE ...] [--no-check]
+        [-D NAME=VALUE ...] [--energy SECONDS] [--no-check]
 
 For each kernel: random inputs (weights and overlays moved off their initial values, so
 every noise path is live), the kernel alone through its typed launcher, the same
@@ -12,6 +12,10 @@ line per kernel: ok or MISMATCH, milliseconds, and the GB/s of the bytes the ker
 move (its inputs and outputs once), against the card's memory bandwidth. Exit status 1
 on any mismatch. Speed work on one kernel never needs the whole model to run, and -D
 compiles a variant (another ATT_SPLIT, LOSS_REGISTER_LPT, ...) to check and time beside it.
+With --energy S each kernel also runs in a loop of about S seconds, long enough for the
+card to reach its power limit: a second line gives the call's time there, the power and
+clock (nvidia-smi, scripts/power.py) and so the energy a call, which at the limit is
+what a step pays for the kernel.
 
 Kernels without a check here (UNCHECKED) are covered end to end by tests/test_gpu.py.
 The update's kernels take the config's whole population (scripts/kernels.py
@@ -756,7 +760,14 @@ def equal(a, b) -> bool:
 
 
 def run(
-    cfg: Config, names, members: int, repeats: int, out=print, defines=None, check=True
+    cfg: Config,
+    names,
+    members: int,
+    repeats: int,
+    out=print,
+    defines=None,
+    check=True,
+    energy_s: float = 0.0,
 ) -> bool:
     b = Bench(cfg, members, defines=defines)
     bandwidth = b.cp.cuda.runtime.getDeviceProperties(0)
@@ -780,13 +791,7 @@ def run(
         launch()
         good = equal(result(), reference()) if check else None  # then timed on what it left
         again = b.forward.head_again_shares() or {}  # one_pass.py; sequence_loss's
-        start, end = b.cp.cuda.Event(), b.cp.cuda.Event()
-        start.record()
-        for _ in range(repeats):
-            launch()
-        end.record()
-        end.synchronize()
-        ms = b.cp.cuda.get_elapsed_time(start, end) / repeats
+        ms = time_calls(b, launch, repeats)
         gbs = moved / ms / 1e6
         out(
             f"{name:16s} {verdict[good]:9s} {ms:8.3f} ms  {gbs:7.1f} GB/s "
@@ -803,8 +808,45 @@ def run(
                 else ""
             )
         )
+        if energy_s > 0:
+            out(" " * 17 + energy_line(b, launch, ms, energy_s))
         ok &= good is not False
     return ok
+
+
+def time_calls(b: Bench, launch, repeats: int) -> float:
+    """Milliseconds a call over `repeats` calls back to back."""
+    start, end = b.cp.cuda.Event(), b.cp.cuda.Event()
+    start.record()
+    for _ in range(repeats):
+        launch()
+    end.record()
+    end.synchronize()
+    return b.cp.cuda.get_elapsed_time(start, end) / repeats
+
+
+def energy_line(b: Bench, launch, ms: float, seconds: float) -> str:
+    """The kernel in a loop of about `seconds` (at least 1.5), long enough for the card
+    to reach its power limit and settle its clock: the call's time in the loop, the mean
+    power and clock over the loop's last two thirds, and so its energy a call."""
+    import time
+
+    from power import Sampler
+
+    seconds = max(seconds, 1.5)
+    with Sampler() as sampler:
+        began = time.time()
+        loop_ms = time_calls(b, launch, max(1, round(1e3 * seconds / ms)))
+        ended = time.time()
+        time.sleep(0.1)  # the last sample in
+    card = sampler.mean(began + (ended - began) / 3, ended)
+    if card is None:
+        return "energy: no power samples (nvidia-smi missing?)"
+    return (
+        f"in a {ended - began:.1f} s loop {loop_ms:.3f} ms, {card['watts']:.0f} W at"
+        f" {card['sm_clock_mhz']:.0f} MHz, {card['temperature_c']:.0f} C:"
+        f" {card['watts'] * loop_ms:.1f} mJ a call"
+    )
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -819,14 +861,30 @@ def run(
 @click.option("--repeats", type=click.IntRange(min=1), default=10, show_default=True)
 @define_option("compile a kernel variant: replace a -D value (ATT_SPLIT=4, ...)")
 @click.option(
+    "--energy",
+    "energy_s",
+    type=click.FloatRange(min=0),
+    metavar="SECONDS",
+    default=0.0,
+    help="also run each kernel in a loop of about SECONDS: its power, clock and energy a call",
+)
+@click.option(
     "--no-check",
     is_flag=True,
     help="time only: the CPU reference of thousands of members takes minutes",
 )
-def main(names, config_path, members, repeats, defines, no_check):
+def main(names, config_path, members, repeats, defines, energy_s, no_check):
     cfg = load_config(config_path) if config_path else SMALL
     overrides = parse_defines(defines)
-    ok = run(cfg, names or sorted(CHECKS), members, repeats, defines=overrides, check=not no_check)
+    ok = run(
+        cfg,
+        names or sorted(CHECKS),
+        members,
+        repeats,
+        defines=overrides,
+        check=not no_check,
+        energy_s=energy_s,
+    )
     sys.exit(0 if ok else 1)
 
 

@@ -435,3 +435,29 @@ def test_atomic_writes_follow_the_umask(tmp_path, umask, mode):
     done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "f")], timeout=60)
     assert done.returncode == 0
     assert (tmp_path / "f").stat().st_mode & 0o777 == mode
+
+
+def test_power_samples_are_read_and_averaged_over_a_window():
+    """scripts/power.py reads nvidia-smi's CSV lines (a line cut short, or a field such
+    as [N/A], is left out) and averages the power and clock between two instants."""
+    import datetime
+
+    import power
+
+    t0 = datetime.datetime(2026, 11, 27, 15, 0, 0)
+    at = lambda ms: t0 + datetime.timedelta(milliseconds=ms)
+    stamp = lambda ms: at(ms).strftime("%Y/%m/%d %H:%M:%S.%f")[:-3]
+    lines = [
+        f"{stamp(0)}, 120.00, 1980, 40\n",
+        f"{stamp(20)}, 690.00, 1700, 50\n",
+        f"{stamp(40)}, [N/A], 1700, 50\n",
+        f"{stamp(60)}, 700.00, 1800, 51\n",
+        f"{stamp(80)}, 7",
+    ]
+    sampler = power.Sampler()
+    sampler.samples = power.read_samples(lines)
+    assert [s[1:] for s in sampler.samples] == [(120, 1980, 40), (690, 1700, 50), (700, 1800, 51)]
+    start = t0.timestamp()
+    card = sampler.mean(start + 0.01, start + 0.07)
+    assert card == {"watts": 695.0, "sm_clock_mhz": 1750.0, "temperature_c": 51.0}
+    assert sampler.mean(start + 1, start + 2) is None
