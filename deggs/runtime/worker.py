@@ -263,7 +263,11 @@ class Worker:
             try:
                 with sock:
                     self._serve(sock, max_steps)
+            except StopWorker:
+                self._settle_update()  # its line in the log before the stop's
+                raise
             except Finished as e:
+                self._settle_update()
                 # self.step is our model's: the run's last update is never handed out.
                 self.log(
                     f"[worker] {e}; this worker's model is at step "
@@ -651,6 +655,7 @@ class Worker:
         """Load the snapshot the coordinator sends instead of a catch-up step (or the
         initial weights, for step 0 and no bytes)."""
         trainer = self._ready().trainer
+        self._settle_update()  # an update still running is one the snapshot replaces
         if header.step == 0 and header.size == 0:
             self.keeper.restart(trainer)
             self.log("[worker] starting over from the initial weights, as the coordinator asks")

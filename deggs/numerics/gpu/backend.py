@@ -129,6 +129,9 @@ class GpuBackend:
 
     def load_state(self, params: dict, overlays: dict, state: OptimizerState | None = None):
         """Put weights, overlays and (optionally) optimizer state on the device."""
+        # an update still queued (start_update) writes the arrays `load` frees: the
+        # pool would hand their memory to the new ones on another stream
+        self.stream.synchronize()
         # the graphs point at the arrays `load` replaces: dropped first, whatever happens
         self.updates.forget_graph()
         self.generation.forget_graphs()
