@@ -17,6 +17,7 @@ a save directory of N steps of random fitness and times rebuilding the model fro
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -31,7 +32,7 @@ import numpy as np
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
 
-from power import thermals  # noqa: E402
+from power import Sampler, thermals  # noqa: E402
 from variants import define_option, parse_defines  # noqa: E402
 
 from deggs.config import load_config  # noqa: E402
@@ -214,10 +215,20 @@ def main(
         # as in training (the host queues the first chunk while the GPU updates)
         whole_step(-1)
         before = thermals() if backend == "gpu" else None
-        step_s, step_runs = median_time(whole_step, steps)
+        with Sampler() if backend == "gpu" else contextlib.nullcontext() as sampler:
+            began = time.time()
+            step_s, step_runs = median_time(whole_step, steps)
+            ended = time.time()
+            time.sleep(0.1)  # the last sample in
         record.update(step_runs=[round(x, 4) for x in step_runs], extrapolated=False)
         if before is not None:
-            record["thermals"] = {"before_steps": before, "after_steps": thermals()}
+            # the card before the timed steps (at rest) and during them, from 1 s in
+            # (power.draw averages the second before each sample)
+            during = sampler.mean(began + 1.0, ended)
+            record["thermals"] = {
+                "before_steps": before,
+                "during_steps": during and {k: round(v, 1) for k, v in during.items()},
+            }
     else:
         step_s = t.population_size / n * forward_s + record.get("update_s", 0.0)
         record["extrapolated"] = True

@@ -826,27 +826,31 @@ def time_calls(b: Bench, launch, repeats: int) -> float:
 
 
 def energy_line(b: Bench, launch, ms: float, seconds: float) -> str:
-    """The kernel in a loop of about `seconds` (at least 1.5), long enough for the card
-    to reach its power limit and settle its clock: the call's time in the loop, the mean
-    power and clock over the loop's last two thirds, and so its energy a call."""
+    """The kernel in a loop of about `seconds` (at least 3), long enough for the card to
+    reach its power limit and settle its clock: the call's time in the loop, the mean
+    power and clock from 1.5 s in (power.draw averages the second before it), and so
+    its energy a call."""
     import time
 
     from power import Sampler
 
-    seconds = max(seconds, 1.5)
+    seconds = max(seconds, 3.0)
     with Sampler() as sampler:
         began = time.time()
         loop_ms = time_calls(b, launch, max(1, round(1e3 * seconds / ms)))
         ended = time.time()
         time.sleep(0.1)  # the last sample in
-    card = sampler.mean(began + (ended - began) / 3, ended)
+    card = sampler.mean(began + 1.5, ended)
     if card is None:
-        return "energy: no power samples (nvidia-smi missing?)"
-    return (
+        return "energy: no power samples (no nvidia-smi?)"
+    line = (
         f"in a {ended - began:.1f} s loop {loop_ms:.3f} ms, {card['watts']:.0f} W at"
         f" {card['sm_clock_mhz']:.0f} MHz, {card['temperature_c']:.0f} C:"
         f" {card['watts'] * loop_ms:.1f} mJ a call"
     )
+    if loop_ms > 1.5 * ms:  # the host's launches, not the kernel, set the loop's pace
+        line += " (the loop waited for its launches: too short a kernel to tell)"
+    return line
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})

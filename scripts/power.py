@@ -56,7 +56,8 @@ def read_samples(lines) -> list[tuple[float, float, float, float]]:
 class Sampler:
     """nvidia-smi sampling the card's power, clock and temperature every period_ms while
     the `with` block runs; `mean(t0, t1)` averages the samples taken between two
-    time.time() instants."""
+    time.time() instants. (power.draw is a mean over the second before each sample on
+    recent cards: start a window a second or more into what it measures.)"""
 
     def __init__(self, period_ms: int = 20):
         self.period_ms = period_ms
@@ -65,17 +66,21 @@ class Sampler:
     def __enter__(self) -> Sampler:
         self.file = tempfile.TemporaryFile("w+")
         query = "--query-gpu=timestamp,power.draw,clocks.sm,temperature.gpu"
-        self.proc = subprocess.Popen(
-            ["nvidia-smi", "-i", _bus_id(), query, "--format=csv,noheader,nounits"]
-            + ["-lms", str(self.period_ms)],
-            stdout=self.file,
-            stderr=subprocess.DEVNULL,
-        )
+        try:
+            self.proc: subprocess.Popen | None = subprocess.Popen(
+                ["nvidia-smi", "-i", _bus_id(), query, "--format=csv,noheader,nounits"]
+                + ["-lms", str(self.period_ms)],
+                stdout=self.file,
+                stderr=subprocess.DEVNULL,
+            )
+        except OSError:  # no nvidia-smi: no samples, and mean() says so with None
+            self.proc = None
         return self
 
     def __exit__(self, *exc) -> None:
-        self.proc.terminate()
-        self.proc.wait(timeout=10)
+        if self.proc is not None:
+            self.proc.terminate()
+            self.proc.wait(timeout=10)
         self.file.seek(0)
         self.samples = read_samples(self.file)
         self.file.close()

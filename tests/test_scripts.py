@@ -461,3 +461,33 @@ def test_power_samples_are_read_and_averaged_over_a_window():
     card = sampler.mean(start + 0.01, start + 0.07)
     assert card == {"watts": 695.0, "sm_clock_mhz": 1750.0, "temperature_c": 51.0}
     assert sampler.mean(start + 1, start + 2) is None
+
+
+def test_a_define_is_refused_unless_a_kernel_source_names_it():
+    """-D (bench.py, kernels.py): a malformed value or a name no kernel mentions (a
+    typo, which would compile the kernels unchanged) is a usage error."""
+    import click
+    import variants
+
+    assert variants.parse_defines(["UP_ROWS=192", "HEAD_FOLD=0"]) == {
+        "UP_ROWS": 192,
+        "HEAD_FOLD": 0,
+    }
+    for bad, why in [
+        ("UP_ROW=192", "no kernel source mentions UP_ROW"),
+        ("=4", "no kernel source mentions"),
+        ("UP_ROWS=big", "VALUE an integer"),
+    ]:
+        with pytest.raises(click.UsageError, match=why):
+            variants.parse_defines([bad])
+
+
+def test_power_sampler_without_nvidia_smi(monkeypatch):
+    """Where nvidia-smi is missing the sampler has no samples, and says so with None."""
+    import power
+
+    monkeypatch.setattr(power, "_bus_id", lambda: "00000000:00:00.0")
+    monkeypatch.setenv("PATH", "/nonexistent")
+    with power.Sampler() as sampler:
+        pass
+    assert sampler.samples == [] and sampler.mean(0, 2e9) is None
