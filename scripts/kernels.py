@@ -28,6 +28,7 @@ launcher, and the launchers of its forward and update paths.
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 import click
@@ -830,8 +831,6 @@ def energy_line(b: Bench, launch, ms: float, seconds: float) -> str:
     reach its power limit and settle its clock: the call's time in the loop, the mean
     power and clock from 1.5 s in (power.draw averages the second before it), and so
     its energy a call."""
-    import time
-
     from power import Sampler
 
     seconds = max(seconds, 3.0)
