@@ -219,7 +219,6 @@ def main(
             began = time.time()
             step_s, step_runs = median_time(whole_step, steps)
             ended = time.time()
-            time.sleep(0.1)  # the last sample in
         record.update(step_runs=[round(x, 4) for x in step_runs], extrapolated=False)
         if before is not None:
             # the card before the timed steps (at rest) and during them, from 1 s in

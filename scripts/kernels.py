@@ -838,7 +838,6 @@ def energy_line(b: Bench, launch, ms: float, seconds: float) -> str:
         began = time.time()
         loop_ms = time_calls(b, launch, max(1, round(1e3 * seconds / ms)))
         ended = time.time()
-        time.sleep(0.1)  # the last sample in
     card = sampler.mean(began + 1.5, ended)
     if card is None:
         return "energy: no power samples (no nvidia-smi?)"

@@ -9,6 +9,7 @@ import datetime
 import statistics
 import subprocess
 import tempfile
+import time
 
 
 def _bus_id() -> str:
@@ -79,6 +80,7 @@ class Sampler:
 
     def __exit__(self, *exc) -> None:
         if self.proc is not None:
+            time.sleep(5 * self.period_ms / 1e3)  # the last samples of the block in
             self.proc.terminate()
             self.proc.wait(timeout=10)
         self.file.seek(0)
