@@ -180,6 +180,13 @@ def printable(text: str) -> str:
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
+def describe(message) -> str:
+    """A message from an unproven peer, for a log line: a GOODBYE with its claimed reason."""
+    if isinstance(message, Goodbye):
+        return f"a GOODBYE ({message.reason.name}: {printable(message.text)[:200]})"
+    return f"a {type(message).__name__}"
+
+
 # --- messages ------------------------------------------------------------------------
 
 

@@ -73,6 +73,7 @@ from .protocol import (
     SnapshotHeader,
     SnapshotPart,
     SnapshotRequest,
+    describe,
     printable,
     set_keepalive,
 )
@@ -157,8 +158,7 @@ class Worker:
         self.log = log
         self.training: Training | None = None  # once the config is known
         self.last_updates = self.chunks_done = 0
-        # an update started and not yet waited for, and the step it brings the model to
-        self._updating: tuple[Callable[[], int], int] | None = None
+        self._updating: Callable[[], int] | None = None  # an update started, not waited for
         self._asked_at = 0.0  # when our last JOB_REQUEST went out
         self.deggs_coordinator = False  # may we send deggs messages (EVALUATION, HEALTH)?
         self._windows: np.ndarray | None = None  # validation windows, once loaded
@@ -194,10 +194,7 @@ class Worker:
             f"[worker] {len(tokens)} tokens, backend {backend.name}, "
             f"config {cfg.fingerprint().hex()}"
         )
-        self._warn_if_slow(self.training)
-
-    def _warn_if_slow(self, training: Training):
-        warn_if_slow(self.log, training.trainer, training.tokens)
+        warn_if_slow(self.log, self.training.trainer, tokens)
 
     def stop(self, why: str) -> None:
         """Asked to stop (a signal handler calls this): StopWorker now, or, while a chunk
@@ -263,11 +260,7 @@ class Worker:
             try:
                 with sock:
                     self._serve(sock, max_steps)
-            except StopWorker:
-                self._settle_update()  # its line in the log before the stop's
-                raise
             except Finished as e:
-                self._settle_update()
                 # self.step is our model's: the run's last update is never handed out.
                 self.log(
                     f"[worker] {e}; this worker's model is at step "
@@ -347,10 +340,10 @@ class Worker:
                 results.append(self._finish_chunk(started.popleft()))
             while started:
                 results.append(self._finish_chunk(started.popleft()))
-            self._settle_update()
         finally:
             for chunk in started:  # a chunk's copy still in flight is waited for
                 chunk.wait()
+            self._settle_update()  # logged before the run's end, a stop or a reconnect
         if any(results):
             self._send(sock, *results)
 
@@ -405,7 +398,7 @@ class Worker:
             raise Unproven(f"before the coordinator proved the shared secret: {e}") from None
         if not isinstance(challenge, Challenge):
             raise Unproven(
-                f"{_describe(challenge)} before the coordinator proved the shared secret "
+                f"{describe(challenge)} before the coordinator proved the shared secret "
                 f"(is {auth.SECRET_ENV} set there?)"
             )
         if not auth.verify(secret, "coordinator", ours, challenge.nonce, challenge.proof):
@@ -622,18 +615,16 @@ class Worker:
             raise ProtocolError(f"bad fitness for step {self.step}: {e}") from None
         self._settle_update()
         # a GPU updates while we ask for the next chunk and queue it behind the update
-        wait = training.trainer.start_apply(fitness)
-        self._updating = (wait, self.step)
+        self._updating = training.trainer.start_apply(fitness)
         self._reached_step()
 
     def _settle_update(self):
-        """Wait for the update last started, if not yet waited for: its count of weights
-        changed goes with the next RESULT."""
-        if self._updating is None:
-            return
-        (wait, step), self._updating = self._updating, None
-        self.last_updates = wait()
-        self.log(f"[worker] updated to step {step}: {self.last_updates} weights changed")
+        """Wait for the update last started, before anything else moves the model (so it is
+        at the step the update reached); its count of weights changed goes with the next RESULT."""
+        if self._updating is not None:
+            wait, self._updating = self._updating, None
+            self.last_updates = wait()
+            self.log(f"[worker] updated to step {self.step}: {self.last_updates} weights changed")
 
     # --- digests and snapshots (snapshot.Keeper keeps them) ---------------------------
 
@@ -807,10 +798,3 @@ class Worker:
             f"{detokenize(tokens[:n], cfg, training.pieces)} >>> "
             f"{detokenize(tokens[n:], cfg, training.pieces)}\n"
         )
-
-
-def _describe(message) -> str:
-    """A message from an unproven peer, for a log line: a GOODBYE with its claimed reason."""
-    if isinstance(message, Goodbye):
-        return f"a GOODBYE ({message.reason.name}: {printable(message.text)[:200]})"
-    return f"a {type(message).__name__}"
