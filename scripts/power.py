@@ -20,13 +20,17 @@ def _bus_id() -> str:
     return f"{p['pciDomainID']:08x}:{p['pciBusID']:02x}:{p['pciDeviceID']:02x}.0"
 
 
+def _nvidia_smi(fields: str) -> list[str]:
+    """nvidia-smi's command line for a CSV of `fields` about CUDA device 0."""
+    return ["nvidia-smi", "-i", _bus_id(), f"--query-gpu={fields}", "--format=csv,noheader,nounits"]
+
+
 def thermals() -> dict | None:
     """The card's temperature (C), SM clock (MHz) and power limit (W) now; None where
     nvidia-smi cannot tell."""
-    query = "--query-gpu=temperature.gpu,clocks.sm,power.limit"
     try:
         out = subprocess.run(
-            ["nvidia-smi", "-i", _bus_id(), query, "--format=csv,noheader,nounits"],
+            _nvidia_smi("temperature.gpu,clocks.sm,power.limit"),
             capture_output=True,
             text=True,
             timeout=10,
@@ -66,11 +70,13 @@ class Sampler:
 
     def __enter__(self) -> Sampler:
         self.file = tempfile.TemporaryFile("w+")
-        query = "--query-gpu=timestamp,power.draw,clocks.sm,temperature.gpu"
         try:
             self.proc: subprocess.Popen | None = subprocess.Popen(
-                ["nvidia-smi", "-i", _bus_id(), query, "--format=csv,noheader,nounits"]
-                + ["-lms", str(self.period_ms)],
+                [
+                    *_nvidia_smi("timestamp,power.draw,clocks.sm,temperature.gpu"),
+                    "-lms",
+                    str(self.period_ms),
+                ],
                 stdout=self.file,
                 stderr=subprocess.DEVNULL,
             )

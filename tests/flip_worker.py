@@ -17,7 +17,7 @@ flipped = False
 
 def apply_then_flip(self, fitness):
     global flipped
-    changed = _start_apply(self, fitness)
+    wait = _start_apply(self, fitness)  # params and load_state wait for the update
     if self.step == FLIP_AT and not flipped:
         flipped = True
         backend = self.backend
@@ -25,7 +25,7 @@ def apply_then_flip(self, fitness):
         params["embedding"][0, 0] = np.int8(params["embedding"][0, 0] ^ 0x40)
         backend.load_state(params, backend.overlays, backend.state)
         print(f"[test] flipped a weight at step {FLIP_AT}", flush=True)
-    return changed
+    return wait
 
 
 Trainer.start_apply = apply_then_flip
