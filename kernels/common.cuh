@@ -151,6 +151,34 @@ __device__ __forceinline__ dot_t dot_entry(const i8* ov, u32 seed, u32 j) {
     return dot_entry_of(overlay_byte(ov, j), seed, j);
 }
 
+// Unit factors: where every overlay byte a dot reads is 64 or more (adaptive noise keeps
+// them there once training runs: an entry grows by inc whenever one of its matrix's
+// weights on that row moves; in mode 0 always), every factor is 1 and every entry 64 n,
+// so each term div64(v 64 n) is v n exactly and the dot is (sum of v e) / 64: one
+// multiply-add a term where C's truncation took three. UNIT_FITS(terms): that sum of
+// `terms` products stays below 2^31 in magnitude, so it cannot wrap (nor can the
+// reference's, 64 times smaller).
+#define UNIT_FITS(terms) (INT_FACTOR && 64ll * 128 * NOISE_N * (terms) < 2147483648ll)
+// Whether the factors of this thread's share of overlay ov's first n entries are all 1
+// (false in mode 2, whose factors are floats); the block votes with __syncthreads_and.
+__device__ __forceinline__ bool unit_share(const i8* ov, int n) {
+    bool unit = INT_FACTOR;
+    if (ADAPTIVE_MODE == 1)
+        for (int i = threadIdx.x; i < n; i += blockDim.x) unit &= ov[i] >= 64;
+    return unit;
+}
+// A dot's running sum and its value, term by term as dot_term sums them or, UNIT, as
+// the unit factors allow.
+template <bool UNIT>
+__device__ __forceinline__ u32 dot_add(u32 sum, int v, dot_t e) {
+#if INT_FACTOR
+    if constexpr (UNIT) return sum + (u32)(v * e);
+#endif
+    return sum + (u32)dot_term(v, e);
+}
+template <bool UNIT>
+__device__ __forceinline__ int dot_value(u32 sum) { return UNIT ? (int)sum >> 6 : (int)sum; }
+
 // A matrix's output noise of column j, (int)(a_j * factor_j): the term of v = 1 (in
 // modes 0 and 1 no float division either, whose slow path is a call that holds back the
 // loads of a table's loop).

@@ -81,7 +81,7 @@ __device__ __forceinline__ int byte_of(u32 word, int k) { return (int)(word << (
 // i, i = 16 c + 2 j + e, whose products are acc(c, 4 j + e) (d[c][4 j + 2 s + e]);
 // `tab` the member's tables at this thread's features, xq its bytes of x. Every lane
 // runs it (quad shuffles); only valid rows are stored.
-template <int NDOTS, typename Acc>
+template <int NDOTS, bool UNIT, typename Acc>
 __device__ __forceinline__ void residual_row(Acc acc, const uint4 (&xq)[FPT / 16], u32 sbs, int shift,
                                              const int* tab, const u32* s_magic, const ResidualArgs& r,
                                              long row, int rows, int tig, bool valid) {
@@ -136,7 +136,7 @@ __device__ __forceinline__ void residual_row(Acc acc, const uint4 (&xq)[FPT / 16
 #pragma unroll
             for (int p = 0; p < NDOTS; p++) {
                 const int e4[4] = {dr[p].x, dr[p].y, dr[p].z, dr[p].w};
-                dots[p] += (u32)dot_term(y, e4[u]);
+                dots[p] = dot_add<UNIT>(dots[p], y, e4[u]);
             }
         }
     }
@@ -146,11 +146,11 @@ __device__ __forceinline__ void residual_row(Acc acc, const uint4 (&xq)[FPT / 16
 #pragma unroll
     for (int p = 0; p < NDOTS; p++) {
         const u32 sum = quad_sum(dots[p]);
-        if (valid && tig == 0) r.sb_out[(long)p * rows + row] = (int)sum;
+        if (valid && tig == 0) r.sb_out[(long)p * rows + row] = dot_value<UNIT>(sum);
     }
 }
 
-template <int K, int NDOTS>
+template <int K, int NDOTS, bool UNIT>
 __device__ __forceinline__ void projection_residual(const i8* a, const i8* w_cores, const int* sb, const u32* seeds,
                                                     const int* signs, const i8* ov_out, u32 off_a, int shift,
                                                     const ResidualArgs& r, int rows) {
@@ -322,7 +322,7 @@ __device__ __forceinline__ void projection_residual(const i8* a, const i8* w_cor
         for (int s = 0; s < 2; s++) {
             const long row = row0 + 16 * warp + 8 * s + g;
             const int* tab = s_tab + member[s] * TABLES * TABLE_LD + (FPT + 4) * tig;
-            residual_row<NDOTS>([&](int c, int n) { return d[c][n + 2 * s]; }, xq[s], sbs[s], shift, tab, s_magic,
+            residual_row<NDOTS, UNIT>([&](int c, int n) { return d[c][n + 2 * s]; }, xq[s], sbs[s], shift, tab, s_magic,
                                 r, row, rows, tig, row < rows);
         }
     }
@@ -340,10 +340,18 @@ __device__ __forceinline__ void residual_kernel(const i8* inputs, const i8* w_co
                                                 const int* signs, const i8* ov_out, u32 off_a, int shift,
                                                 const ResidualArgs& r, int ndots, int rows) {
 #if RESIDUAL_FIT
-    if (ndots == 1)
-        projection_residual<K, 1>(inputs, w_cores, sb, seeds, signs, ov_out, off_a, shift, r, rows);
+    static_assert(UNIT_FITS(HIDDEN), "the next norm's dots sum HIDDEN terms");
+    // the next norm's dots by unit factors where they all are (common.cuh)
+    const bool unit = __syncthreads_and(unit_share(r.ov0, HIDDEN) &&
+                                        (ndots == 1 || (unit_share(r.ov1, HIDDEN) && unit_share(r.ov2, HIDDEN))));
+    if (ndots == 1 && unit)
+        projection_residual<K, 1, true>(inputs, w_cores, sb, seeds, signs, ov_out, off_a, shift, r, rows);
+    else if (ndots == 1)
+        projection_residual<K, 1, false>(inputs, w_cores, sb, seeds, signs, ov_out, off_a, shift, r, rows);
+    else if (ndots == 3 && unit)
+        projection_residual<K, 3, true>(inputs, w_cores, sb, seeds, signs, ov_out, off_a, shift, r, rows);
     else if (ndots == 3)
-        projection_residual<K, 3>(inputs, w_cores, sb, seeds, signs, ov_out, off_a, shift, r, rows);
+        projection_residual<K, 3, false>(inputs, w_cores, sb, seeds, signs, ov_out, off_a, shift, r, rows);
     else
         __trap();
 #else

@@ -95,11 +95,12 @@ __device__ __forceinline__ void features_product_async(int (&d)[UP_ACC], const i
 // One warpgroup of 64 rows or two of 32 a block, UP_BLOCKS blocks an SM: in blocks of
 // sixteen warps, one an SM, every warp waited at each tile's barrier for the slowest of
 // sixteen, and nothing ran beside a block's tables and first loads.
-extern "C" __global__ void __launch_bounds__(UP_THREADS, UP_BLOCKS)
-up_gelu_sm90(const i8* y, const i8* up_cores, const int* sb_up, const u32* seeds, const int* signs,
-             const i8* bias_up, const i8* ov_up_out, const i8* ov_bias_up, const i8* ov_down_in,
-             u32 up_a, u32 bias_a, u32 bias_b, u32 down_b, const int* gelu, i8* hidden,
-             int* sb_down, int rows) {
+template <bool UNIT>
+__device__ __forceinline__ void up_gelu_rows(const i8* y, const i8* up_cores, const int* sb_up, const u32* seeds,
+                                             const int* signs, const i8* bias_up, const i8* ov_up_out,
+                                             const i8* ov_bias_up, const i8* ov_down_in, u32 up_a, u32 bias_a,
+                                             u32 bias_b, u32 down_b, const int* gelu, i8* hidden, int* sb_down,
+                                             int rows) {
     extern __shared__ __align__(128) unsigned char up_gelu_sm90_shared[];
     constexpr int TILES = 4 * HIDDEN / TILE_N;
     constexpr int TABLE = 4 * HIDDEN;    // a member's entries, 4 G + sub for feature G + sub HIDDEN
@@ -161,7 +162,7 @@ up_gelu_sm90(const i8* y, const i8* up_cores, const int* sb_up, const u32* seeds
     // Carried from tile 2 u to 2 u + 1, per row: the GELU'd bytes of subs 0 and 1, the
     // input dot's partial sum over them; over all tiles, the rows' input dots.
     u32 bytes[UP_RPT], total[UP_RPT] = {};
-    int partial[UP_RPT];
+    int partial[UP_RPT];  // (UNIT: the terms go to total directly)
     // the warpgroup's rows from warpgroup_index(), so that their descriptors stay in
     // uniform registers (wg_row made so too spilled 16 bytes)
     const i8* s_rows = s_a + UP_WG_ROWS * warpgroup_index() * HIDDEN;
@@ -183,7 +184,7 @@ up_gelu_sm90(const i8* y, const i8* up_cores, const int* sb_up, const u32* seeds
 #pragma unroll
             for (int r = 0; r < UP_RPT; r++) {
                 if (SEQ % UP_WG_ROWS != 0) load(r);
-                if (h == 0) partial[r] = 0;
+                if (!UNIT && h == 0) partial[r] = 0;
                 int hv[2];  // the GELU'd values of subs 2 h and 2 h + 1
 #pragma unroll
                 for (int s = 0; s < 2; s++) {
@@ -194,14 +195,17 @@ up_gelu_sm90(const i8* y, const i8* up_cores, const int* sb_up, const u32* seeds
                     const int out = wrap_add(d[4 * (r >> 1) + 2 * s + (r & 1)], rank1_term(sbs[r], up[s].x));
                     hv[s] = s_gelu[clip8((out >> SHIFT_MLP_UP) + up[s].y) + MAXV];
 #endif
-                    partial[r] = down_step(partial[r], hv[s], down[s]);
+                    if constexpr (UNIT)
+                        total[r] = dot_add<true>(total[r], hv[s], down[s]);
+                    else
+                        partial[r] = down_step(partial[r], hv[s], down[s]);
                 }
                 // bytes 0 and 1 of a word by a permute (put in place one by one, each
                 // value was taken twice: loaded unsigned for its byte, signed for the dot)
                 const u32 pair = __byte_perm(hv[0], hv[1], 0x0040);
                 bytes[r] = h == 0 ? pair : __byte_perm(bytes[r], pair, 0x5410);
                 if (h == 1) {
-                    total[r] += (u32)partial[r];
+                    if (!UNIT) total[r] += (u32)partial[r];
                     // one address and the rows' constant offsets: an address a row kept
                     // over the sweep spilled registers
                     const int offset = 8 * (r >> 1) + (r & 1);
@@ -222,6 +226,20 @@ up_gelu_sm90(const i8* y, const i8* up_cores, const int* sb_up, const u32* seeds
     __syncthreads();
     for (int i = threadIdx.x; i < UP_ROWS && row0 + i < rows; i += blockDim.x) {
         const u32* sums = s_sums + 4 * i;
-        sb_down[row0 + i] = (int)(sums[0] + sums[1] + sums[2] + sums[3]);
+        sb_down[row0 + i] = dot_value<UNIT>(sums[0] + sums[1] + sums[2] + sums[3]);
     }
+}
+
+extern "C" __global__ void __launch_bounds__(UP_THREADS, UP_BLOCKS)
+up_gelu_sm90(const i8* y, const i8* up_cores, const int* sb_up, const u32* seeds, const int* signs,
+             const i8* bias_up, const i8* ov_up_out, const i8* ov_bias_up, const i8* ov_down_in,
+             u32 up_a, u32 bias_a, u32 bias_b, u32 down_b, const int* gelu, i8* hidden,
+             int* sb_down, int rows) {
+    // the down-projection's input dot by unit factors where they all are (common.cuh)
+    if (UNIT_FITS(UP) && __syncthreads_and(unit_share(ov_down_in, UP)))
+        up_gelu_rows<true>(y, up_cores, sb_up, seeds, signs, bias_up, ov_up_out, ov_bias_up, ov_down_in, up_a,
+                           bias_a, bias_b, down_b, gelu, hidden, sb_down, rows);
+    else
+        up_gelu_rows<false>(y, up_cores, sb_up, seeds, signs, bias_up, ov_up_out, ov_bias_up, ov_down_in, up_a,
+                            bias_a, bias_b, down_b, gelu, hidden, sb_down, rows);
 }

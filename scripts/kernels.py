@@ -5,7 +5,9 @@
         [-D NAME=VALUE ...] [--energy SECONDS] [--no-check]
 
 For each kernel: random inputs (weights and overlays moved off their initial values, so
-every noise path is live), the kernel alone through its typed launcher, the same
+every noise path is live; the `_unit` checks raise every overlay byte to 64 or more, as
+training keeps them, where the fused kernels sum their input dots by unit factors), the
+kernel alone through its typed launcher, the same
 computation with the CPU backend's functions (deggs/numerics/model.py, optimizer.py,
 sampling.py), a bit-exact comparison, then R timed launches with CUDA events. Prints one
 line per kernel: ok or MISMATCH, milliseconds, and the GB/s of the bytes the kernel must
@@ -82,22 +84,34 @@ class Bench:
             k: self.rng.integers(-100, 101, v.shape).astype(np.int8)
             for k, v in self.gpu.params.items()
         }
-        overlays = {
+        self.params = params
+        self.drawn = {
             k: self.rng.integers(-127, 128, v.shape).astype(np.int8)
             for k, v in self.gpu.overlays.items()
         }
-        self.gpu.load_state(params, overlays)
         self.tables = self.gpu.tables
         self.m, self.t, self.d = members, cfg.model.seq_len, cfg.model.hidden_dim
         self.rows = members * self.t
         self.pert = Perturbation(cfg, int(self.rng.integers(2**32)), np.arange(members))
-        self.weights = Weights(cfg, params, overlays, self.pert)
+        self.unit = None
+        self.use_overlays(unit=False)
         self.seeds = cp.asarray(self.pert.seeds)
         self.signs = cp.asarray(self.pert.signs.astype(np.int32))
         # room for any kernel's products or logits, whichever path it belongs to
         words = self.rows * max(4 * self.d, cfg.model.vocab_size)
         self.buf = self.forward.make_rows(self.rows, words)
         self.batch = Batch(self.buf, self.seeds, self.signs, members=members, positions=self.t)
+
+    def use_overlays(self, unit: bool):
+        """The overlays as drawn, or (unit) each byte raised to 64 if below: every
+        adaptive factor 1, where the fused kernels sum their dots by unit factors
+        (kernels/common.cuh)."""
+        if unit == self.unit:
+            return
+        overlays = {k: np.maximum(v, np.int8(64)) if unit else v for k, v in self.drawn.items()}
+        self.gpu.load_state(self.params, overlays)
+        self.weights = Weights(self.cfg, self.params, overlays, self.pert)
+        self.unit = unit
 
     def ints(self, low, high, shape, dtype=np.int32):
         return self.rng.integers(low, high, shape).astype(dtype)
@@ -363,6 +377,15 @@ def check_down_residual_sm90(b):
     return check_o_residual_sm90(b, down=True)
 
 
+def check_o_residual_sm90_unit(b):
+    """Likewise with every adaptive factor 1: the next norm's dot by unit factors."""
+    return check_o_residual_sm90(b)
+
+
+def check_down_residual_sm90_unit(b):
+    return check_o_residual_sm90(b, down=True)
+
+
 def mlp_up_reference(b, names, g, sb):
     """GELU'd hidden and the down-projection's input dot, from the up-projection g."""
     q = b.cfg.quantization
@@ -422,6 +445,12 @@ def check_up_gelu_sm90(b):
 
     moved = y.nbytes + sb.nbytes + 4 * b.d * b.d + b.rows * (4 * b.d + 4)
     return setup, launch, reference, result, moved
+
+
+def check_up_gelu_sm90_unit(b):
+    """Likewise with every adaptive factor 1: the down-projection's input dot by unit
+    factors."""
+    return check_up_gelu_sm90(b)
 
 
 def head_loss_reference(b, g, sb, tokens):
@@ -776,7 +805,7 @@ def run(
     ok = True
     verdict = {True: "ok", False: "MISMATCH", None: "unchecked"}
     for name in names:
-        kernel = name.removesuffix("_near")
+        kernel = name.removesuffix("_near").removesuffix("_unit")
         if kernel.endswith("_sm90") and kernel not in b.launch.kernels:  # Hopper's, elsewhere
             out(f"{name:16s} not built for this device")
             continue
@@ -784,6 +813,7 @@ def run(
             # launched, it would read and write past the shared memory it was given
             out(f"{name:16s} not used at this config: its tiles or its values do not fit")
             continue
+        b.use_overlays(unit=name.endswith("_unit"))
         setup, launch, reference, result, moved = CHECKS[name](b)
         setup()
         b.forward.head_blocks = b.forward.loss_rows = 0

@@ -342,7 +342,13 @@ SMALL_MODEL = dict(hidden_dim=64, head_dim=32, n_layers=1, seq_len=16, vocab_siz
 DEFAULT_MODEL = Config().to_dict()["model"]
 
 
-RESIDUAL = ["down_residual_sm90", "o_residual_sm90"]  # need hidden_dim 128 or 256, modes 0, 1
+# need hidden_dim 128 or 256, modes 0, 1
+RESIDUAL = [
+    "down_residual_sm90",
+    "down_residual_sm90_unit",
+    "o_residual_sm90",
+    "o_residual_sm90_unit",
+]
 
 
 @pytest.mark.parametrize(
@@ -499,7 +505,7 @@ def test_up_gelu_packs_its_entries_at_hidden_1024(mode):
     big = dict(hidden_dim=1024, head_dim=64, n_layers=1, seq_len=64, vocab_size=512)
     cfg = Config().replace(model=big, adaptive_noise=dict(mode=mode))
     lines = []
-    ok = harness.run(cfg, ["up_gelu_sm90", "mlp_up"], 6, 1, out=lines.append)
+    ok = harness.run(cfg, ["up_gelu_sm90", "up_gelu_sm90_unit", "mlp_up"], 6, 1, out=lines.append)
     assert ok and all(" ok " in line for line in lines), lines
 
 
