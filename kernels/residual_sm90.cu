@@ -340,10 +340,10 @@ __device__ __forceinline__ void residual_kernel(const i8* inputs, const i8* w_co
                                                 const int* signs, const i8* ov_out, u32 off_a, int shift,
                                                 const ResidualArgs& r, int ndots, int rows) {
 #if RESIDUAL_FIT
-    static_assert(UNIT_FITS(HIDDEN), "the next norm's dots sum HIDDEN terms");
     // the next norm's dots by unit factors where they all are (common.cuh)
-    const bool unit = __syncthreads_and(unit_share(r.ov0, HIDDEN) &&
-                                        (ndots == 1 || (unit_share(r.ov1, HIDDEN) && unit_share(r.ov2, HIDDEN))));
+    const bool unit = UNIT_FITS(HIDDEN) && __syncthreads_and(unit_share(r.ov0, HIDDEN) &&
+                                                             (ndots == 1 || (unit_share(r.ov1, HIDDEN) &&
+                                                                             unit_share(r.ov2, HIDDEN))));
     if (ndots == 1 && unit)
         projection_residual<K, 1, true>(inputs, w_cores, sb, seeds, signs, ov_out, off_a, shift, r, rows);
     else if (ndots == 1)
