@@ -322,8 +322,8 @@ __device__ __forceinline__ void projection_residual(const i8* a, const i8* w_cor
         for (int s = 0; s < 2; s++) {
             const long row = row0 + 16 * warp + 8 * s + g;
             const int* tab = s_tab + member[s] * TABLES * TABLE_LD + (FPT + 4) * tig;
-            residual_row<NDOTS, UNIT>([&](int c, int n) { return d[c][n + 2 * s]; }, xq[s], sbs[s], shift, tab, s_magic,
-                                r, row, rows, tig, row < rows);
+            residual_row<NDOTS, UNIT>([&](int c, int n) { return d[c][n + 2 * s]; }, xq[s], sbs[s], shift, tab,
+                                      s_magic, r, row, rows, tig, row < rows);
         }
     }
     __syncthreads();  // no thread waits on the barriers any more
