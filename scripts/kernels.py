@@ -377,15 +377,6 @@ def check_down_residual_sm90(b):
     return check_o_residual_sm90(b, down=True)
 
 
-def check_o_residual_sm90_unit(b):
-    """Likewise with every adaptive factor 1: the next norm's dot by unit factors."""
-    return check_o_residual_sm90(b)
-
-
-def check_down_residual_sm90_unit(b):
-    return check_o_residual_sm90(b, down=True)
-
-
 def mlp_up_reference(b, names, g, sb):
     """GELU'd hidden and the down-projection's input dot, from the up-projection g."""
     q = b.cfg.quantization
@@ -445,12 +436,6 @@ def check_up_gelu_sm90(b):
 
     moved = y.nbytes + sb.nbytes + 4 * b.d * b.d + b.rows * (4 * b.d + 4)
     return setup, launch, reference, result, moved
-
-
-def check_up_gelu_sm90_unit(b):
-    """Likewise with every adaptive factor 1: the down-projection's input dot by unit
-    factors."""
-    return check_up_gelu_sm90(b)
 
 
 def head_loss_reference(b, g, sb, tokens):
@@ -772,8 +757,12 @@ def check_choose_token(b):
     return setup, launch, reference, result, logits.nbytes + tokens.nbytes
 
 
+UNIT_FACTORS = ("down_residual_sm90", "o_residual_sm90", "up_gelu_sm90")
 CHECKS = {name[6:]: fn for name, fn in dict(globals()).items() if name.startswith("check_")}
 del CHECKS["optimizer"]  # the two above, by kind
+# The fused kernels' checks again with every overlay byte at 64 or more (run's
+# Bench.use_overlays): every adaptive factor 1, their input dots by unit factors
+CHECKS |= {f"{name}_unit": CHECKS[name] for name in UNIT_FACTORS}
 # Kernels with no check of their own here, and what covers them
 UNCHECKED = {
     "cached_attention": "tests/test_gpu.py's generations against the CPU",
