@@ -123,9 +123,13 @@ __device__ __forceinline__ void prepare_item(i8* s_vt, dot_t* s_dot, const i8* s
     for (int i = threadIdx.x; i < HEAD_DIM; i += threads) s_dot[i] = dot_entry(ov_o_in, seed, h * HEAD_DIM + i);
 }
 
-extern "C" __global__ void __launch_bounds__(32 * ATT_WARPS, 16 / ATT_WARPS)
-attention_mma(const i8* q, const i8* k, const i8* v, i8* mixed, int* sb_o, const u32* seeds,
-              const i8* ov_o_in, u32 o_b, const int* exp_tab, int items) {
+// The kernel's body; UNIT: o's input dot by unit factors (common.cuh). Each head's
+// share of the dot is then (sum of v e) / 64 exactly (every entry e is 64 n), so the
+// heads' shares still add up to the dot.
+template <bool UNIT>
+__device__ __forceinline__ void attention_items(const i8* q, const i8* k, const i8* v, i8* mixed, int* sb_o,
+                                                const u32* seeds, const i8* ov_o_in, u32 o_b, const int* exp_tab,
+                                                int items) {
     extern __shared__ __align__(16) unsigned char attention_shared[];
     // [ATT_BUFFERS] staging buffers: queries [ATT_QROWS_STAGED][ATT_LDK], keys
     // [ATT_KEYS][ATT_LDK] (the scores read both there), values as they lie in memory
@@ -305,14 +309,14 @@ attention_mma(const i8* q, const i8* k, const i8* v, i8* mixed, int* sb_o, const
                         const int v0 = clip8(by_total[r](acc[nt][2 * r]));
                         const int v1 = clip8(by_total[r](acc[nt][2 * r + 1]));
 #endif
-                        dot[r] += (u32)dot_term(v0, s_dot[d]) + (u32)dot_term(v1, s_dot[d + 1]);
+                        dot[r] = dot_add<UNIT>(dot_add<UNIT>(dot[r], v0, s_dot[d]), v1, s_dot[d + 1]);
                         if (tq[r] < SEQ)
                             *(unsigned short*)(mixed + head + (long)tq[r] * HIDDEN + d) =
                                 (unsigned short)((v0 & 255) | ((v1 & 255) << 8));
                     }
 #pragma unroll
                 for (int r = 0; r < 2; r++) {
-                    const u32 total_dot = quad_sum(dot[r]);
+                    const u32 total_dot = (u32)dot_value<UNIT>(quad_sum(dot[r]));
                     if (tig == 0 && tq[r] < SEQ) atomicAdd((u32*)&sb_o[(long)m * SEQ + tq[r]], total_dot);
                 }
             }
@@ -329,4 +333,22 @@ attention_mma(const i8* q, const i8* k, const i8* v, i8* mixed, int* sb_o, const
                          next % N_HEADS, 32 * ATT_PREP);
         }
     }
+}
+
+// The kernel and its twin for unit factors (gpu/plan.py's UNIT_TWINS): both are
+// launched, and the one whose case the overlay of o's inputs is not returns after its
+// block's vote. In one kernel, the two bodies spilled registers at hidden 512 and with
+// 64-bit sums.
+extern "C" __global__ void __launch_bounds__(32 * ATT_WARPS, 16 / ATT_WARPS)
+attention_mma(const i8* q, const i8* k, const i8* v, i8* mixed, int* sb_o, const u32* seeds,
+              const i8* ov_o_in, u32 o_b, const int* exp_tab, int items) {
+    if (!(UNIT_FITS(HEAD_DIM) && __syncthreads_and(unit_share(ov_o_in, HIDDEN))))
+        attention_items<false>(q, k, v, mixed, sb_o, seeds, ov_o_in, o_b, exp_tab, items);
+}
+extern "C" __global__ void __launch_bounds__(32 * ATT_WARPS, 16 / ATT_WARPS)
+attention_mma_unit(const i8* q, const i8* k, const i8* v, i8* mixed, int* sb_o, const u32* seeds,
+                   const i8* ov_o_in, u32 o_b, const int* exp_tab, int items) {
+    if constexpr (UNIT_FITS(HEAD_DIM))
+        if (__syncthreads_and(unit_share(ov_o_in, HIDDEN)))
+            attention_items<true>(q, k, v, mixed, sb_o, seeds, ov_o_in, o_b, exp_tab, items);
 }

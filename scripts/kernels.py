@@ -44,7 +44,7 @@ from deggs.config import Config, load_config  # noqa: E402
 from deggs.numerics import model  # noqa: E402
 from deggs.numerics.gpu.cores import hidden_order  # noqa: E402
 from deggs.numerics.gpu.forward import Batch, Norm  # noqa: E402
-from deggs.numerics.gpu.plan import KERNELS  # noqa: E402
+from deggs.numerics.gpu.plan import KERNELS, UNIT_TWINS  # noqa: E402
 from deggs.numerics.gpu.state import QKV  # noqa: E402
 from deggs.numerics.gpu.update import (  # noqa: E402
     DEVICE_OPTIMIZERS,
@@ -757,12 +757,14 @@ def check_choose_token(b):
     return setup, launch, reference, result, logits.nbytes + tokens.nbytes
 
 
-UNIT_FACTORS = ("down_residual_sm90", "o_residual_sm90", "up_gelu_sm90")
+UNIT_FACTORS = (*UNIT_TWINS, "down_residual_sm90", "o_residual_sm90", "up_gelu_sm90")
 CHECKS = {name[6:]: fn for name, fn in dict(globals()).items() if name.startswith("check_")}
 del CHECKS["optimizer"]  # the two above, by kind
 # The fused kernels' checks again with every overlay byte at 64 or more (run's
-# Bench.use_overlays): every adaptive factor 1, their input dots by unit factors
+# Bench.use_overlays): every adaptive factor 1, their input dots by unit factors (in
+# the kernel itself, or in its twin of that name: gpu/plan.py's UNIT_TWINS)
 CHECKS |= {f"{name}_unit": CHECKS[name] for name in UNIT_FACTORS}
+assert all(twin == f"{name}_unit" for name, twin in UNIT_TWINS.items())
 # Kernels with no check of their own here, and what covers them
 UNCHECKED = {
     "cached_attention": "tests/test_gpu.py's generations against the CPU",

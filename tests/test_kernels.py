@@ -32,6 +32,7 @@ from deggs.numerics.gpu.plan import (
     KERNELS,
     PROGRAMS,
     TILE_WARPS,
+    UNIT_TWINS,
     choose_token_threads,
     exp_copies,
     exp_last,
@@ -564,7 +565,7 @@ def test_the_sources_compile_for_hopper_without_spills(model, tmp_path):
         return run.stderr
 
     compile_checked("head_loss.cu", ["head_loss"])
-    compile_checked("attention.cu", ["attention_mma"])
+    compile_checked("attention.cu", ["attention_mma", UNIT_TWINS["attention_mma"]])
     for name in ("forward.cu", "generate.cu", "update.cu", "optimizer.cu"):
         compile_checked(name, [])
     # Hopper's kernels, for sm_90a where their tiles fit: ptxas must neither serialise
@@ -578,6 +579,8 @@ def test_the_sources_compile_for_hopper_without_spills(model, tmp_path):
         "down_residual_sm90": residual_sm90_shared(cfg, defines),
     }
     fits = [kernel for kernel, size in sizes.items() if size is not None and size <= H100_OPTIN]
+    fits += [UNIT_TWINS[k] for k in fits if k in UNIT_TWINS]
+    sizes |= {UNIT_TWINS[k]: size for k, size in sizes.items() if k in UNIT_TWINS}
     for name in PROGRAMS["sm90a"]:
         mine = [k for k in fits if KERNELS[k] == name]
         log = compile_checked(name, mine)

@@ -29,6 +29,7 @@ STATIC = {
     "vector_votes": 0, "update_overlay": 0, "gather_pieces": 0, "gather_bytes": 0,
     "adamw_step": 0, "sgd_step": 0, "head_loss_sm90": 128, "up_gelu_sm90": 128,
     "qkv_rope_sm90": 128, "o_residual_sm90": 2048, "down_residual_sm90": 2048,
+    "attention_mma_unit": 0,
 }  # fmt: skip
 MAIN = {k: v for k, v in STATIC.items() if KERNELS[k] in PROGRAMS["main"]}  # no sm90a built
 A100 = dataclasses.replace(H100, shared_optin=166912, shared_per_sm=167936, sms=108, hopper=False)

@@ -16,7 +16,7 @@ from ...config import Config
 from ..params import EMB_MLP, LAYER_MLP, Mlp
 from .cuda import DeviceArray, Launcher, cp
 from .one_pass import exp_bounds
-from .plan import Plan, up_gelu_sm90_threads
+from .plan import UNIT_TWINS, Plan, up_gelu_sm90_threads
 from .state import QKV, DeviceState
 
 FORWARD_BUDGET = 16 << 30  # bytes of a forward sub-batch's row buffers (Forward.batch)
@@ -522,21 +522,22 @@ class Forward:
         else:
             name, grid = "attention_mix", (batch.members, self.cfg.model.n_heads)
             threads = (self.plan.defines["ATT_SPLIT"] * batch.positions + 31) // 32 * 32
-        self.launch(
-            name,
-            grid,
-            (threads,),
-            q=q,
-            k=k,
-            v=v,
-            mixed=rows.y,
-            sb_o=rows.sbd,
-            seeds=batch.seeds,
-            ov_o_in=ov_o_in,
-            o_b=o_b,
-            exp_tab=self.exp,
-            **extra,
-        )
+        for kernel in (name, UNIT_TWINS[name]) if tensor_cores else (name,):  # one runs
+            self.launch(
+                kernel,
+                grid,
+                (threads,),
+                q=q,
+                k=k,
+                v=v,
+                mixed=rows.y,
+                sb_o=rows.sbd,
+                seeds=batch.seeds,
+                ov_o_in=ov_o_in,
+                o_b=o_b,
+                exp_tab=self.exp,
+                **extra,
+            )
 
     def cached_attention(self, batch: Batch, cache, start: int) -> None:
         """Generation (sign 0: the o-projection's input dot is never used): keys and values

@@ -40,6 +40,7 @@ KERNELS: dict[str, str] = {
     "mlp_up": "forward.cu",
     "sequence_loss": "forward.cu",
     "attention_mma": "attention.cu",
+    "attention_mma_unit": "attention.cu",
     "head_loss": "head_loss.cu",
     "cached_attention": "generate.cu",
     "choose_token": "generate.cu",
@@ -55,6 +56,12 @@ KERNELS: dict[str, str] = {
     "qkv_rope_sm90": "qkv_rope_sm90.cu",
     "o_residual_sm90": "residual_sm90.cu",
     "down_residual_sm90": "residual_sm90.cu",
+}
+# Kernels with a twin compiled for unit factors (common.cuh): gpu/forward.py launches
+# both with the same arguments, and only the one whose case the overlays are runs (the
+# other returns after its blocks' vote, some 5 us). Apart, each has registers of its own.
+UNIT_TWINS = {
+    "attention_mma": "attention_mma_unit",
 }
 SM90_FILES = ("head_loss_sm90.cu", "up_gelu_sm90.cu", "qkv_rope_sm90.cu", "residual_sm90.cu")
 PROGRAMS: dict[str, tuple[str, ...]] = {
@@ -510,7 +517,8 @@ def make_plan(
     o_residual = sm90("o_residual_sm90", residual)
     down_residual = fused_up and sm90("down_residual_sm90", residual)
     # Attention on the tensor cores (attention.cu) where a head fills whole MMAs.
-    att, att_static = attention_shared(cfg, defines["ATT_BUFFERS"]), static.get("attention_mma", 0)
+    att = attention_shared(cfg, defines["ATT_BUFFERS"])
+    att_static = max(static.get(n, 0) for n in ("attention_mma", UNIT_TWINS["attention_mma"]))
     tensor_attention = m.head_dim % 32 == 0 and att + att_static <= optin
     per_sm = 0
     if tensor_attention:
@@ -518,6 +526,7 @@ def make_plan(
         per_sm = attention_per_sm(
             cfg, device, defines["ATT_WARPS"], defines["ATT_BUFFERS"], att_static
         )
+    shared |= {twin: shared[name] for name, twin in UNIT_TWINS.items() if name in shared}
     opt_in = {
         name: size for name, size in shared.items() if size + static.get(name, 0) > STATIC_SHARED
     }
