@@ -579,8 +579,6 @@ def test_the_sources_compile_for_hopper_without_spills(model, tmp_path):
         "down_residual_sm90": residual_sm90_shared(cfg, defines),
     }
     fits = [kernel for kernel, size in sizes.items() if size is not None and size <= H100_OPTIN]
-    fits += [UNIT_TWINS[k] for k in fits if k in UNIT_TWINS]
-    sizes |= {UNIT_TWINS[k]: size for k, size in sizes.items() if k in UNIT_TWINS}
     for name in PROGRAMS["sm90a"]:
         mine = [k for k in fits if KERNELS[k] == name]
         log = compile_checked(name, mine)

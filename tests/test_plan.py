@@ -12,6 +12,7 @@ from deggs.numerics.gpu.plan import (
     KERNELS,
     PROGRAMS,
     STATIC_SHARED,
+    UNIT_TWINS,
     blocks_fit,
     exp_copies,
     exp_last,
@@ -50,6 +51,8 @@ def test_an_h100_runs_every_hopper_kernel_at_the_default():
     assert p.hopper and p.fused and p.head == "head_loss_sm90"
     assert p.fused_up and p.fused_qkv and p.o_residual and p.down_residual and p.tensor_attention
     assert set(SM90) <= set(p.shared)
+    # a unit twin is launched beside its kernel, with its shared memory
+    assert all(p.shared[twin] == p.shared[name] for name, twin in UNIT_TWINS.items())
     # the kernels past 48 KiB with their static part are the ones that opt in
     assert (
         p.opt_in == {k: v for k, v in p.shared.items() if v + STATIC[k] > STATIC_SHARED}
