@@ -337,18 +337,19 @@ __device__ __forceinline__ void attention_items(const i8* q, const i8* k, const 
 
 // The kernel and its twin for unit factors (gpu/plan.py's UNIT_TWINS): both are
 // launched, and the one whose case the overlay of o's inputs is not returns after its
-// block's vote. In one kernel, the two bodies spilled registers at hidden 512 and with
-// 64-bit sums.
+// block's vote, one function for both so that exactly one runs. In one kernel, the two
+// bodies spilled registers at hidden 512 and with 64-bit sums.
+__device__ __forceinline__ bool o_dot_unit(const i8* ov_o_in) {
+    return UNIT_FITS(HEAD_DIM) && __syncthreads_and(unit_share(ov_o_in, HIDDEN));
+}
 extern "C" __global__ void __launch_bounds__(32 * ATT_WARPS, 16 / ATT_WARPS)
 attention_mma(const i8* q, const i8* k, const i8* v, i8* mixed, int* sb_o, const u32* seeds,
               const i8* ov_o_in, u32 o_b, const int* exp_tab, int items) {
-    if (!(UNIT_FITS(HEAD_DIM) && __syncthreads_and(unit_share(ov_o_in, HIDDEN))))
-        attention_items<false>(q, k, v, mixed, sb_o, seeds, ov_o_in, o_b, exp_tab, items);
+    if (!o_dot_unit(ov_o_in)) attention_items<false>(q, k, v, mixed, sb_o, seeds, ov_o_in, o_b, exp_tab, items);
 }
 extern "C" __global__ void __launch_bounds__(32 * ATT_WARPS, 16 / ATT_WARPS)
 attention_mma_unit(const i8* q, const i8* k, const i8* v, i8* mixed, int* sb_o, const u32* seeds,
                    const i8* ov_o_in, u32 o_b, const int* exp_tab, int items) {
-    if constexpr (UNIT_FITS(HEAD_DIM))
-        if (__syncthreads_and(unit_share(ov_o_in, HIDDEN)))
-            attention_items<true>(q, k, v, mixed, sb_o, seeds, ov_o_in, o_b, exp_tab, items);
+    if constexpr (UNIT_FITS(HEAD_DIM))  // (else no body is compiled)
+        if (o_dot_unit(ov_o_in)) attention_items<true>(q, k, v, mixed, sb_o, seeds, ov_o_in, o_b, exp_tab, items);
 }

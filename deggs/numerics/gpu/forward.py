@@ -522,7 +522,8 @@ class Forward:
         else:
             name, grid = "attention_mix", (batch.members, self.cfg.model.n_heads)
             threads = (self.plan.defines["ATT_SPLIT"] * batch.positions + 31) // 32 * 32
-        for kernel in (name, UNIT_TWINS[name]) if tensor_cores else (name,):  # one runs
+        twin = UNIT_TWINS.get(name)  # launched beside it; of the two, one runs
+        for kernel in (name, twin) if twin else (name,):
             self.launch(
                 kernel,
                 grid,
