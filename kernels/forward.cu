@@ -28,62 +28,9 @@ __device__ __forceinline__ int embed_term(embed_entry row, embed_entry col) {
 }
 #endif
 
-// Token embeddings plus the embedding bias, each with its perturbation. Block per member,
-// a thread four features of a row (one 32-bit load and store), the block's threads
-// over all of the member's rows at once: a thread a feature and the rows in turn waited
-// on each row's token, then its table row.
-extern "C" __global__ void embed(const int* tokens, const u32* seeds, const int* signs,
-                                 const i8* emb_t, const i8* emb_bias, const i8* ov_row,
-                                 const i8* ov_col, const i8* ov_bias, u32 off_emb,
-                                 u32 off_bias_a, u32 off_bias_b, i8* x, int seq) {
-    __shared__ __align__(16) int s_bias[HIDDEN];
-    __shared__ __align__(16) embed_entry s_col[HIDDEN];
-    const int m = blockIdx.x;
-    const u32 seed = seeds[m];
-    const int sign = signs[m];
-    for (int f = threadIdx.x; f < HIDDEN; f += blockDim.x) {
-        s_bias[f] = emb_bias[f] + vector_noise(ov_bias, seed, off_bias_a, off_bias_b, f, sign);
-        s_col[f] = embed_entry_of(ov_col, seed + off_emb + HIDDEN, f);
-    }
-    __syncthreads();
-    // Four rounds of the block's threads at a time, their loads first: the stores to x
-    // could alias tokens and the table as far as the compiler knows, and would keep
-    // each round's loads waiting for the stores of the round before.
-    constexpr int QUADS = HIDDEN / 4, ROUNDS = 4;
-    const int total = seq * QUADS;
-    for (int e0 = threadIdx.x; e0 < total; e0 += ROUNDS * blockDim.x) {
-        int tok[ROUNDS];
-        char4 w[ROUNDS];
-        embed_entry row[ROUNDS];
-#pragma unroll
-        for (int k = 0; k < ROUNDS; k++) {
-            const int e = min(e0 + k * (int)blockDim.x, total - 1);  // past the end: redone
-            tok[k] = tokens[m * (seq + 1) + e / QUADS];
-        }
-#pragma unroll
-        for (int k = 0; k < ROUNDS; k++) {
-            const int e = min(e0 + k * (int)blockDim.x, total - 1);
-            row[k] = embed_entry_of(ov_row, seed + off_emb, tok[k]);
-            w[k] = *(const char4*)(emb_t + (long)tok[k] * HIDDEN + 4 * (e % QUADS));
-        }
-#pragma unroll
-        for (int k = 0; k < ROUNDS; k++) {
-            const int e = e0 + k * (int)blockDim.x;
-            if (e >= total) break;
-            const int t = e / QUADS, f = 4 * (e % QUADS);
-            const int in[4] = {w[k].x, w[k].y, w[k].z, w[k].w};
-            int v[4];
-#pragma unroll
-            for (int c = 0; c < 4; c++)
-                v[c] = clip8(in[c] + s_bias[f + c] + ((embed_term(row[k], s_col[f + c]) * sign) >> MSHIFT32));
-            *(char4*)(x + ((long)m * seq + t) * HIDDEN + f) = make_char4(v[0], v[1], v[2], v[3]);
-        }
-    }
-}
-
 // standard_norm with perturbed weight and bias, then up to three input dot products
-// sb[p][row] = sum_i dot_term(y_i, entry_i) for the projections that read y. Its
-// per-member tables and its row are device functions: residual_norm runs them too.
+// sb[p][row] = sum_i dot_term(y_i, entry_i) for the projections that read y: per-member
+// tables and a row, device functions that embed_norm and residual_norm run.
 
 // The member's tables in s_norm (at most 8 HIDDEN words), lane-major (common.cuh's
 // lane_slot): weight and bias with their noise, and each input dot's entries
@@ -158,23 +105,61 @@ __device__ __forceinline__ void norm_row(const int* xv, i8* yr, int* sb, long ro
     }
 }
 
-extern "C" __global__ void standard_norm(const i8* x, i8* y, const u32* seeds, const int* signs,
-                                         const i8* w, const i8* b, const i8* ov_w, const i8* ov_b,
-                                         u32 w_a, u32 w_b, u32 b_a, u32 b_b, int ndots,
-                                         const i8* ov0, const i8* ov1, const i8* ov2,
-                                         u32 off0, u32 off1, u32 off2, int* sb, int seq, int rows) {
+// The embedding and the first norm, a warp a row: the row's token's table row plus the
+// embedding bias and the rank-1 term, each with its perturbation, into x; then
+// standard_norm's row of the registers into y and its input dots into sb. One kernel:
+// x is not read back, and the row's rank-1 entry is hashed once a row.
+extern "C" __global__ void embed_norm(const int* tokens, const u32* seeds, const int* signs,
+                                      const i8* emb_t, const i8* emb_bias, const i8* ov_row,
+                                      const i8* ov_col, const i8* ov_bias, u32 off_emb,
+                                      u32 off_bias_a, u32 off_bias_b, i8* x, i8* y, const i8* w,
+                                      const i8* b, const i8* ov_w, const i8* ov_b, u32 w_a, u32 w_b,
+                                      u32 b_a, u32 b_b, int ndots, const i8* ov0, const i8* ov1,
+                                      const i8* ov2, u32 off0, u32 off1, u32 off2, int* sb, int seq,
+                                      int rows) {
     extern __shared__ __align__(32) int s_norm[];  // dynamic: 8 HIDDEN words (gpu.shared_memory)
+    __shared__ __align__(16) int s_bias[HIDDEN];        // lane-major, as s_norm
+    __shared__ __align__(32) embed_entry s_col[HIDDEN];  // lane-major
     __shared__ u32 s_magic[MEAN_MAX + 1];
     const int m = blockIdx.x;
-    norm_tables(s_norm, s_magic, seeds[m], signs[m], w, b, ov_w, ov_b, w_a, w_b, b_a, b_b, ndots, ov0,
-                ov1, ov2, off0, off1, off2);
+    const u32 seed = seeds[m];
+    const int sign = signs[m];
+    for (int f = threadIdx.x; f < HIDDEN; f += blockDim.x) {
+        s_bias[lane_slot(f)] = emb_bias[f] + vector_noise(ov_bias, seed, off_bias_a, off_bias_b, f, sign);
+        s_col[lane_slot(f)] = embed_entry_of(ov_col, seed + off_emb + HIDDEN, f);
+    }
+    norm_tables(s_norm, s_magic, seed, sign, w, b, ov_w, ov_b, w_a, w_b, b_a, b_b, ndots, ov0, ov1, ov2,
+                off0, off1, off2);
+    // A row's token and table row are loaded while the warp's previous row is normalised
+    // (residual_norm's prefetch).
+    int tok_next = 0, w_next[FPL];
+    auto fetch = [&](int t) {
+        if (t >= seq) return;
+        tok_next = tokens[m * (seq + 1) + t];
+        const i8* table_row = emb_t + (long)tok_next * HIDDEN;
+#pragma unroll
+        for (int i = 0; i < FPL; i++) w_next[i] = table_row[LANE + 32 * i];
+    };
+    fetch(WARP);
     __syncthreads();
     for (int t = WARP; t < seq; t += NWARPS) {
         const long row = (long)m * seq + t;
-        int xv[FPL];
+        const embed_entry row_entry = embed_entry_of(ov_row, seed + off_emb, tok_next);
+        int v[FPL];
 #pragma unroll
-        for (int i = 0; i < FPL; i++) xv[i] = x[row * HIDDEN + LANE + 32 * i];
-        norm_row(xv, y + row * HIDDEN, sb, row, rows, ndots, s_norm, s_magic);
+        for (int j = 0; j < FPL / RUN; j++) {
+            const Run<int> bias_run = lane_run(s_bias, j);
+            const Run<embed_entry> col_run = lane_run(s_col, j);
+#pragma unroll
+            for (int c = 0; c < RUN; c++) {
+                const int i = RUN * j + c;
+                v[i] = clip8(w_next[i] + bias_run.v[c] + ((embed_term(row_entry, col_run.v[c]) * sign) >> MSHIFT32));
+            }
+        }
+        fetch(t + NWARPS);
+#pragma unroll
+        for (int i = 0; i < FPL; i++) x[row * HIDDEN + LANE + 32 * i] = (i8)v[i];
+        norm_row(v, y + row * HIDDEN, sb, row, rows, ndots, s_norm, s_magic);
     }
 }
 
@@ -340,7 +325,7 @@ extern "C" __global__ void attention_mix(const i8* q, const i8* k, const i8* v, 
 // of the new x (one kernel: x's row is normalised from registers, not read back):
 // x = max_abs_normalize(x + (out >> shift) [+ bias + its noise]) in place, out = g +
 // rank-1 term (its input dot sb_in); then y = standard_norm(x) and its input dots in
-// sb_out, as standard_norm's arguments say. (residual_sm90.cu fuses it with the o- and
+// sb_out, as its norm arguments say. (residual_sm90.cu fuses it with the o- and
 // the down-projection's GEMMs.)
 extern "C" __global__ void residual_norm(const int* g, const int* sb_in, i8* x,
                                          const u32* seeds, const int* signs, const i8* ov_out, u32 off_a, int shift,

@@ -137,7 +137,10 @@ def projection_terms(b, name, layer, g, sb, width):
 # --- one check per kernel: (setup, launch, reference, result, bytes moved) ----------
 
 
-def check_embed(b):
+EMB_NORM = Norm(EMB_MLP.ln, EMB_MLP.ln_bias, None, (EMB_MLP.up,))  # the first norm
+
+
+def check_embed_norm(b):
     tokens = b.ints(0, b.cfg.model.vocab_size, (b.m, b.t + 1))
     d_tok = b.cp.asarray(tokens.ravel())
 
@@ -145,40 +148,17 @@ def check_embed(b):
         pass
 
     def launch():
-        b.forward.embed(b.batch, d_tok)
+        b.forward.embed_norm(b.batch, d_tok, EMB_NORM)
 
     def reference():
-        return model.embed(b.cfg, b.weights, tokens[:, : b.t])
+        x = model.embed(b.cfg, b.weights, tokens[:, : b.t])
+        y = model.norm(b.cfg, b.weights, x, EMB_NORM.weight, EMB_NORM.bias)
+        (up,) = EMB_NORM.readers
+        dot = b.pert.input_dot(y, offsets(b.cfg, up, None)[1], b.weights.arrays(up)[1][0])
+        return x, y, dot
 
-    def result():
-        return b.get("x", (b.m, b.t, b.d), np.int64)
-
-    return setup, launch, reference, result, tokens.nbytes + b.rows * b.d
-
-
-def check_standard_norm(b):
-    x = b.ints(-127, 128, (b.m, b.t, b.d), np.int8)
-    layer = b.weights.at(0)
-
-    def setup():
-        b.put("x", x)
-
-    def launch():
-        b.forward.norm(b.batch, Norm("ln_1", "ln_1_bias", 0, ("w_q", "w_k", "w_v")))
-
-    def reference():
-        y = model.norm(b.cfg, layer, x.astype(np.int64), "ln_1", "ln_1_bias")
-        dots = [
-            b.pert.input_dot(y, offsets(b.cfg, w, 0)[1], layer.arrays(w)[1][0])
-            for w in ("w_q", "w_k", "w_v")
-        ]
-        return y, np.stack(dots)
-
-    def result():
-        y = b.get("y", (b.m, b.t, b.d), np.int64)
-        return y, b.get("sb", (3, b.m, b.t), np.int64)
-
-    return setup, launch, reference, result, 2 * b.rows * b.d + 12 * b.rows
+    moved = tokens.nbytes + 2 * b.rows * b.d + 4 * b.rows
+    return setup, launch, reference, lambda: residual_result(b), moved
 
 
 def check_qkv_rope(b):

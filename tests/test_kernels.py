@@ -72,7 +72,7 @@ def test_what_does_not_fit_is_named():
     problems = supports(config(seq_len=1024, head_dim=32, hidden_dim=64), H100_OPTIN)
     assert any("seq_len 1024 needs 2048 threads" in p for p in problems)
     small_device = supports(config(hidden_dim=2048, head_dim=128), 48 << 10)
-    assert {p.split()[0] for p in small_device} == {"standard_norm", "residual_norm", "mlp_up"}
+    assert {p.split()[0] for p in small_device} == {"embed_norm", "residual_norm", "mlp_up"}
     # after compiling, each kernel's static shared memory counts too
     static = {"sequence_loss": 1280}
     (problem,) = supports(mode2, H100_OPTIN, static)
@@ -99,7 +99,7 @@ def test_every_kernel_is_in_the_plan_and_in_the_file_the_plan_names():
             re.findall(r'extern "C" __global__ void (?:__launch_bounds__\(.*?\)\s*)?(\w+)\(', text)
         )
     assert set(row_kernels_shared(Config())) <= set(KERNELS)
-    embed = {p.name: p for p in signatures(program_source("main"))["embed"]}
+    embed = {p.name: p for p in signatures(program_source("main"))["embed_norm"]}
     assert embed["tokens"].pointer and embed["tokens"].dtype is np.int32
     assert not embed["off_emb"].pointer and embed["off_emb"].dtype is np.uint32
 

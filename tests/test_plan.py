@@ -24,7 +24,7 @@ from deggs.numerics.model import make_tables
 # Each kernel's static shared memory as ptxas reports it at the default config (sm_90,
 # nvcc 13; tests/test_kernels.py reads the real figures where nvcc is installed)
 STATIC = {
-    "embed": 2048, "standard_norm": 544, "qkv_rope": 3072, "attention_mix": 1280,
+    "embed_norm": 2592, "qkv_rope": 3072, "attention_mix": 1280,
     "residual_norm": 2592, "mlp_up": 1024, "sequence_loss": 5504, "attention_mma": 0,
     "head_loss": 0, "cached_attention": 384, "choose_token": 2320, "noise_matrix": 0,
     "vector_votes": 0, "update_overlay": 0, "gather_pieces": 0, "gather_bytes": 0,

@@ -227,8 +227,7 @@ class Forward:
         norms.append(Norm("ln_f", "ln_f_bias", None, ("embedding",)))
         # the sm90 kernels take rows as whole members of seq_len positions: training's
         whole = cache is None and batch.positions == self.cfg.model.seq_len
-        self.embed(batch, tokens)
-        self.norm(batch, norms[0])
+        self.embed_norm(batch, tokens, norms[0])
         self.mlp(batch, EMB_MLP, None, norms[1], whole)
         for layer in layers:
             self.attention(batch, layer, norms[2 * layer + 2], cache, whole)
@@ -236,11 +235,13 @@ class Forward:
 
     # --- one launcher a kernel ------------------------------------------------------
 
-    def embed(self, batch: Batch, tokens) -> None:
+    def embed_norm(self, batch: Batch, tokens, norm: Norm) -> None:
+        """The embedding of the batch's tokens into rows.x, then `norm` of it into rows.y
+        and into rows.sb the input dots of norm.readers."""
         table, (ov_hidden, ov_vocab), (emb_a, _) = self.state.param("embedding")
         bias, (ov_bias,), (bias_a, bias_b) = self.state.param("emb_bias")
         self.launch(
-            "embed",
+            "embed_norm",
             (batch.members,),
             (self.nt,),
             tokens=tokens,
@@ -255,7 +256,11 @@ class Forward:
             off_bias_a=bias_a,
             off_bias_b=bias_b,
             x=batch.rows.x,
+            y=batch.rows.y,
+            sb=batch.rows.sb,
             seq=batch.positions,
+            rows=batch.n_rows,
+            **self.norm_arguments(norm),
         )
 
     def norm_arguments(self, norm: Norm) -> dict:
@@ -275,23 +280,6 @@ class Forward:
             ov0=pad[0][0], ov1=pad[1][0], ov2=pad[2][0],
             off0=pad[0][1], off1=pad[1][1], off2=pad[2][1],
         )  # fmt: skip
-
-    def norm(self, batch: Batch, norm: Norm) -> None:
-        """standard_norm of rows.x into rows.y, and into rows.sb the input dots of
-        norm.readers."""
-        self.launch(
-            "standard_norm",
-            (batch.members,),
-            (self.nt,),
-            x=batch.rows.x,
-            y=batch.rows.y,
-            seeds=batch.seeds,
-            signs=batch.signs,
-            sb=batch.rows.sb,
-            seq=batch.positions,
-            rows=batch.n_rows,
-            **self.norm_arguments(norm),
-        )
 
     def mlp(self, batch: Batch, names: Mlp, layer, then: Norm, whole: bool = False) -> None:
         """MLP block of the batch's rows (its norm already in rows.y), then the norm

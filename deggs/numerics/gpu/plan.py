@@ -32,8 +32,7 @@ from ..sampling import SAMPLE_STRIDE
 # H200 only. A kernel's launcher calls it by this name (deggs/numerics/launch.py checks
 # the arguments against the signature in the file).
 KERNELS: dict[str, str] = {
-    "embed": "forward.cu",
-    "standard_norm": "forward.cu",
+    "embed_norm": "forward.cu",
     "qkv_rope": "forward.cu",
     "attention_mix": "forward.cu",
     "residual_norm": "forward.cu",
@@ -125,7 +124,7 @@ def row_kernels_shared(cfg: Config) -> dict[str, int]:
     m = cfg.model
     h, v = m.hidden_dim, m.vocab_size
     return {
-        "standard_norm": 32 * h,  # s_norm: 8 HIDDEN words
+        "embed_norm": 32 * h,  # s_norm: 8 HIDDEN words
         "attention_mix": 2 * m.seq_len * m.head_dim,  # s_kv: a head's keys and values
         "residual_norm": 32 * h,  # s_norm
         "mlp_up": 16 * 4 * h,  # s_mlp: 4 UP words
