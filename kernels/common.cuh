@@ -52,7 +52,7 @@ typedef short av_t;
 
 // --- noise ------------------------------------------------------------------------
 
-// hash_u32 but its last step, x ^ (x >> 16): noise4 (update.cu) takes that step on four
+// hash_u32 but its last step, x ^ (x >> 16): noise_word (update.cu) takes that step on four
 // hashes' low bytes at once.
 __device__ __forceinline__ u32 hash_mix(u32 seed, u32 idx) {
     u32 x = seed + idx * 0x9E3779B9u;

@@ -29,6 +29,7 @@ launcher, and the launchers of its forward and update paths.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -570,28 +571,45 @@ def update_inputs(b):
 
 
 def check_noise_matrix(b):
-    """The two noise matrices of the up-projection's votes: its inputs' (no fitness) and
-    its outputs' (times each pair's fitness)."""
+    """The noise of matrices' votes, each side as the vote GEMM reads it (its inputs', its
+    outputs' times each pair's fitness): the up- and the down-projection's as training
+    makes them, both sides from one launch's hashes (the inputs' seeds are the outputs'
+    plus one), and the up-projection's with its input seeds moved as the embedding's
+    are, each side apart."""
     updates, U, fitness, seed = update_inputs(b)
-    n_in, n_out, pairs = b.d, 4 * b.d, U.pairs
-    off_a, off_b = offsets(b.cfg, "w_up", 0)
+    pairs, cp = U.pairs, b.cp
+    up, down = (
+        next(s for s in U.slices if s.name == n and s.layer == 0) for n in ("w_up", "w_down")
+    )
+    apart = dataclasses.replace(up, off_b=up.off_a + b.d)
+    sides = [(up, U.a, U.b)] + [
+        (s, cp.empty(s.shape[1] * pairs, cp.int8), cp.empty(s.shape[0] * pairs, cp.int8))
+        for s in (down, apart)
+    ]
     seeds = pair_seed(seed, np.arange(pairs)).astype(np.uint32)[:, None]
 
     def launch():
-        updates.noise_matrix(U.b, None, off_b, n_in)
-        updates.noise_matrix(U.a, U.fitness, off_a, n_out)
+        for s, a, b_ in sides:
+            updates.noise_sides(s, a, b_)
 
     def noise(off, n):  # [n, pairs], as the kernel lays it out
         return pair_noise(b.cfg, seeds, off, np.arange(n)).T.astype(np.int64)
 
     def reference():
-        return noise(off_b, n_in).astype(np.int8), (noise(off_a, n_out) * fitness).astype(np.int8)
+        return tuple(
+            side
+            for s, _, _ in sides
+            for side in (noise(s.off_b, s.shape[0]), noise(s.off_a, s.shape[1]) * fitness)
+        )
 
     def result():
-        a = U.a[: n_out * pairs].get().reshape(n_out, pairs)
-        return U.b[: n_in * pairs].get().reshape(n_in, pairs), a
+        get = lambda buf, n: buf[: n * pairs].get().reshape(n, pairs).astype(np.int64)
+        return tuple(
+            side for s, a, b_ in sides for side in (get(b_, s.shape[0]), get(a, s.shape[1]))
+        )
 
-    return lambda: None, launch, reference, result, (n_in + n_out) * pairs + pairs
+    moved = sum((s.shape[0] + s.shape[1]) * pairs + pairs for s, _, _ in sides)
+    return lambda: None, launch, reference, result, moved
 
 
 def check_vector_votes(b):

@@ -313,8 +313,7 @@ class Update:
             n = math.prod(shape)
             if u.param.is_matrix:
                 n_in, n_out = shape
-                self.noise_matrix(U.b, None, u.off_b, n_in)
-                self.noise_matrix(U.a, U.fitness, u.off_a, n_out)
+                self.noise_sides(u, U.a, U.b)
                 # vote[out, in] (row-major) = sum_p (fit_p a_p[out]) b_p[in]
                 self.launch.gemm(U.b, U.a, U.vote, n_in, n_out, U.pairs, U.pairs, U.pairs, n_in)
                 vote, inner, cols = U.vote, n_in, U.col_counts
@@ -345,18 +344,32 @@ class Update:
                 cp.cuda.runtime.memsetAsync(cols_.data.ptr, 0, cols_.nbytes, stream)
         state.copy_cores()
 
-    def noise_matrix(self, out, fitness, off: int, n: int) -> None:
-        """out[j, p] = pair p's noise j (times its fitness where given), for j < n (update.cu)."""
+    def noise_sides(self, u: Slice, a, b) -> None:
+        """A matrix slice's noise: its outputs' times the fitness into a, its inputs' into
+        b. One launch where the inputs' seeds are the outputs' plus one (update.cu: both
+        sides from the same hashes), else one a side."""
+        n_in, n_out = u.shape
+        if u.off_b == u.off_a + 1:
+            self.noise_matrix(a, self.buffers.fitness, u.off_a, n_out, then=b, n_then=n_in)
+        else:
+            self.noise_matrix(b, None, u.off_b, n_in)
+            self.noise_matrix(a, self.buffers.fitness, u.off_a, n_out)
+
+    def noise_matrix(self, out, fitness, off: int, n: int, then=None, n_then: int = 0) -> None:
+        """out[j, p] = pair p's noise j at seed offset off (times its fitness where given),
+        for j < n; and then[j, p] its noise at off + 1, for j < n_then (update.cu)."""
         pairs = self.buffers.pairs
         self.launch(
             "noise_matrix",
-            (-(-pairs // (8 * 256)), min(65535, max(1, n // 8))),  # ~8 rows a thread
+            (-(-pairs // (8 * 256)), min(65535, max(1, max(n, n_then) // 8))),  # ~8 rows a thread
             (256,),
             out=out,
+            then=then,
             fitness=fitness,
             step_seed=self.buffers.seed,
             off=off,
             n=n,
+            n_then=n_then,
             pairs=pairs,
         )
 
