@@ -130,8 +130,9 @@ extern "C" __global__ void embed_norm(const int* tokens, const u32* seeds, const
     }
     norm_tables(s_norm, s_magic, seed, sign, w, b, ov_w, ov_b, w_a, w_b, b_a, b_b, ndots, ov0, ov1, ov2,
                 off0, off1, off2);
-    // A row's token and table row are loaded while the warp's previous row is normalised
-    // (residual_norm's prefetch).
+    // Up to hidden 256, a row's token and table row are loaded while the warp's previous
+    // row is normalised; wider rows load at their turn (residual_norm's PREFETCH).
+    constexpr bool PREFETCH = FPL <= 8;
     int tok_next = 0, w_next[FPL];
     auto fetch = [&](int t) {
         if (t >= seq) return;
@@ -140,10 +141,11 @@ extern "C" __global__ void embed_norm(const int* tokens, const u32* seeds, const
 #pragma unroll
         for (int i = 0; i < FPL; i++) w_next[i] = table_row[LANE + 32 * i];
     };
-    fetch(WARP);
+    if (PREFETCH) fetch(WARP);
     __syncthreads();
     for (int t = WARP; t < seq; t += NWARPS) {
         const long row = (long)m * seq + t;
+        if (!PREFETCH) fetch(t);
         const embed_entry row_entry = embed_entry_of(ov_row, seed + off_emb, tok_next);
         int v[FPL];
 #pragma unroll
@@ -156,7 +158,7 @@ extern "C" __global__ void embed_norm(const int* tokens, const u32* seeds, const
                 v[i] = clip8(w_next[i] + bias_run.v[c] + ((embed_term(row_entry, col_run.v[c]) * sign) >> MSHIFT32));
             }
         }
-        fetch(t + NWARPS);
+        if (PREFETCH) fetch(t + NWARPS);
 #pragma unroll
         for (int i = 0; i < FPL; i++) x[row * HIDDEN + LANE + 32 * i] = (i8)v[i];
         norm_row(v, y + row * HIDDEN, sb, row, rows, ndots, s_norm, s_magic);

@@ -138,28 +138,20 @@ def projection_terms(b, name, layer, g, sb, width):
 # --- one check per kernel: (setup, launch, reference, result, bytes moved) ----------
 
 
-EMB_NORM = Norm(EMB_MLP.ln, EMB_MLP.ln_bias, None, (EMB_MLP.up,))  # the first norm
-
-
 def check_embed_norm(b):
+    """The embedding, then a norm with three input dots (layer 0's first; training's
+    first norm, the embedding MLP's, has one, as residual_norm's check has)."""
     tokens = b.ints(0, b.cfg.model.vocab_size, (b.m, b.t + 1))
     d_tok = b.cp.asarray(tokens.ravel())
 
-    def setup():
-        pass
-
     def launch():
-        b.forward.embed_norm(b.batch, d_tok, EMB_NORM)
+        b.forward.embed_norm(b.batch, d_tok, QKV_NORM)
 
     def reference():
-        x = model.embed(b.cfg, b.weights, tokens[:, : b.t])
-        y = model.norm(b.cfg, b.weights, x, EMB_NORM.weight, EMB_NORM.bias)
-        (up,) = EMB_NORM.readers
-        dot = b.pert.input_dot(y, offsets(b.cfg, up, None)[1], b.weights.arrays(up)[1][0])
-        return x, y, dot
+        return norm_reference(b, model.embed(b.cfg, b.weights, tokens[:, : b.t]), QKV_NORM)
 
-    moved = tokens.nbytes + 2 * b.rows * b.d + 4 * b.rows
-    return setup, launch, reference, lambda: residual_result(b), moved
+    moved = tokens.nbytes + 2 * b.rows * b.d + 12 * b.rows
+    return lambda: None, launch, reference, lambda: residual_result(b, ndots=3), moved
 
 
 def check_qkv_rope(b):
@@ -259,21 +251,27 @@ def residual_terms_reference(b, g, sb, name="w_o", layer=0, shift=None):
     return projection_terms(b, name, layer, g.astype(np.int64), sb, b.d) >> shift
 
 
+def norm_reference(b, x, norm: Norm) -> tuple:
+    """x, the norm `norm` of it and its readers' input dots: what a row kernel writes."""
+    weights = b.weights if norm.layer is None else b.weights.at(norm.layer)
+    y = model.norm(b.cfg, weights, x, norm.weight, norm.bias)
+    dots = [
+        b.pert.input_dot(y, offsets(b.cfg, name, norm.layer)[1], weights.arrays(name)[1][0])
+        for name in norm.readers
+    ]
+    return (x, y, *dots)
+
+
 def residual_reference(b, x, term, then: Norm, bias=None, bias_layer=None):
     """The new x = max_abs_normalize(x + term [+ the vector `bias` of `bias_layer` with its
     noise]), then the norm `then` of it and its readers' input dots."""
     at = lambda layer: b.weights if layer is None else b.weights.at(layer)
     new_x = model.max_abs_normalize(x + term + (0 if bias is None else at(bias_layer).vector(bias)))
-    weights = at(then.layer)
-    y = model.norm(b.cfg, weights, new_x, then.weight, then.bias)
-    dots = [
-        b.pert.input_dot(y, offsets(b.cfg, name, then.layer)[1], weights.arrays(name)[1][0])
-        for name in then.readers
-    ]
-    return (new_x, y, *dots)
+    return norm_reference(b, new_x, then)
 
 
 MLP_NORM = Norm(LAYER_MLP.ln, LAYER_MLP.ln_bias, 0, (LAYER_MLP.up,))  # layer 0's, one dot
+QKV_NORM = Norm("ln_1", "ln_1_bias", 0, QKV)  # layer 0's first, three dots
 
 
 def residual_result(b, ndots=1):
@@ -315,7 +313,7 @@ def check_o_residual_sm90(b, down=False):
     q = b.cfg.quantization
     if down:  # the embedding MLP's down-projection and bias, then layer 0's ln_1 (q, k, v)
         kernel, name, layer, bias = "down_residual_sm90", EMB_MLP.down, None, EMB_MLP.bias_down
-        k, shift, then = 4 * b.d, q.shift_mlp_down, Norm("ln_1", "ln_1_bias", 0, QKV)
+        k, shift, then = 4 * b.d, q.shift_mlp_down, QKV_NORM
     else:
         kernel, name, layer, bias = "o_residual_sm90", "w_o", 0, None
         k, shift, then = b.d, q.shift_out, MLP_NORM

@@ -400,7 +400,7 @@ def test_every_kernel_matches_its_cpu_reference(switches, not_used):
 @pytest.mark.parametrize("mask", [0, 1, 20, 31])
 def test_the_update_noise_at_every_mask(mask):
     """noise_matrix and vector_votes make uniform noise four int8 lanes a word (update.cu's
-    noise4): at masks of one bit, of no bits, of some and of all five, every pair's
+    noise_word): at masks of one bit, of no bits, of some and of all five, every pair's
     entries times fitness -1, 0 and 1 are the CPU's (120 pairs, so words of four pairs
     with every fitness mixed)."""
     import kernels as harness
