@@ -576,9 +576,8 @@ def check_noise_matrix(b):
     are, each side apart."""
     updates, U, fitness, seed = update_inputs(b)
     pairs, cp = U.pairs, b.cp
-    up, down = (
-        next(s for s in U.slices if s.name == n and s.layer == 0) for n in ("w_up", "w_down")
-    )
+    layer0 = {s.name: s for s in U.slices if s.layer == 0}
+    up, down = layer0["w_up"], layer0["w_down"]
     apart = dataclasses.replace(up, off_b=up.off_a + b.d)
     sides = [(up, U.a, U.b)] + [
         (s, cp.empty(s.shape[1] * pairs, cp.int8), cp.empty(s.shape[0] * pairs, cp.int8))

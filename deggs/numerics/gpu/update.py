@@ -347,7 +347,7 @@ class Update:
     def noise_sides(self, u: Slice, a, b) -> None:
         """A matrix slice's noise: its outputs' times the fitness into a, its inputs' into
         b. One launch where the inputs' seeds are the outputs' plus one (update.cu: both
-        sides from the same hashes), else one a side."""
+        sides from the same hashes), else a launch a side."""
         n_in, n_out = u.shape
         if u.off_b == u.off_a + 1:
             self.noise_matrix(a, self.buffers.fitness, u.off_a, n_out, then=b, n_then=n_in)
