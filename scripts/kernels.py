@@ -114,6 +114,10 @@ class Bench:
         self.weights = Weights(self.cfg, self.params, overlays, self.pert)
         self.unit = unit
 
+    def layer_weights(self, layer: int | None) -> Weights:
+        """The weights as a layer's kernels see them (None: those outside the layers)."""
+        return self.weights if layer is None else self.weights.at(layer)
+
     def ints(self, low, high, shape, dtype=np.int32):
         return self.rng.integers(low, high, shape).astype(dtype)
 
@@ -253,7 +257,7 @@ def residual_terms_reference(b, g, sb, name="w_o", layer=0, shift=None):
 
 def norm_reference(b, x, norm: Norm) -> tuple:
     """x, the norm `norm` of it and its readers' input dots: what a row kernel writes."""
-    weights = b.weights if norm.layer is None else b.weights.at(norm.layer)
+    weights = b.layer_weights(norm.layer)
     y = model.norm(b.cfg, weights, x, norm.weight, norm.bias)
     dots = [
         b.pert.input_dot(y, offsets(b.cfg, name, norm.layer)[1], weights.arrays(name)[1][0])
@@ -265,8 +269,8 @@ def norm_reference(b, x, norm: Norm) -> tuple:
 def residual_reference(b, x, term, then: Norm, bias=None, bias_layer=None):
     """The new x = max_abs_normalize(x + term [+ the vector `bias` of `bias_layer` with its
     noise]), then the norm `then` of it and its readers' input dots."""
-    at = lambda layer: b.weights if layer is None else b.weights.at(layer)
-    new_x = model.max_abs_normalize(x + term + (0 if bias is None else at(bias_layer).vector(bias)))
+    bias_term = 0 if bias is None else b.layer_weights(bias_layer).vector(bias)
+    new_x = model.max_abs_normalize(x + term + bias_term)
     return norm_reference(b, new_x, then)
 
 
@@ -338,7 +342,7 @@ def check_o_residual_sm90(b, down=False):
         b.forward.projection_residual(b.batch, kernel, name, layer, shift, then, bias, rows, blocks)
 
     def reference():
-        weights = b.weights if layer is None else b.weights.at(layer)
+        weights = b.layer_weights(layer)
         g = model.int_matmul(inputs, weights.arrays(name)[0])
         term = residual_terms_reference(b, g, sb, name, layer, shift)
         return residual_reference(b, x, term, then, bias, layer)
