@@ -68,47 +68,103 @@ extern "C" __global__ void noise_matrix(i8* out, i8* then, const i8* fitness, co
     }
 }
 
-// An entry's sum of fitness_p * a_p[j] * b_p[j] over pairs first..last (e: its seed
-// offsets of a and b, j), four pairs at a time: their noise as int8 lanes (the a side
-// times the fitness) and one dp4a. ADJACENT: b's offset is a's plus one, so the a side's
-// last three hashes are the b side's first three (five hashes, not eight). The pairs'
-// fitness and seeds are the same across the warp: four pairs of fitness 0 are skipped by
-// whole warps.
-template <bool ADJACENT>
-__device__ __forceinline__ int entry_votes(uint4 e, const i8* fitness, u32 step_seed, int first, int last) {
-    int s = 0;
-    for (int p = first; p < last; p += 4) {
-        const u32 fit = ((const u32*)fitness)[p / 4];
-        if (fit) {
-            const u32 seed = pair_seed(step_seed, p);
-            u32 x[8];  // the a side's hashes, then the b side's
+// The vector slices' votes, vote[at + j] = sum_p fitness_p * a_p[j] * b_p[j] with a_p[j]
+// = noise(step_seed + p + off, j) and b_p[j] = noise(step_seed + p + off + d, j): a
+// product of the same two noise entries for every slice whose seeds are off + s apart,
+// m_j(s) = noise(step_seed + off + s, j) * noise(step_seed + off + s + d, j), so that a
+// slice's vote is the correlation sum_p fitness_p m_j(p + r) at its offset r = off_slice
+// - off. A thread takes one entry j and a tile of VOTE_TILE seeds s, hashes each m_j(s)
+// once and adds it, times the fitness at p = s - r, into every slice of a cluster (up to
+// VOTE_PARAMS slices of one d whose offsets lie within VOTE_SPAN; gpu/update.py's
+// VectorClusters): a hash a seed and entry for all of them, where a slice at a time
+// hashed every seed for each of them. Where d is 1 (every vector slice today: params.py's
+// b_after) m_j(s)'s second entry is m_j(s + 1)'s first, one hash a seed.
+//
+// Four seeds at a time: m_j(s .. s + 3) as two words of 16-bit lanes (|m| <= 93^2 <
+// 2^15) and the four fitness bytes of p = s - r .. s - r + 3 as one word, two dp2a. The
+// fitness is read from shared memory, VOTE_WINDOW bytes from pair s0 - span in four
+// copies shifted by a byte each, so that every slice's word is aligned. Integer sums:
+// exact in any order (the whole vote fits int32: UpdateBuffers checks it).
+#define VOTE_WINDOW (VOTE_TILE + VOTE_SPAN + 4)
+
+__device__ __forceinline__ int pack16(int lo, int hi) { return (lo & 0xFFFF) | (hi << 16); }
+
+// Entry j's votes of a cluster's first `active` slices (those longer than j: a cluster's
+// slices are longest first), P >= active of them added every step without a branch (the
+// slices past `active` read slice 0's fitness; their sums are dropped).
+template <int P, bool ADJACENT>
+__device__ __forceinline__ void vector_entry_votes(int* vote, const int* params, int active, int j, u32 seed,
+                                                   u32 d, int span, const i8 (*s_fit)[VOTE_WINDOW]) {
+    int acc[P];
+    const int* words[P];  // each slice's fitness words for the tile
 #pragma unroll
-            for (int k = 0; k < 4; k++) x[k] = hash_mix(seed + e.x + k, e.z);
-#pragma unroll
-            for (int k = 0; k < 4; k++) x[4 + k] = ADJACENT && k < 3 ? x[k + 1] : hash_mix(seed + e.y + k, e.z);
-            const u32 a = noise_word(x[0], x[1], x[2], x[3], fit);
-            s = __dp4a((int)a, (int)noise_word(x[4], x[5], x[6], x[7], FITNESS_ONE), s);
-        }
+    for (int k = 0; k < P; k++) {
+        acc[k] = 0;
+        const int shift = span - params[4 * (k < active ? k : 0)];
+        words[k] = (const int*)(s_fit[shift & 3] + (shift & ~3));
     }
-    return s;
+    int prev = ADJACENT ? noise(seed, j) : 0;  // m_j(s)'s first entry
+#pragma unroll 4
+    for (int t = 0; t < VOTE_TILE / 4; t++) {
+        int m[4];
+#pragma unroll
+        for (int u = 0; u < 4; u++) {
+            const u32 s = seed + 4 * t + u;
+            if (ADJACENT) {
+                const int next = noise(s + 1, j);
+                m[u] = prev * next;
+                prev = next;
+            } else {
+                m[u] = noise(s, j) * noise(s + d, j);
+            }
+        }
+        const int lo = pack16(m[0], m[1]), hi = pack16(m[2], m[3]);
+#pragma unroll
+        for (int k = 0; k < P; k++) acc[k] = __dp2a_hi(hi, words[k][t], __dp2a_lo(lo, words[k][t], acc[k]));
+    }
+#pragma unroll
+    for (int k = 0; k < P; k++)
+        if (k < active) atomicAdd(&vote[params[4 * k + 2] + j], acc[k]);
 }
 
-// vote[i] += entry i's sum over this block's share of the pairs, for entry i of every
-// vector parameter slice at once: entries[4 i ..] = (its slice's seed offsets of a and
-// b, j its index in the slice, 0). One launch for all: a launch a slice (31 at the
-// default, most of 256 entries) ran a short wave each. vote zeroed before; integer adds
-// in any order. A thread an entry: the sum needs no reduction, and fits int32
-// (gpu/update.py's UpdateBuffers checks n_pairs * bound^2 < 2^31). pairs_per_block and
-// pairs: multiples of 4.
-extern "C" __global__ void vector_votes(int* vote, const i8* fitness, const u32* step_seed,
-                                        const u32* entries, int n, int pairs_per_block, int pairs) {
-    const int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= n) return;
-    const uint4 e = ((const uint4*)entries)[i];  // four u32 an entry
-    const int first = blockIdx.y * pairs_per_block, last = min(pairs, first + pairs_per_block);
-    const u32 base = step_seed[0];
-    atomicAdd(&vote[i], e.y == e.x + 1 ? entry_votes<true>(e, fitness, base, first, last)
-                                       : entry_votes<false>(e, fitness, base, first, last));
+template <bool ADJACENT>
+__device__ __forceinline__ void vector_entry_votes(int* vote, const int* params, int active, int j, u32 seed,
+                                                   u32 d, int span, const i8 (*s_fit)[VOTE_WINDOW]) {
+    static_assert(VOTE_PARAMS <= 32, "at most 32 slices a cluster");
+    if (active <= 8)
+        vector_entry_votes<8, ADJACENT>(vote, params, active, j, seed, d, span, s_fit);
+    else if (active <= 16)
+        vector_entry_votes<16, ADJACENT>(vote, params, active, j, seed, d, span, s_fit);
+    else
+        vector_entry_votes<32, ADJACENT>(vote, params, active, j, seed, d, span, s_fit);
+}
+
+// clusters[z]: (off, span, count, d), then count slices (r, length, at, 0), longest
+// first, r = the slice's offset - off in [0, span]; VOTE_PARAMS + 1 records of four ints
+// a cluster.
+// Grid: (tiles of seeds s in [0, pairs + span), entries j by blocks, clusters). vote
+// zeroed before.
+extern "C" __global__ void vector_votes(int* vote, const i8* fitness, const u32* step_seed, const int* clusters,
+                                        int pairs) {
+    __shared__ __align__(16) i8 s_fit[4][VOTE_WINDOW];  // copy c: byte i the fitness of pair s0 - span + i + c
+    const int* cluster = clusters + 4 * (VOTE_PARAMS + 1) * blockIdx.z;
+    const int span = cluster[1], count = cluster[2], s0 = blockIdx.x * VOTE_TILE;
+    const int* params = cluster + 4;
+    if (s0 >= pairs + span || (int)(blockIdx.y * blockDim.x) >= params[1]) return;  // the whole block
+    for (int i = threadIdx.x; i < 4 * VOTE_WINDOW; i += blockDim.x) {
+        const int c = i / VOTE_WINDOW, q = s0 - span + i % VOTE_WINDOW + c;
+        s_fit[c][i % VOTE_WINDOW] = q >= 0 && q < pairs ? fitness[q] : 0;
+    }
+    __syncthreads();
+    const int j = blockIdx.y * blockDim.x + threadIdx.x;
+    int active = 0;
+    while (active < count && j < params[4 * active + 1]) active++;
+    if (active == 0) return;
+    const u32 seed = step_seed[0] + (u32)cluster[0] + (u32)s0, d = (u32)cluster[3];
+    if (d == 1)
+        vector_entry_votes<true>(vote, params, active, j, seed, d, span, s_fit);
+    else
+        vector_entry_votes<false>(vote, params, active, j, seed, d, span, s_fit);
 }
 
 // Piece i of out = piece index[i] of source, in 16-byte pieces, zeros where the index is

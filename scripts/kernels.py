@@ -51,6 +51,7 @@ from deggs.numerics.gpu.update import (  # noqa: E402
     DEVICE_OPTIMIZERS,
     Changes,
     DeviceParam,
+    VectorClusters,
 )
 from deggs.numerics.model import Perturbation, Weights, wrap32  # noqa: E402
 from deggs.numerics.optimizer import (  # noqa: E402
@@ -614,32 +615,45 @@ def check_noise_matrix(b):
 
 
 def check_vector_votes(b):
-    """The votes of every vector slice, one launch; at a population past 4,096 pairs, of
-    the first and the last 16 entries of each slice (the CPU's votes hash every pair)."""
+    """The votes of every vector slice, one launch, of the first and last 16 entries of
+    each slice where the population passes 4,096 pairs (the CPU's votes hash every pair);
+    and in a second launch the same with the first layer's slices' input seeds moved
+    apart as the embedding's are (no longer the output seeds plus one)."""
     updates, U, fitness, seed = update_inputs(b)
     n_pairs = b.cfg.training.n_pairs
+    apart = [dataclasses.replace(s, off_b=s.off_a + b.d) if s.layer == 0 else s for s in U.slices]
+    apart_clusters = VectorClusters.make(apart, U.vector_at)
+    apart_vote = b.cp.empty_like(U.vector_vote)
     checked = []  # (slice, its entries checked, where its votes start)
     for i, at in U.vector_at.items():
-        s = U.slices[i]
-        idx = np.arange(int(np.prod(s.shape)))
+        idx = np.arange(int(np.prod(U.slices[i].shape)))
         if n_pairs > 4096 and len(idx) > 32:
             idx = np.r_[idx[:16], idx[-16:]]
-        checked.append((s, idx, at))
+        checked.append((i, idx, at))
 
     def launch():
         updates.vector_votes()
+        updates.vector_votes(apart_clusters, apart_vote)
 
     def reference():
         fit = fitness[:n_pairs]
-        return np.concatenate(
-            [vector_votes(b.cfg, fit, seed, s.off_a, s.off_b, idx) for s, idx, _ in checked]
+        return tuple(
+            np.concatenate(
+                [
+                    vector_votes(b.cfg, fit, seed, s[i].off_a, s[i].off_b, idx)
+                    for i, idx, _ in checked
+                ]
+            )
+            for s in (U.slices, apart)
         )
 
     def result():
-        votes = U.vector_vote.get()
-        return np.concatenate([votes[at + idx] for _, idx, at in checked])
+        return tuple(
+            np.concatenate([votes.get()[at + idx] for _, idx, at in checked])
+            for votes in (U.vector_vote, apart_vote)
+        )
 
-    return lambda: None, launch, reference, result, U.pairs + 20 * len(U.vector_vote)
+    return lambda: None, launch, reference, result, U.pairs + 8 * len(U.vector_vote)
 
 
 def check_optimizer(b, kind: str):

@@ -13,13 +13,17 @@ from deggs.numerics.gpu.plan import (
     PROGRAMS,
     STATIC_SHARED,
     UNIT_TWINS,
+    VOTE_PARAMS,
+    VOTE_SPAN,
     blocks_fit,
     exp_copies,
     exp_last,
     kernel_defines,
     make_plan,
 )
+from deggs.numerics.gpu.update import VectorClusters
 from deggs.numerics.model import make_tables
+from deggs.numerics.params import param_slices
 
 # Each kernel's static shared memory as ptxas reports it at the default config (sm_90,
 # nvcc 13; tests/test_kernels.py reads the real figures where nvcc is installed)
@@ -27,7 +31,7 @@ STATIC = {
     "embed_norm": 2592, "qkv_rope": 3072, "attention_mix": 1280,
     "residual_norm": 2592, "mlp_up": 1024, "sequence_loss": 5504, "attention_mma": 0,
     "head_loss": 0, "cached_attention": 384, "choose_token": 2320, "noise_matrix": 0,
-    "vector_votes": 0, "update_overlay": 0, "gather_pieces": 0, "gather_bytes": 0,
+    "vector_votes": 18448, "update_overlay": 0, "gather_pieces": 0, "gather_bytes": 0,
     "adamw_step": 0, "sgd_step": 0, "head_loss_sm90": 128, "up_gelu_sm90": 128,
     "qkv_rope_sm90": 128, "o_residual_sm90": 2048, "down_residual_sm90": 2048,
     "attention_mma_unit": 0,
@@ -221,3 +225,31 @@ def test_auto_names_why_it_chose_the_cpu(monkeypatch, caplog):
     assert "backend auto: the CPU, since CuPy sees no CUDA device (none present)" in caplog.text
     with pytest.raises(backend.BackendError, match="needs CuPy and a CUDA device: CuPy sees no"):
         backend.make_backend(Config(), "gpu")
+
+
+def test_vector_votes_clusters_hold_every_slice_once_within_their_bounds():
+    """update.cu's vector_votes adds into a cluster's slices from one hash a seed: each
+    cluster one seed distance, its offsets within VOTE_SPAN, at most VOTE_PARAMS slices,
+    the longest first; every vector slice in exactly one."""
+    cfg = Config()
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, n_layers=12))
+    slices = param_slices(cfg)
+    # one layer's input seeds moved apart, as the embedding's are
+    slices = [dataclasses.replace(s, off_b=s.off_a + 7) if s.layer == 5 else s for s in slices]
+    vector_at, n = {}, 0
+    for i, s in enumerate(slices):
+        if not s.param.is_matrix:
+            vector_at[i], n = n, n + s.shape[0]
+    table = VectorClusters.layout(slices, vector_at).astype(int)
+    seen = []
+    for cluster in table:
+        (off, span, count, d), rows = cluster[0], cluster[1 : cluster[0, 2] + 1]
+        assert 0 < count <= VOTE_PARAMS and span <= VOTE_SPAN
+        assert list(rows[:, 1]) == sorted(rows[:, 1], reverse=True)  # the longest first
+        assert rows[:, 0].min() == 0 and rows[:, 0].max() == span
+        for r, length, at, _ in rows:
+            (i,) = [i for i, a in vector_at.items() if a == at]
+            s = slices[i]
+            assert (s.off_a, s.off_b - s.off_a, s.shape[0]) == (off + r, d, length)
+            seen.append(i)
+    assert sorted(seen) == sorted(vector_at) and len(table) > 2

@@ -81,6 +81,8 @@ UP_ROWS = 64  # up_gelu_sm90: rows a block, one warpgroup of 64 or two of 32 (UP
 QKV_ROWS = 64  # qkv_rope_sm90: rows a block, one warpgroup
 RESIDUAL_ROWS = 128  # residual_sm90: rows a tile, two warpgroups of 64
 SLICE, SLICE_STAGES = 128, 4  # residual_sm90: bytes of K a pipeline stage holds, stages
+# vector_votes: seeds a block, the most a cluster's seed offsets differ, slices a cluster
+VOTE_TILE, VOTE_SPAN, VOTE_PARAMS = 512, 4096, 32
 MAX_THREADS = 1024  # per block, on every CUDA device
 STATIC_SHARED = 48 << 10  # a kernel may use more shared memory only when it opts in
 STATIC_ROOM = 1 << 10  # room left beside a layout for its kernel's static shared memory
@@ -171,6 +173,9 @@ def kernel_defines(cfg: Config, device: Device) -> dict[str, int]:
         RESIDUAL_ROWS=RESIDUAL_ROWS,
         SLICE=SLICE,
         SLICE_STAGES=SLICE_STAGES,
+        VOTE_TILE=VOTE_TILE,
+        VOTE_SPAN=VOTE_SPAN,
+        VOTE_PARAMS=VOTE_PARAMS,
         EXP_MAX=lut0,
         EXP_LAST=last,
         EXP_COPIES=(copies := exp_copies(cfg, last, device)),

@@ -23,6 +23,7 @@ import numpy as np
 from ...config import Config, OptimizerConfig
 from ..params import Slice, param_slices
 from .cuda import DeviceArray, Launcher, capture_graph, cp
+from .plan import VOTE_PARAMS, VOTE_SPAN, VOTE_TILE
 from .state import DeviceState
 
 log = logging.getLogger(__name__)
@@ -31,6 +32,61 @@ log = logging.getLogger(__name__)
 def at_layer(array: DeviceArray, layer: int | None) -> DeviceArray:
     """A per-layer parameter's slice of a layer (or the parameter itself: None)."""
     return array if layer is None else array[layer]
+
+
+@dataclass(frozen=True)
+class VectorClusters:
+    """The vector slices as vector_votes (update.cu) takes them: in clusters of up to
+    VOTE_PARAMS slices of one seed distance d = off_b - off_a whose offsets lie within
+    VOTE_SPAN of the cluster's first, off. `table`: int32 [clusters, VOTE_PARAMS + 1, 4],
+    (off, span, count, d) then each slice's (off_a - off, entries, where its votes start,
+    0), the longest first; offsets and d as uint32 bits."""
+
+    table: DeviceArray
+    span: int  # the widest cluster's offsets' span
+    longest: int  # the longest slice's entries
+
+    @classmethod
+    def make(cls, slices: list[Slice], vector_at: dict[int, int]) -> VectorClusters:
+        table = cls.layout(slices, vector_at)
+        return cls(
+            table=cp.asarray(table.view(np.int32)),
+            span=int(table[:, 0, 1].max(initial=0)),
+            longest=max((math.prod(slices[i].shape) for i in vector_at), default=0),
+        )
+
+    @staticmethod
+    def layout(slices: list[Slice], vector_at: dict[int, int]) -> np.ndarray:
+        """The table (uint32) of the vector slices `vector_at` names (index -> where its
+        votes start)."""
+
+        def d(s: Slice) -> int:
+            return (s.off_b - s.off_a) & 0xFFFFFFFF
+
+        def off(s: Slice) -> int:
+            return s.off_a & 0xFFFFFFFF
+
+        clusters: list[list[int]] = []  # slices' indices
+        for i in sorted(vector_at, key=lambda i: (d(slices[i]), off(slices[i]))):
+            first = slices[clusters[-1][0]] if clusters else None
+            s = slices[i]
+            if (
+                first is not None
+                and len(clusters[-1]) < VOTE_PARAMS
+                and d(s) == d(first)
+                and off(s) - off(first) <= VOTE_SPAN
+            ):
+                clusters[-1].append(i)
+            else:
+                clusters.append([i])
+        table = np.zeros((len(clusters), VOTE_PARAMS + 1, 4), np.uint32)
+        for z, c in enumerate(clusters):
+            low, high = off(slices[c[0]]), off(slices[c[-1]])
+            table[z, 0] = low, high - low, len(c), d(slices[c[0]])
+            for k, i in enumerate(sorted(c, key=lambda i: -math.prod(slices[i].shape))):
+                s = slices[i]
+                table[z, k + 1] = off(s) - low, math.prod(s.shape), vector_at[i], 0
+        return table
 
 
 @dataclass(frozen=True)
@@ -45,7 +101,7 @@ class UpdateBuffers:
     changes: DeviceArray  # uint64 [1]: weights changed
     vote: DeviceArray  # int32, a matrix slice's votes
     vector_at: dict[int, int]  # slices' index -> where that vector slice's entries start
-    vector_entries: DeviceArray  # uint32 [entries, 4]: each vector entry (off_a, off_b, index, 0)
+    vector_clusters: VectorClusters
     vector_vote: DeviceArray  # int32 [entries]: their votes
     a: DeviceArray  # int8 [outputs, pairs]: the output noise times the fitness
     b: DeviceArray  # int8 [inputs, pairs]: the input noise
@@ -59,6 +115,10 @@ class UpdateBuffers:
         peak = cfg.noise.perturb_bound**2
         if n_pairs * peak >= 2**31:
             raise NotImplementedError("votes could overflow int32 at this population")
+        if peak >= 2**15:  # (the config's masks keep it below 93^2)
+            raise NotImplementedError(
+                "vector_votes holds a product of two noise entries in 16 bits"
+            )
         slices = param_slices(cfg)
         dims = [s.shape for s in slices]
         max_in = max(s[0] for s in dims)
@@ -68,13 +128,6 @@ class UpdateBuffers:
         for i, s in enumerate(slices):
             if not s.param.is_matrix:
                 vector_at[i], n_entries = n_entries, n_entries + math.prod(s.shape)
-        entries = np.zeros((n_entries, 4), np.uint32)
-        for i, at in vector_at.items():
-            s = slices[i]
-            n = math.prod(s.shape)
-            entries[at : at + n, 0] = s.off_a & 0xFFFFFFFF
-            entries[at : at + n, 1] = s.off_b & 0xFFFFFFFF
-            entries[at : at + n, 2] = np.arange(n)
         return cls(
             pairs=pairs,
             slices=slices,
@@ -84,8 +137,8 @@ class UpdateBuffers:
             changes=cp.zeros(1, cp.uint64),
             vote=cp.empty(max_n, cp.int32),
             vector_at=vector_at,
-            vector_entries=cp.asarray(entries),
-            vector_vote=cp.empty(len(entries), cp.int32),
+            vector_clusters=VectorClusters.make(slices, vector_at),
+            vector_vote=cp.empty(n_entries, cp.int32),
             a=cp.zeros(max_out * pairs, cp.int8),
             b=cp.zeros(max_in * pairs, cp.int8),
             row_counts=cp.zeros(max(max_in, max_out), cp.int32),
@@ -373,26 +426,25 @@ class Update:
             pairs=pairs,
         )
 
-    def vector_votes(self) -> None:
-        """Every vector slice's votes into buffers.vector_vote in one launch (update.cu): a
-        thread an entry, the pairs split into enough blocks for about eight an SM."""
+    def vector_votes(self, clusters: VectorClusters | None = None, vote=None) -> None:
+        """Every vector slice's votes (of `clusters`, into `vote`: by default the
+        buffers') in one launch (update.cu): a block takes VOTE_TILE seeds of 256
+        entries of a cluster."""
         U = self.buffers
-        n = len(U.vector_vote)
-        blocks = -(-n // 256)
-        share = -(-U.pairs * blocks // (8 * self.sms))
-        share = max(16, -(-share // 16) * 16)
+        c = U.vector_clusters if clusters is None else clusters
+        vote = U.vector_vote if vote is None else vote
         stream = cp.cuda.get_current_stream().ptr
-        cp.cuda.runtime.memsetAsync(U.vector_vote.data.ptr, 0, 4 * n, stream)
+        cp.cuda.runtime.memsetAsync(vote.data.ptr, 0, vote.nbytes, stream)
+        if not len(c.table):
+            return
         self.launch(
             "vector_votes",
-            (blocks, -(-U.pairs // share)),
+            (-(-(U.pairs + c.span) // VOTE_TILE), -(-c.longest // 256), len(c.table)),
             (256,),
-            vote=U.vector_vote,
+            vote=vote,
             fitness=U.fitness,
             step_seed=U.seed,
-            entries=U.vector_entries,
-            n=n,
-            pairs_per_block=share,
+            clusters=c.table,
             pairs=U.pairs,
         )
 
