@@ -38,20 +38,29 @@ __device__ __forceinline__ u32 noise_word(u32 x0, u32 x1, u32 x2, u32 x3, u32 fi
 // of pair p is then that of pairs p and p + 1 at one seed offset, and the kernels below
 // take both from the same hashes.
 
-// out[j, p] = noise(step_seed + p + off, j) (* fitness[p]) for j < n, and where then is
-// given, then[j, p] = noise(step_seed + p + off + 1, j) for j < n_then: a matrix's input
-// side beside its output side, nine hashes a thread's eight pairs and row where the two
-// sides apart took sixteen. One noise vector per pair, pair-contiguous (pairs: a
-// multiple of 8; UpdateBuffers pads it to 16). A thread takes eight pairs, their seeds
-// and fitness once, and rows j = blockIdx.y + k gridDim.y, one 64-bit store a row and
-// side: with a thread a byte, the indexing, the fitness loads and the byte stores took
-// more time than the hashes.
-extern "C" __global__ void noise_matrix(i8* out, i8* then, const i8* fitness, const u32* step_seed, u32 off,
-                                        int n, int n_then, int pairs) {
+// Eight fitness bytes, of pairs q .. q + 7 (q from -15 on, any alignment: the buffer has
+// zero bytes around it, gpu/update.py's FITNESS_PAD), as two words of four int8 lanes.
+__device__ __forceinline__ uint2 fitness_at(const i8* fitness, int q) {
+    const u64* w = (const u64*)(fitness + (q & ~7));
+    const int r = 8 * (q & 7);
+    const u64 x = r == 0 ? w[0] : w[0] >> r | w[1] << (64 - r);
+    return make_uint2((u32)x, (u32)(x >> 32));
+}
+
+// out[j, p] = noise(step_seed + p + off, j) (* fitness[p + shift]) for j < n, and where
+// then is given, then[j, p] = noise(step_seed + p + off + 1, j) for j < n_then: a
+// matrix's input side beside its output side, nine hashes a thread's eight pairs and
+// row where the two sides apart took sixteen. One noise vector per pair, pair-contiguous
+// (pairs: a multiple of 8; gpu/update.py makes it one of 16). A thread takes eight
+// pairs, their seeds and fitness once, and rows j = blockIdx.y + k gridDim.y, one 64-bit
+// store a row and side: with a thread a byte, the indexing, the fitness loads and the
+// byte stores took more time than the hashes.
+extern "C" __global__ void noise_matrix(i8* out, i8* then, const i8* fitness, int shift, const u32* step_seed,
+                                        u32 off, int n, int n_then, int pairs) {
     const int p = 8 * (blockIdx.x * blockDim.x + threadIdx.x);
     if (p >= pairs) return;
     const u32 seed = pair_seed(step_seed[0], p) + off;
-    const uint2 f = fitness ? ((const uint2*)fitness)[p / 8] : make_uint2(FITNESS_ONE, FITNESS_ONE);
+    const uint2 f = fitness ? fitness_at(fitness, p + shift) : make_uint2(FITNESS_ONE, FITNESS_ONE);
     const int rows = then ? max(n, n_then) : n;
     for (int j = blockIdx.y; j < rows; j += gridDim.y) {
         u32 x[9];
@@ -87,7 +96,7 @@ extern "C" __global__ void noise_matrix(i8* out, i8* then, const i8* fitness, co
 // exact in any order (the whole vote fits int32: UpdateBuffers checks it).
 #define VOTE_WINDOW (VOTE_TILE + VOTE_SPAN + 4)
 
-__device__ __forceinline__ int pack16(int lo, int hi) { return (lo & 0xFFFF) | (hi << 16); }
+__device__ __forceinline__ int pack16(int lo, int hi) { return (int)(((u32)lo & 0xFFFFu) | (u32)hi << 16); }
 
 // Entry j's votes of a cluster's first `active` slices (those longer than j: a cluster's
 // slices are longest first), P >= active of them added every step without a branch (the

@@ -52,11 +52,13 @@ from deggs.numerics.gpu.update import (  # noqa: E402
     Changes,
     DeviceParam,
     VectorClusters,
+    vote_gemms,
 )
 from deggs.numerics.model import Perturbation, Weights, wrap32  # noqa: E402
 from deggs.numerics.optimizer import (  # noqa: E402
     OPTIMIZERS,
     Moments,
+    matrix_votes,
     pair_noise,
     update_overlay,
     vector_votes,
@@ -574,43 +576,71 @@ def update_inputs(b):
 
 
 def check_noise_matrix(b):
-    """The noise of matrices' votes, each side as the vote GEMM reads it (its inputs', its
-    outputs' times each pair's fitness): the up- and the down-projection's as training
-    makes them, both sides from one launch's hashes (the inputs' seeds are the outputs'
-    plus one), and the up-projection's with its input seeds moved as the embedding's
-    are, each side apart."""
+    """The noise of matrices' votes as their GEMMs read it, each side over the seeds they
+    sum (VoteGemm): layer 0's q, k, v and o in one GEMM, its up- and down-projection as
+    training makes them (the larger side a window of the step's fields, the other made
+    times the fitness), and the up-projection with its input seeds moved as the
+    embedding's are (both sides made, over the pairs); and from those sides 8 x 8 of each
+    matrix's votes, against the optimizer's."""
     updates, U, fitness, seed = update_inputs(b)
-    pairs, cp = U.pairs, b.cp
-    layer0 = {s.name: s for s in U.slices if s.layer == 0}
-    up, down = layer0["w_up"], layer0["w_down"]
-    apart = dataclasses.replace(up, off_b=up.off_a + b.d)
-    sides = [(up, U.a, U.b)] + [
-        (s, cp.empty(s.shape[1] * pairs, cp.int8), cp.empty(s.shape[0] * pairs, cp.int8))
-        for s in (down, apart)
-    ]
-    seeds = pair_seed(seed, np.arange(pairs)).astype(np.uint32)[:, None]
+    cp, n_pairs = b.cp, b.cfg.training.n_pairs
+    layer0 = [s for s in U.slices if s.layer == 0 and s.param.is_matrix]
+    up = next(s for s in layer0 if s.name == "w_up")
+    slices = layer0 + [dataclasses.replace(up, off_b=up.off_a + b.d)]
+    cases = []  # (a GEMM, buffers for its made sides)
+    for g in vote_gemms(slices, U.pairs):
+        n_in, n_out = slices[g.slices[0]].shape[0], sum(slices[i].shape[1] for i in g.slices)
+        cases.append((g, cp.empty(n_out * g.k, cp.int8), cp.empty(n_in * g.k, cp.int8)))
+    operands = []
+    sample = lambda n: np.linspace(0, n - 1, 8).astype(int)
 
     def launch():
-        for s, a, b_ in sides:
-            updates.noise_sides(s, a, b_)
+        operands.clear()
+        updates.noise_fields()
+        operands.extend(updates.vote_operands(g, slices, a, b_) for g, a, b_ in cases)
 
-    def noise(off, n):  # [n, pairs], as the kernel lays it out
-        return pair_noise(b.cfg, seeds, off, np.arange(n)).T.astype(np.int64)
+    def noise(off, n, k, shift=None):  # [n, k]: seeds off + c, times the fitness of c + shift
+        seeds = pair_seed(seed, np.arange(k)).astype(np.uint32)[:, None]
+        side = pair_noise(b.cfg, seeds, off, np.arange(n)).T.astype(np.int64)
+        if shift is None:
+            return side
+        q = np.arange(k) + shift
+        return side * np.where((q >= 0) & (q < U.pairs), fitness[np.clip(q, 0, U.pairs - 1)], 0)
 
     def reference():
-        return tuple(
-            side
-            for s, _, _ in sides
-            for side in (noise(s.off_b, s.shape[0]), noise(s.off_a, s.shape[1]) * fitness)
-        )
+        out = []
+        for g, _, _ in cases:
+            a_sides, votes = [], []
+            for i in g.slices:
+                s = slices[i]
+                (n_in, n_out), shift = s.shape, g.base - s.off_a
+                a_sides.append(noise(g.base, n_out, g.k, None if g.shared == "a" else shift))
+                rows, cols = sample(n_in), sample(n_out)
+                votes.append(
+                    matrix_votes(b.cfg, fitness[:n_pairs], seed, s.off_a, s.off_b, rows, cols)
+                )
+            first = slices[g.slices[0]]
+            b_off = first.off_b if g.shared is None else g.base + 1
+            b_shift = g.base - first.off_a if g.shared == "a" else None
+            out += [np.concatenate(a_sides), noise(b_off, first.shape[0], g.k, b_shift), *votes]
+        return tuple(out)
 
     def result():
-        get = lambda buf, n: buf[: n * pairs].get().reshape(n, pairs).astype(np.int64)
-        return tuple(
-            side for s, a, b_ in sides for side in (get(b_, s.shape[0]), get(a, s.shape[1]))
-        )
+        out = []
+        for (g, *_), (a, lda, b_, ldb) in zip(cases, operands, strict=True):
+            n_in, n_out = slices[g.slices[0]].shape[0], sum(slices[i].shape[1] for i in g.slices)
+            # each side as the GEMM reads it: n rows of k from its pointer, ld apart
+            get = lambda side, n, ld: cp.ndarray((n, g.k), cp.int8, side.data, strides=(ld, 1))
+            ha, hb = (get(*x).get().astype(np.int64) for x in ((a, n_out, lda), (b_, n_in, ldb)))
+            out += [ha, hb]
+            row = 0
+            for i in g.slices:
+                rows, cols = sample(n_in), row + sample(slices[i].shape[1])
+                out.append(hb[rows] @ ha[cols].T)
+                row += slices[i].shape[1]
+        return tuple(out)
 
-    moved = sum((s.shape[0] + s.shape[1]) * pairs + pairs for s, _, _ in sides)
+    moved = U.field_a.nbytes + U.field_b.nbytes + sum(a.nbytes + b_.nbytes for _, a, b_ in cases)
     return lambda: None, launch, reference, result, moved
 
 

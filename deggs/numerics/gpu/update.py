@@ -1,9 +1,14 @@
 """The update on the device (optimizer.py's apply_update, bit for bit): per parameter
-slice, every pair's noise as int8 matrices [index, pair] (the output side times the
-ternary fitness) and every vote from one int8 GEMM (vectors: vector_votes), then the
+slice, every pair's noise as int8 matrices [index, pair] (one side times the ternary
+fitness) and every vote from one int8 GEMM (vectors: vector_votes), then the
 optimizer's step on the whole slice and the overlays' update. The whole update is
 captured once as a CUDA graph and replayed each step (step seed, learning rates and
 fitness are read from device buffers).
+
+A slice's noise entry j at pair p is noise(step_seed + p + off, j): every slice reads
+one field of hashes at its own seed offset. So the matrices share two noise fields made
+once a step (VoteGemm): each GEMM reads its larger side as a window of a field and
+only the other side, times the fitness, is made for it.
 
 The optimizer contract (as optimizer.py's on the CPU): an optimizer steps one whole
 parameter slice, a matrix or a vector, from its vote and its state, in place; an
@@ -13,6 +18,7 @@ holds the device's, by optimizer.kind.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from dataclasses import dataclass
@@ -27,6 +33,11 @@ from .plan import VOTE_PARAMS, VOTE_SPAN, VOTE_TILE
 from .state import DeviceState
 
 log = logging.getLogger(__name__)
+
+# The seeds a vote GEMM sums over, where they are a window of the noise fields: a multiple
+# of this (cuBLAS's int8 GEMMs took half as long again at 16 over a multiple of 128)
+GEMM_K_STEP = 256
+FITNESS_PAD = 16, GEMM_K_STEP + 32  # zero bytes before and after the fitness (noise_matrix)
 
 
 def at_layer(array: DeviceArray, layer: int | None) -> DeviceArray:
@@ -90,21 +101,73 @@ class VectorClusters:
 
 
 @dataclass(frozen=True)
+class VoteGemm:
+    """One int8 GEMM of the update: the votes of matrix slices `slices` (of one input
+    size), vote[out, in] = sum_p fit_p a_p[out] b_p[in], a_p the noise at seeds step_seed
+    + p + off_a and b_p at off_b, the slices' votes one after another.
+
+    Where off_b = off_a + 1, both sides are windows of the step's fields (UpdateBuffers'
+    field_a[j, c] = noise(step_seed + field_base + c, j), field_b the same at + 1): the
+    GEMM sums over k seeds from `base` (off_a rounded down to 16, so that a window's rows
+    stay 16-byte aligned for cuBLAS; k a multiple of GEMM_K_STEP), reads side `shared`
+    from its field, the larger ("b", the inputs, where equal), and makes the other for
+    each slice, times the fitness of pair base + c - off_a (0 outside the pairs).
+    Consecutive slices that read one input window take one GEMM, their output sides
+    made one under another (a layer's q, k, v and o: one GEMM of 1,024 outputs, where
+    four of 256 took 70% longer). Else (the embedding) both sides are made, over the
+    pairs from off_a, the a side times the fitness."""
+
+    slices: tuple[int, ...]
+    base: int
+    k: int
+    shared: str | None
+
+
+def vote_gemms(slices: list[Slice], pairs: int) -> list[VoteGemm]:
+    """The vote GEMMs of the matrix slices, in their order."""
+    gemms: list[VoteGemm] = []
+    for i, s in enumerate(slices):
+        if not s.param.is_matrix:
+            continue
+        if s.off_b != s.off_a + 1:
+            gemms.append(VoteGemm((i,), s.off_a, pairs, None))
+            continue
+        base = s.off_a // 16 * 16
+        k = -(-(s.off_a - base + pairs) // GEMM_K_STEP) * GEMM_K_STEP
+        n_in, n_out = s.shape
+        g = VoteGemm((i,), base, k, "b" if n_in >= n_out else "a")
+        last = gemms[-1] if gemms else None
+        if (
+            last is not None
+            and g.shared == last.shared == "b"
+            and (g.base, g.k, n_in) == (last.base, last.k, slices[last.slices[0]].shape[0])
+        ):
+            g = dataclasses.replace(last, slices=last.slices + (i,))
+            gemms.pop()
+        gemms.append(g)
+    return gemms
+
+
+@dataclass(frozen=True)
 class UpdateBuffers:
     """The update's device buffers, sized for the largest parameter slice."""
 
     pairs: int  # the population's pairs, padded to 16 (noise_matrix takes 8 a thread)
     slices: list[Slice]
-    fitness: DeviceArray  # int8 [pairs]
+    fitness: DeviceArray  # int8 [pairs], FITNESS_PAD zero bytes around it (noise_matrix)
     seed: DeviceArray  # uint32 [1]: the step seed
     lr: DeviceArray  # float32 [2]: the learning rate, and times bias_lr_scale
     changes: DeviceArray  # uint64 [1]: weights changed
-    vote: DeviceArray  # int32, a matrix slice's votes
+    vote: DeviceArray  # int32, a vote GEMM's votes
     vector_at: dict[int, int]  # slices' index -> where that vector slice's entries start
     vector_clusters: VectorClusters
     vector_vote: DeviceArray  # int32 [entries]: their votes
-    a: DeviceArray  # int8 [outputs, pairs]: the output noise times the fitness
-    b: DeviceArray  # int8 [inputs, pairs]: the input noise
+    vote_gemm: dict[int, tuple[VoteGemm, int]]  # slice index -> its GEMM, its votes' start
+    field_base: int
+    field_a: DeviceArray  # int8 [rows, width]: noise(step_seed + field_base + c, j)
+    field_b: DeviceArray  # int8 [rows, width]: the same at seeds one further
+    a: DeviceArray  # int8: a GEMM's output sides as made for it, [outputs, k]
+    b: DeviceArray  # int8: its input side as made, [inputs, k]
     row_counts: DeviceArray  # int32: changes per input (a vector's entry)
     col_counts: DeviceArray  # int32: changes per output
 
@@ -123,24 +186,44 @@ class UpdateBuffers:
         dims = [s.shape for s in slices]
         max_in = max(s[0] for s in dims)
         max_out = max((s[1] for s in dims if len(s) == 2), default=1)
-        max_n = max(math.prod(s) for s in dims)
         vector_at, n_entries = {}, 0  # where each vector slice's entries start
         for i, s in enumerate(slices):
             if not s.param.is_matrix:
                 vector_at[i], n_entries = n_entries, n_entries + math.prod(s.shape)
+        gemms = vote_gemms(slices, pairs)
+        vote_gemm = {}  # each matrix slice's GEMM and where its votes start in vote
+        for g in gemms:
+            at = 0
+            for i in g.slices:
+                vote_gemm[i], at = (g, at), at + math.prod(slices[i].shape)
+        outputs = {g: sum(slices[i].shape[1] for i in g.slices) for g in gemms}
+        inputs = {g: slices[g.slices[0]].shape[0] for g in gemms}
+        made_a = max((outputs[g] * g.k for g in gemms if g.shared != "a"), default=0)
+        made_b = max((inputs[g] * g.k for g in gemms if g.shared != "b"), default=0)
+        windows = [g for g in gemms if g.shared]
+        base = min((g.base for g in windows), default=0)
+        width = max((g.base - base + g.k for g in windows), default=0)
+        rows_a = max((outputs[g] for g in windows if g.shared == "a"), default=0)
+        rows_b = max((inputs[g] for g in windows if g.shared == "b"), default=0)
+        before, after = FITNESS_PAD
+        fitness = cp.zeros(before + pairs + after, cp.int8)
         return cls(
             pairs=pairs,
             slices=slices,
-            fitness=cp.zeros(pairs, cp.int8),
+            fitness=fitness[before : before + pairs],
             seed=cp.zeros(1, cp.uint32),
             lr=cp.zeros(2, cp.float32),
             changes=cp.zeros(1, cp.uint64),
-            vote=cp.empty(max_n, cp.int32),
+            vote=cp.empty(max((outputs[g] * inputs[g] for g in gemms), default=0), cp.int32),
             vector_at=vector_at,
             vector_clusters=VectorClusters.make(slices, vector_at),
             vector_vote=cp.empty(n_entries, cp.int32),
-            a=cp.zeros(max_out * pairs, cp.int8),
-            b=cp.zeros(max_in * pairs, cp.int8),
+            vote_gemm=vote_gemm,
+            field_base=base,
+            field_a=cp.zeros((rows_a, width), cp.int8),
+            field_b=cp.zeros((rows_b, width), cp.int8),
+            a=cp.zeros(made_a, cp.int8),
+            b=cp.zeros(made_b, cp.int8),
             row_counts=cp.zeros(max(max_in, max_out), cp.int32),
             col_counts=cp.zeros(max_out, cp.int32),
         )
@@ -359,6 +442,7 @@ class Update:
         cp.cuda.runtime.memsetAsync(U.changes.data.ptr, 0, 8, stream)
         a_cfg = self.cfg.adaptive_noise
         self.vector_votes()
+        self.noise_fields()
         for i, u in enumerate(U.slices):
             shape = u.shape
             arrays = (state.weights, state.m, state.v, state.acc)
@@ -366,10 +450,13 @@ class Update:
             n = math.prod(shape)
             if u.param.is_matrix:
                 n_in, n_out = shape
-                self.noise_sides(u, U.a, U.b)
-                # vote[out, in] (row-major) = sum_p (fit_p a_p[out]) b_p[in]
-                self.launch.gemm(U.b, U.a, U.vote, n_in, n_out, U.pairs, U.pairs, U.pairs, n_in)
-                vote, inner, cols = U.vote, n_in, U.col_counts
+                g, at = U.vote_gemm[i]
+                if i == g.slices[0]:
+                    a, lda, b, ldb = self.vote_operands(g, U.slices, U.a, U.b)
+                    outputs = sum(U.slices[j].shape[1] for j in g.slices)
+                    # vote[out, in] (row-major) = sum_p a_p[out] b_p[in], one side times fit_p
+                    self.launch.gemm(b, a, U.vote, n_in, outputs, g.k, ldb, lda, n_in)
+                vote, inner, cols = U.vote[at : at + n], n_in, U.col_counts
             else:
                 at = U.vector_at[i]
                 vote, inner, cols = U.vector_vote[at : at + n], n, None
@@ -397,21 +484,44 @@ class Update:
                 cp.cuda.runtime.memsetAsync(cols_.data.ptr, 0, cols_.nbytes, stream)
         state.copy_cores()
 
-    def noise_sides(self, u: Slice, a, b) -> None:
-        """A matrix slice's noise: its outputs' times the fitness into a, its inputs' into
-        b. One launch where the inputs' seeds are the outputs' plus one (update.cu: both
-        sides from the same hashes), else a launch a side."""
-        n_in, n_out = u.shape
-        if u.off_b == u.off_a + 1:
-            self.noise_matrix(a, self.buffers.fitness, u.off_a, n_out, then=b, n_then=n_in)
-        else:
-            self.noise_matrix(b, None, u.off_b, n_in)
-            self.noise_matrix(a, self.buffers.fitness, u.off_a, n_out)
+    def noise_fields(self) -> None:
+        """The step's two noise fields (VoteGemm), from one launch's hashes."""
+        U = self.buffers
+        if U.field_a.size or U.field_b.size:
+            width = U.field_a.shape[1]
+            self.noise_matrix(U.field_a, len(U.field_a), U.field_base, width, then=U.field_b)
 
-    def noise_matrix(self, out, fitness, off: int, n: int, then=None, n_then: int = 0) -> None:
-        """out[j, p] = pair p's noise j at seed offset off (times its fitness where given),
-        for j < n; and then[j, p] its noise at off + 1, for j < n_then (update.cu)."""
-        pairs = self.buffers.pairs
+    def vote_operands(self, g: VoteGemm, slices: list[Slice], a, b) -> tuple:
+        """Make the sides of GEMM g's noise (of `slices`) that it does not read from the
+        fields, into a and b, and return its operands: (the a side, its rows' stride, the
+        b side, its rows' stride)."""
+        U, first = self.buffers, slices[g.slices[0]]
+        if g.shared is None:  # both sides made, over the pairs
+            self.noise_matrix(b, first.shape[0], first.off_b, g.k)
+            self.noise_matrix(a, first.shape[1], first.off_a, g.k, fitness=U.fitness)
+            return a, g.k, b, g.k
+        col, width = g.base - U.field_base, U.field_a.shape[1]
+        if g.shared == "a":
+            shift = g.base - first.off_a
+            self.noise_matrix(b, first.shape[0], g.base + 1, g.k, fitness=U.fitness, shift=shift)
+            return U.field_a[:, col:], width, b, g.k
+        row = 0  # the slices' output sides one under another
+        for i in g.slices:
+            s = slices[i]
+            shift = g.base - s.off_a
+            self.noise_matrix(
+                a[row * g.k :], s.shape[1], g.base, g.k, fitness=U.fitness, shift=shift
+            )
+            row += s.shape[1]
+        return a, g.k, U.field_b[:, col:], width
+
+    def noise_matrix(
+        self, out, n: int, off: int, pairs: int, fitness=None, shift: int = 0, then=None
+    ) -> None:
+        """out[j, p] = pair p's noise j at seed offset off (times the fitness of pair p +
+        shift where given), for j < n and p < pairs (the rows' length); and then[j, p] its
+        noise at off + 1, for j < len(then) (update.cu)."""
+        n_then = 0 if then is None else len(then)
         self.launch(
             "noise_matrix",
             (-(-pairs // (8 * 256)), min(65535, max(1, max(n, n_then) // 8))),  # ~8 rows a thread
@@ -419,8 +529,9 @@ class Update:
             out=out,
             then=then,
             fitness=fitness,
+            shift=shift,
             step_seed=self.buffers.seed,
-            off=off,
+            off=off & 0xFFFFFFFF,
             n=n,
             n_then=n_then,
             pairs=pairs,
