@@ -51,7 +51,7 @@ __device__ __forceinline__ uint2 fitness_at(const i8* fitness, int q) {
 // then is given, then[j, p] = noise(step_seed + p + off + 1, j) for j < n_then: a
 // matrix's input side beside its output side, nine hashes a thread's eight pairs and
 // row where the two sides apart took sixteen. One noise vector per pair, pair-contiguous
-// (pairs: a multiple of 8; gpu/update.py makes it one of 16). A thread takes eight
+// (pairs, the rows' length: a multiple of 8; gpu/update.py's are of 16). A thread takes eight
 // pairs, their seeds and fitness once, and rows j = blockIdx.y + k gridDim.y, one 64-bit
 // store a row and side: with a thread a byte, the indexing, the fitness loads and the
 // byte stores took more time than the hashes.

@@ -589,8 +589,7 @@ def check_noise_matrix(b):
     slices = layer0 + [dataclasses.replace(up, off_b=up.off_a + b.d)]
     cases = []  # (a GEMM, buffers for its made sides)
     for g in vote_gemms(slices, U.pairs):
-        n_in, n_out = slices[g.slices[0]].shape[0], sum(slices[i].shape[1] for i in g.slices)
-        cases.append((g, cp.empty(n_out * g.k, cp.int8), cp.empty(n_in * g.k, cp.int8)))
+        cases.append((g, cp.empty(g.outputs * g.k, cp.int8), cp.empty(g.inputs * g.k, cp.int8)))
     operands = []
     sample = lambda n: np.linspace(0, n - 1, 8).astype(int)
 
@@ -628,14 +627,14 @@ def check_noise_matrix(b):
     def result():
         out = []
         for (g, *_), (a, lda, b_, ldb) in zip(cases, operands, strict=True):
-            n_in, n_out = slices[g.slices[0]].shape[0], sum(slices[i].shape[1] for i in g.slices)
             # each side as the GEMM reads it: n rows of k from its pointer, ld apart
             get = lambda side, n, ld: cp.ndarray((n, g.k), cp.int8, side.data, strides=(ld, 1))
-            ha, hb = (get(*x).get().astype(np.int64) for x in ((a, n_out, lda), (b_, n_in, ldb)))
+            sides = ((a, g.outputs, lda), (b_, g.inputs, ldb))
+            ha, hb = (get(*x).get().astype(np.int64) for x in sides)
             out += [ha, hb]
             row = 0
             for i in g.slices:
-                rows, cols = sample(n_in), row + sample(slices[i].shape[1])
+                rows, cols = sample(g.inputs), row + sample(slices[i].shape[1])
                 out.append(hb[rows] @ ha[cols].T)
                 row += slices[i].shape[1]
         return tuple(out)

@@ -21,7 +21,7 @@ from deggs.numerics.gpu.plan import (
     kernel_defines,
     make_plan,
 )
-from deggs.numerics.gpu.update import VectorClusters
+from deggs.numerics.gpu.update import GEMM_K_STEP, VectorClusters, vote_gemms
 from deggs.numerics.model import make_tables
 from deggs.numerics.params import param_slices
 
@@ -253,3 +253,28 @@ def test_vector_votes_clusters_hold_every_slice_once_within_their_bounds():
             assert (s.off_a, s.off_b - s.off_a, s.shape[0]) == (off + r, d, length)
             seen.append(i)
     assert sorted(seen) == sorted(vector_at) and len(table) > 2
+
+
+@pytest.mark.parametrize("pairs", [163840, 1008, 8])
+def test_vote_gemms_cover_every_matrix_pair_once_and_take_a_layers_qkvo_together(pairs):
+    """update.py's VoteGemm: a GEMM over a window of the noise fields sums seeds base ..
+    base + k, which must hold each of its slices' pairs (seeds off_a .. off_a + pairs),
+    start 16-byte aligned and run a multiple of GEMM_K_STEP; a layer's q, k, v and o take
+    one GEMM at every layer (at 163,840 pairs, a multiple of 256, q's offset in odd layers
+    is a multiple of 16 and k, v and o's are not); every matrix slice is in one GEMM."""
+    cfg = Config()
+    slices = param_slices(cfg)
+    gemms = vote_gemms(slices, pairs)
+    seen = [i for g in gemms for i in g.slices]
+    assert sorted(seen) == [i for i, s in enumerate(slices) if s.param.is_matrix]
+    for g in gemms:
+        members = [slices[i] for i in g.slices]
+        assert g.inputs == members[0].shape[0] and g.outputs == sum(s.shape[1] for s in members)
+        if g.shared is None:  # the embedding: its input seeds are not its output seeds + 1
+            assert [s.name for s in members] == ["embedding"] and g.k == pairs
+            continue
+        assert g.base % 16 == 0 and g.k % GEMM_K_STEP == 0 and g.k <= pairs + GEMM_K_STEP
+        for s in members:
+            assert s.off_b == s.off_a + 1 and g.base <= s.off_a <= s.off_a + pairs <= g.base + g.k
+    together = [[slices[i].name for i in g.slices] for g in gemms if len(g.slices) > 1]
+    assert together == [["w_q", "w_k", "w_v", "w_o"]] * cfg.model.n_layers

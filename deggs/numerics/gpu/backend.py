@@ -116,9 +116,7 @@ class GpuBackend:
         self.forward = Forward(
             cfg, self.plan, self.launch, self.device_state, self.tables, batch, budget, figures.sms
         )
-        self.updates = Update(
-            cfg, self.launch, self.device_state, self.stream, figures.sms, use_graph
-        )
+        self.updates = Update(cfg, self.launch, self.device_state, self.stream, use_graph)
         self.generation = Generate(
             cfg, self.plan, self.launch, self.forward, self.stream, use_graph
         )

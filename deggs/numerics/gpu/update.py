@@ -34,10 +34,13 @@ from .state import DeviceState
 
 log = logging.getLogger(__name__)
 
-# The seeds a vote GEMM sums over, where they are a window of the noise fields: a multiple
-# of this (cuBLAS's int8 GEMMs took half as long again at 16 over a multiple of 128)
+# The seeds a vote GEMM sums over, where they are a window of the noise fields: the
+# pairs and up to 15 more, rounded up to a multiple of this (cuBLAS's int8 GEMMs took half
+# as long again at 16 over a multiple of 128)
 GEMM_K_STEP = 256
-FITNESS_PAD = 16, GEMM_K_STEP + 32  # zero bytes before and after the fitness (noise_matrix)
+# Zero bytes before and after the fitness: a window's fitness is read from pair -15 on,
+# and up to pair k + 7 < pairs + GEMM_K_STEP + 8, in 8-byte words (update.cu's fitness_at)
+FITNESS_PAD = 16, GEMM_K_STEP + 32
 
 
 def at_layer(array: DeviceArray, layer: int | None) -> DeviceArray:
@@ -109,7 +112,8 @@ class VoteGemm:
     Where off_b = off_a + 1, both sides are windows of the step's fields (UpdateBuffers'
     field_a[j, c] = noise(step_seed + field_base + c, j), field_b the same at + 1): the
     GEMM sums over k seeds from `base` (off_a rounded down to 16, so that a window's rows
-    stay 16-byte aligned for cuBLAS; k a multiple of GEMM_K_STEP), reads side `shared`
+    stay 16-byte aligned for cuBLAS; k the pairs and 15 more, rounded up to a multiple of
+    GEMM_K_STEP), reads side `shared`
     from its field, the larger ("b", the inputs, where equal), and makes the other for
     each slice, times the fitness of pair base + c - off_a (0 outside the pairs).
     Consecutive slices that read one input window take one GEMM, their output sides
@@ -121,28 +125,25 @@ class VoteGemm:
     base: int
     k: int
     shared: str | None
+    inputs: int  # the slices' input size
+    outputs: int  # their output sizes' sum
 
 
 def vote_gemms(slices: list[Slice], pairs: int) -> list[VoteGemm]:
     """The vote GEMMs of the matrix slices, in their order."""
+    window = -(-(pairs + 15) // GEMM_K_STEP) * GEMM_K_STEP  # from any off_a rounded down to 16
     gemms: list[VoteGemm] = []
     for i, s in enumerate(slices):
         if not s.param.is_matrix:
             continue
-        if s.off_b != s.off_a + 1:
-            gemms.append(VoteGemm((i,), s.off_a, pairs, None))
-            continue
-        base = s.off_a // 16 * 16
-        k = -(-(s.off_a - base + pairs) // GEMM_K_STEP) * GEMM_K_STEP
         n_in, n_out = s.shape
-        g = VoteGemm((i,), base, k, "b" if n_in >= n_out else "a")
+        if s.off_b != s.off_a + 1:
+            gemms.append(VoteGemm((i,), s.off_a, pairs, None, n_in, n_out))
+            continue
+        g = VoteGemm((i,), s.off_a // 16 * 16, window, "b" if n_in >= n_out else "a", n_in, n_out)
         last = gemms[-1] if gemms else None
-        if (
-            last is not None
-            and g.shared == last.shared == "b"
-            and (g.base, g.k, n_in) == (last.base, last.k, slices[last.slices[0]].shape[0])
-        ):
-            g = dataclasses.replace(last, slices=last.slices + (i,))
+        if last and g.shared == last.shared == "b" and (g.base, n_in) == (last.base, last.inputs):
+            g = dataclasses.replace(last, slices=last.slices + (i,), outputs=last.outputs + n_out)
             gemms.pop()
         gemms.append(g)
     return gemms
@@ -150,7 +151,7 @@ def vote_gemms(slices: list[Slice], pairs: int) -> list[VoteGemm]:
 
 @dataclass(frozen=True)
 class UpdateBuffers:
-    """The update's device buffers, sized for the largest parameter slice."""
+    """The update's device buffers, sized for the largest vote GEMM."""
 
     pairs: int  # the population's pairs, padded to 16 (noise_matrix takes 8 a thread)
     slices: list[Slice]
@@ -178,7 +179,7 @@ class UpdateBuffers:
         peak = cfg.noise.perturb_bound**2
         if n_pairs * peak >= 2**31:
             raise NotImplementedError("votes could overflow int32 at this population")
-        if peak >= 2**15:  # (the config's masks keep it below 93^2)
+        if peak >= 2**15:  # (the config's masks keep it at most 93^2)
             raise NotImplementedError(
                 "vector_votes holds a product of two noise entries in 16 bits"
             )
@@ -196,15 +197,13 @@ class UpdateBuffers:
             at = 0
             for i in g.slices:
                 vote_gemm[i], at = (g, at), at + math.prod(slices[i].shape)
-        outputs = {g: sum(slices[i].shape[1] for i in g.slices) for g in gemms}
-        inputs = {g: slices[g.slices[0]].shape[0] for g in gemms}
-        made_a = max((outputs[g] * g.k for g in gemms if g.shared != "a"), default=0)
-        made_b = max((inputs[g] * g.k for g in gemms if g.shared != "b"), default=0)
+        made_a = max((g.outputs * g.k for g in gemms if g.shared != "a"), default=0)
+        made_b = max((g.inputs * g.k for g in gemms if g.shared != "b"), default=0)
         windows = [g for g in gemms if g.shared]
         base = min((g.base for g in windows), default=0)
         width = max((g.base - base + g.k for g in windows), default=0)
-        rows_a = max((outputs[g] for g in windows if g.shared == "a"), default=0)
-        rows_b = max((inputs[g] for g in windows if g.shared == "b"), default=0)
+        rows_a = max((g.outputs for g in windows if g.shared == "a"), default=0)
+        rows_b = max((g.inputs for g in windows if g.shared == "b"), default=0)
         before, after = FITNESS_PAD
         fitness = cp.zeros(before + pairs + after, cp.int8)
         return cls(
@@ -214,7 +213,7 @@ class UpdateBuffers:
             seed=cp.zeros(1, cp.uint32),
             lr=cp.zeros(2, cp.float32),
             changes=cp.zeros(1, cp.uint64),
-            vote=cp.empty(max((outputs[g] * inputs[g] for g in gemms), default=0), cp.int32),
+            vote=cp.empty(max((g.outputs * g.inputs for g in gemms), default=0), cp.int32),
             vector_at=vector_at,
             vector_clusters=VectorClusters.make(slices, vector_at),
             vector_vote=cp.empty(n_entries, cp.int32),
@@ -356,10 +355,9 @@ class Update:
         launch: Launcher,
         state: DeviceState,
         stream,
-        sms: int,
         use_graph: bool = True,
     ):
-        self.cfg, self.launch, self.state, self.stream, self.sms = cfg, launch, state, stream, sms
+        self.cfg, self.launch, self.state, self.stream = cfg, launch, state, stream
         self.optimizer: DeviceOptimizer = DEVICE_OPTIMIZERS[cfg.optimizer.kind](
             cfg.optimizer, launch
         )
@@ -453,9 +451,8 @@ class Update:
                 g, at = U.vote_gemm[i]
                 if i == g.slices[0]:
                     a, lda, b, ldb = self.vote_operands(g, U.slices, U.a, U.b)
-                    outputs = sum(U.slices[j].shape[1] for j in g.slices)
                     # vote[out, in] (row-major) = sum_p a_p[out] b_p[in], one side times fit_p
-                    self.launch.gemm(b, a, U.vote, n_in, outputs, g.k, ldb, lda, n_in)
+                    self.launch.gemm(b, a, U.vote, n_in, g.outputs, g.k, ldb, lda, n_in)
                 vote, inner, cols = U.vote[at : at + n], n_in, U.col_counts
             else:
                 at = U.vector_at[i]
@@ -497,13 +494,15 @@ class Update:
         b side, its rows' stride)."""
         U, first = self.buffers, slices[g.slices[0]]
         if g.shared is None:  # both sides made, over the pairs
-            self.noise_matrix(b, first.shape[0], first.off_b, g.k)
-            self.noise_matrix(a, first.shape[1], first.off_a, g.k, fitness=U.fitness)
+            self.noise_matrix(b, g.inputs, first.off_b, g.k)
+            self.noise_matrix(a, g.outputs, first.off_a, g.k, fitness=U.fitness)
             return a, g.k, b, g.k
         col, width = g.base - U.field_base, U.field_a.shape[1]
+        if not 0 <= col <= width - g.k:
+            raise ValueError(f"seeds {g.base}..{g.base + g.k} are not in the update's noise fields")
         if g.shared == "a":
             shift = g.base - first.off_a
-            self.noise_matrix(b, first.shape[0], g.base + 1, g.k, fitness=U.fitness, shift=shift)
+            self.noise_matrix(b, g.inputs, g.base + 1, g.k, fitness=U.fitness, shift=shift)
             return U.field_a[:, col:], width, b, g.k
         row = 0  # the slices' output sides one under another
         for i in g.slices:
