@@ -341,6 +341,11 @@ __device__ __forceinline__ T quad_max(T v) {
 #define LANE (threadIdx.x & 31)
 #define WARP (threadIdx.x >> 5)
 #define NWARPS (blockDim.x >> 5)
+// Up to hidden 256 a warp loads its next row while it works on this one, so that its
+// memory traffic does not wait for its arithmetic; wider rows would hold FPL more
+// registers across it, at the cost of blocks an SM (hidden 2048: 225 registers a
+// thread in residual_norm), so they load each row at its turn.
+#define ROW_PREFETCH (FPL <= 8)
 
 // Their per-feature tables in shared memory are lane-major: lane l's features l + 32 i
 // sit together, RUN of them one load (`lane_run`; 16 bytes for 4-byte entries, without

@@ -130,9 +130,8 @@ extern "C" __global__ void embed_norm(const int* tokens, const u32* seeds, const
     }
     norm_tables(s_norm, s_magic, seed, sign, w, b, ov_w, ov_b, w_a, w_b, b_a, b_b, ndots, ov0, ov1, ov2,
                 off0, off1, off2);
-    // Up to hidden 256, a row's token and table row are loaded while the warp's previous
-    // row is normalised; wider rows load at their turn (residual_norm's PREFETCH).
-    constexpr bool PREFETCH = FPL <= 8;
+    // A row's token and table row, loaded ahead where ROW_PREFETCH (common.cuh)
+    constexpr bool PREFETCH = ROW_PREFETCH;
     int tok_next = 0, w_next[FPL];
     auto fetch = [&](int t) {
         if (t >= seq) return;
@@ -350,12 +349,9 @@ extern "C" __global__ void residual_norm(const int* g, const int* sb_in, i8* x,
     }
     norm_tables(s_norm, s_magic, seed, sign, w, b, ov_w, ov_b, w_a, w_b, b_a, b_b, ndots, ov0, ov1, ov2,
                 off0, off1, off2);
-    // Up to hidden 256, a row's loads (its products, x and input dot) are made while the
-    // warp's previous row is normalised: the warp's memory traffic does not wait for
-    // its arithmetic (scripts/kernels.py residual_norm times it against the memory
-    // bandwidth). Wider rows would hold 2 FPL registers across it, at the cost of blocks
-    // an SM (hidden 2048: 225 registers a thread), so they load each row at its turn.
-    constexpr bool PREFETCH = FPL <= 8;
+    // A row's loads (its products, x and input dot), made ahead where ROW_PREFETCH
+    // (common.cuh; scripts/kernels.py residual_norm times it against the memory bandwidth)
+    constexpr bool PREFETCH = ROW_PREFETCH;
     int g_next[FPL], x_next[FPL], sb_next = 0;
     auto fetch = [&](int t) {
         if (t >= seq) return;

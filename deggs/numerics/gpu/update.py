@@ -66,7 +66,7 @@ class VectorClusters:
         return cls(
             table=cp.asarray(table.view(np.int32)),
             span=int(table[:, 0, 1].max(initial=0)),
-            longest=max((math.prod(slices[i].shape) for i in vector_at), default=0),
+            longest=int(table[:, 1:, 1].max(initial=0)),
         )
 
     @staticmethod
