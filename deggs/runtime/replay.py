@@ -10,7 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..numerics.es import Trainer
-from ..ternary import unpack_trits
+from ..seeds import next_step_seed
+from ..ternary import unpack_blocks
 from .checkpoint import CheckpointError, list_checkpoints, read_checkpoint
 
 
@@ -19,24 +20,45 @@ def replay(
 ) -> Trainer:
     """Apply the saved steps trainer.step..N-1 (N: the newest checkpoint, or `until`).
 
+    Each step's checkpoint is read and checked while the device applies the step before
+    (a GPU's update is a few milliseconds, about what the host spends on a file).
     progress(step, last, weights changed) is called after each step."""
-    cfg = trainer.cfg
     files = list_checkpoints(save_dir)
     last = max(files, default=0) if until is None else until
-    while trainer.step < last:
-        path = files.get(trainer.step + 1)
-        if path is None:
-            raise CheckpointError(
-                f"{Path(save_dir)}: no checkpoint for step {trainer.step + 1}; "
-                f"the history to replay stops at step {trainer.step}"
-            )
-        checkpoint = read_checkpoint(path, cfg.training.n_pairs)
-        changed = trainer.apply(unpack_trits(checkpoint.fitness, cfg.training.n_pairs))
-        if checkpoint.seed != trainer.seed:
-            raise CheckpointError(
-                f"{path}: seed {checkpoint.seed} does not follow from the "
-                f"config's seed (expected {trainer.seed})"
-            )
-        if progress is not None:
-            progress(trainer.step, last, changed)
+    running = None  # waits for the update last started
+
+    def finish():
+        nonlocal running
+        if running is not None:
+            changed, running = running(), None
+            if progress is not None:
+                progress(trainer.step, last, changed)
+
+    try:
+        while trainer.step < last:
+            fitness = _saved_fitness(save_dir, files, trainer)
+            finish()
+            running = trainer.start_apply(fitness)
+    finally:
+        finish()
     return trainer
+
+
+def _saved_fitness(save_dir: str | Path, files: dict[int, Path], trainer: Trainer):
+    """The fitness that moves `trainer` to its next step, from that step's checkpoint."""
+    step = trainer.step + 1
+    path = files.get(step)
+    if path is None:
+        raise CheckpointError(
+            f"{Path(save_dir)}: no checkpoint for step {step}; "
+            f"the history to replay stops at step {trainer.step}"
+        )
+    n_pairs = trainer.cfg.training.n_pairs
+    checkpoint = read_checkpoint(path, n_pairs)
+    expected = next_step_seed(trainer.seed, step)
+    if checkpoint.seed != expected:
+        raise CheckpointError(
+            f"{path}: seed {checkpoint.seed} does not follow from the "
+            f"config's seed (expected {expected})"
+        )
+    return unpack_blocks(checkpoint.fitness, 1, n_pairs)  # read_checkpoint checked it
