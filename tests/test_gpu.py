@@ -227,6 +227,31 @@ def test_generation_matches_cpu(case):
     assert generations(2) not in (None, graph)
 
 
+def test_a_generation_beside_chunks_and_updates_samples_as_alone():
+    """A worker starts its sample before the chunk it is due at: the generation runs on a
+    stream of its own beside the chunks, from the weights the update before left, and
+    the update after waits for it, also one queued right behind it (as in a graph's
+    replay, from the third sample on). Every sample, loss and weight is the CPU's."""
+    from deggs.numerics.es import Trainer
+
+    rng = np.random.default_rng(12)
+    cfg = small_config(rng).replace(training=dict(population_size=96, chunk_size=32))
+    cpu, gpu = Trainer(CpuBackend(cfg, threads=1)), Trainer(GpuBackend_(cfg))
+    data = rng.integers(0, cfg.model.vocab_size, 2000).astype(cfg.token_dtype)
+    for step in range(5):
+        prompt = cpu.prompt(data)
+        expected = cpu.sample(prompt)
+        sampling = gpu.start_sample(prompt)
+        if step % 2 == 0:  # the chunks beside it, then the update
+            ours, theirs = gpu.train_step(data), cpu.train_step(data)
+            assert [r.packed for r in ours] == [r.packed for r in theirs]
+        else:  # the update at once
+            fitness = rng.integers(-1, 2, cfg.training.n_pairs).astype(np.int32)
+            assert gpu.start_apply(fitness)() == cpu.apply(fitness)
+        assert np.array_equal(sampling(), expected), step
+    compare_states(cpu.backend, gpu.backend)
+
+
 def cp_device_is_hopper() -> bool:
     import cupy as cp
 

@@ -489,13 +489,13 @@ def test_something_that_is_not_a_coordinator_is_named(data_dir):
 def test_a_chunk_is_scored_and_the_generation_is_plain_text(data_dir):
     def script(peer):
         peer.welcome()
-        peer.send(JobResponse(SEED, 0, 0))  # chunk 0 of step 0: a generation, the health
-        text = peer.expect(LogMessage).text
-        assert "GENERATION" in text and "\x1b" not in text
+        peer.send(JobResponse(SEED, 0, 0))  # chunk 0 of step 0: the health, a generation
         report = peer.expect(Health)  # no val.bin here: the weights' alone
         assert report.step == 0 and len(report.entries) == 8 + 12 + 2
         first = report.entries[0]
         assert first.name == "embedding" and first.saturation == 0 and 0 < first.entropy < 8
+        text = peer.expect(LogMessage).text  # sampled beside the chunk, sent with its RESULT
+        assert "GENERATION at step 0" in text and "\x1b" not in text
         result = peer.expect(Result)
         assert (result.last_step, result.data_position) == (0, 0)
         assert len(result.data) == packed_size(CFG.training.chunk_size // 2)

@@ -70,6 +70,15 @@ class Backend(Protocol):
         """The prompt followed by n_tokens tokens sampled from the unperturbed model."""
         ...
 
+    def start_generate(
+        self, prompt, seed: int, n_tokens: int | None = None
+    ) -> Callable[[], np.ndarray]:
+        """Start `generate`; returns a function that waits for the tokens and returns
+        them. A backend that runs asynchronously (the GPU) samples beside whatever it is
+        given next (a chunk), from the weights as they are now; one that does not
+        samples here."""
+        ...
+
     def load_state(self, params: dict, overlays: dict, state: OptimizerState | None = None):
         """Replace the weights, overlays and (when given) the optimizer state."""
         ...

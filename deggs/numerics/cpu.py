@@ -136,3 +136,7 @@ class CpuBackend:
         if needed > self.tables.rope.shape[0]:
             self.tables = make_tables(self.cfg, needed)
         return generate(self.cfg, self.tables, self.params, self.overlays, prompt, seed, n_tokens)
+
+    def start_generate(self, prompt, seed: int, n_tokens: int | None = None):
+        tokens = self.generate(prompt, seed, n_tokens)
+        return lambda: tokens

@@ -215,5 +215,12 @@ class Trainer:
     ) -> np.ndarray:
         """The prompt and n_tokens sampled from the unperturbed model (default seed: the
         step's, as the reference's workers sample)."""
+        return self.start_sample(prompt, n_tokens, seed)()
+
+    def start_sample(
+        self, prompt: np.ndarray, n_tokens: int | None = None, seed: int | None = None
+    ) -> Callable[[], np.ndarray]:
+        """`sample`, started (Backend.start_generate): a GPU samples beside the chunk the
+        caller starts next. The function returned waits for the tokens."""
         seed = self.seed + GENERATION_SEED if seed is None else seed
-        return self.backend.generate(prompt, seed, n_tokens)
+        return self.backend.start_generate(prompt, seed, n_tokens)

@@ -159,6 +159,7 @@ class Worker:
         self.training: Training | None = None  # once the config is known
         self.last_updates = self.chunks_done = 0
         self._updating: Callable[[], int] | None = None  # an update started, not waited for
+        self._sampling: Callable[[], str] | None = None  # a generation started, not sent
         self._asked_at = 0.0  # when our last JOB_REQUEST went out
         self.deggs_coordinator = False  # may we send deggs messages (EVALUATION, HEALTH)?
         self._windows: np.ndarray | None = None  # validation windows, once loaded
@@ -694,18 +695,23 @@ class Worker:
         trainer = training.trainer
         cfg = trainer.cfg
         due = lambda every: chunk == 0 and every > 0 and trainer.step % every == 0
-        if due(cfg.sampling.every_steps):
-            self._send(sock, LogMessage(self.generation_text()).encode())
+        if due(cfg.sampling.every_steps):  # sampled beside the chunk, sent with its RESULT
+            self._sampling = self.start_generation()
         if due(cfg.eval.every_steps) and self.deggs_coordinator:
             self._send_validation(sock, training)
         if due(cfg.eval.health_every_steps) and self.deggs_coordinator:
             self._send_health(sock, trainer)
 
     def _result(self, response: JobResponse, result: ChunkResult, since: float) -> bytes:
-        """A scored chunk's RESULT frame, and its line in the log."""
+        """A scored chunk's RESULT frame (after the generation due at it, if any), and
+        its line in the log."""
         trainer = self._ready().trainer
         cfg = trainer.cfg
         self._settle_update()
+        sample = b""
+        if self._sampling is not None:
+            text, self._sampling = self._sampling(), None
+            sample = LogMessage(text).encode()
         frame = Result(
             trainer.seed,
             trainer.step,
@@ -721,7 +727,7 @@ class Worker:
             f"[worker] step {trainer.step} chunk {result.chunk}: {seconds:.2f} s, "
             f"{cfg.training.chunk_size * cfg.model.seq_len / seconds:,.0f} member-tokens/s"
         )
-        return frame
+        return sample + frame
 
     def _run_chunk(self, sock: socket.socket, response: JobResponse) -> bytes:
         """Score a chunk here and now, stopping between its batches when asked; its
@@ -784,17 +790,23 @@ class Worker:
         entries = tuple(HealthEntry(name, *astuple(s)) for name, s in stats.items())
         self._send(sock, Health(trainer.step, entries).encode())
 
-    def generation_text(self) -> str:
-        """A sample of the model, in plain text: the coordinator escapes control
+    def start_generation(self) -> Callable[[], str]:
+        """A sample of the model started (Trainer.start_sample); the function returned
+        waits for it and gives it in plain text: the coordinator escapes control
         characters, so colours would show as escape codes."""
         training = self._ready()
         trainer = training.trainer
-        cfg = trainer.cfg
+        cfg, step = trainer.cfg, trainer.step
         prompt = trainer.prompt(training.tokens)
-        tokens = trainer.sample(prompt)
+        sampling = trainer.start_sample(prompt)
         n = len(prompt)
-        return (
-            f"--- GENERATION at step {trainer.step} ---\n"
-            f"{detokenize(tokens[:n], cfg, training.pieces)} >>> "
-            f"{detokenize(tokens[n:], cfg, training.pieces)}\n"
-        )
+
+        def text() -> str:
+            tokens = sampling()
+            return (
+                f"--- GENERATION at step {step} ---\n"
+                f"{detokenize(tokens[:n], cfg, training.pieces)} >>> "
+                f"{detokenize(tokens[n:], cfg, training.pieces)}\n"
+            )
+
+        return text

@@ -117,9 +117,7 @@ class GpuBackend:
             cfg, self.plan, self.launch, self.device_state, self.tables, batch, budget, figures.sms
         )
         self.updates = Update(cfg, self.launch, self.device_state, self.stream, use_graph)
-        self.generation = Generate(
-            cfg, self.plan, self.launch, self.forward, self.stream, use_graph
-        )
+        self.generation = Generate(cfg, self.plan, self.launch, self.forward, use_graph)
         self.tokens = DeviceTokens()
         self.load_state(init_params(cfg), init_overlays(cfg), OptimizerState.zeros(cfg))
 
@@ -130,6 +128,7 @@ class GpuBackend:
         # an update still queued (start_update) writes the arrays `load` frees: the
         # pool would hand their memory to the new ones on another stream
         self.stream.synchronize()
+        self.generation.stream.synchronize()  # (a generation reads them too)
         # the graphs point at the arrays `load` replaces: dropped first, whatever happens
         self.updates.forget_graph()
         self.generation.forget_graphs()
@@ -265,12 +264,20 @@ class GpuBackend:
         return out
 
     def update(self, fitness, step: int, step_seed: int) -> int:
-        return self.updates(fitness, step, step_seed)
+        return self.start_update(fitness, step, step_seed)()
 
     def start_update(self, fitness, step: int, step_seed: int) -> Callable[[], int]:
-        """The update queued on the stream, ahead of whatever is queued next (Update.start)."""
+        """The update queued on the stream, ahead of whatever is queued next (Update.start),
+        behind the generation last started (which reads the weights it writes)."""
+        if self.generation.done is not None:
+            self.stream.wait_event(self.generation.done)
         return self.updates.start(fitness, step, step_seed)
 
     def generate(self, prompt, seed: int, n_tokens: int | None = None) -> np.ndarray:
         """Prompt followed by n_tokens sampled tokens, as deggs.numerics.sampling.generate."""
-        return self.generation(prompt, seed, n_tokens)
+        return self.start_generate(prompt, seed, n_tokens)()
+
+    def start_generate(self, prompt, seed: int, n_tokens: int | None = None):
+        """`generate` started beside whatever is queued next on the stream (generate.py),
+        from the weights as the work queued so far leaves them."""
+        return self.generation.start(prompt, seed, n_tokens, after=self.stream)

@@ -117,15 +117,17 @@ def _load_cublas():
 
 
 class Cublas:
-    """One cuBLAS handle of our own, with a fixed workspace (capturable)."""
+    """One cuBLAS handle of our own, with a fixed workspace (capturable), and one more
+    for each stream whose GEMMs run beside the others' (`own_workspace`)."""
 
     WORKSPACE = 32 << 20
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.lib = _load_cublas()
         self.handle = ctypes.c_void_p()
         self._check(self.lib.cublasCreate_v2(ctypes.byref(self.handle)), "cublasCreate")
         self.workspace = cp.empty(self.WORKSPACE, cp.uint8)
+        self.workspaces: dict[int, Any] = {}  # stream pointer -> a workspace of its own
         self.one = np.ones(1, np.int32)
         self.zero = np.zeros(1, np.int32)
         self.stream = None
@@ -135,15 +137,18 @@ class Cublas:
         if status != 0:
             raise RuntimeError(f"{what} failed with cuBLAS status {status}")
 
+    def own_workspace(self, stream) -> None:
+        """A workspace for `stream` alone: its GEMMs may run while another stream's do."""
+        self.workspaces[stream.ptr] = cp.empty(self.WORKSPACE, cp.uint8)
+
     def gemm_tn_i8(self, a, b, c, m, n, k, lda, ldb, ldc):
         """C (m x n, col-major, int32) = A^T B, A (k x m) and B (k x n) int8, col-major."""
         stream = cp.cuda.get_current_stream().ptr
         if stream != self.stream:
             self._check(self.lib.cublasSetStream_v2(self.handle, stream), "cublasSetStream")
+            workspace = self.workspaces.get(stream, self.workspace)
             self._check(
-                self.lib.cublasSetWorkspace_v2(
-                    self.handle, self.workspace.data.ptr, self.WORKSPACE
-                ),
+                self.lib.cublasSetWorkspace_v2(self.handle, workspace.data.ptr, self.WORKSPACE),
                 "cublasSetWorkspace",
             )
             self.stream = stream

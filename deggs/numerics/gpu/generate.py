@@ -8,11 +8,18 @@ Its row buffers and its RoPE table are its own: a generation longer than any bef
 makes a longer table here, and the training forward's are never touched. A shape's
 launches (some 45 a position, one row each: bound by the host, not the GPU) are
 captured once as a CUDA graph and replayed with each call's prompt and seed.
+
+A generation runs on a stream of its own at the highest priority, so that it fills the
+gaps of whatever the backend's stream runs meanwhile (a worker's chunk) instead of
+waiting behind it: on an H100 a default generation beside a chunk added about 1 ms to
+it, against 11 ms one after the other. It reads the weights as the work queued on the
+backend's stream before it leaves them, and the backend's next update waits for it.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,12 +56,17 @@ class Shape:
     calls: int = 0
 
 
+# The device's highest stream priority: CUDA clamps one beyond its range to its end
+HIGHEST_PRIORITY = -1000
+
+
 class Generate:
-    def __init__(
-        self, cfg: Config, plan: Plan, launch: Launcher, forward: Forward, stream, use_graph=True
-    ):
+    def __init__(self, cfg: Config, plan: Plan, launch: Launcher, forward: Forward, use_graph=True):
         self.cfg, self.plan, self.launch, self.forward = cfg, plan, launch, forward
-        self.stream = stream
+        self.stream = cp.cuda.Stream(non_blocking=True, priority=HIGHEST_PRIORITY)
+        launch.blas.own_workspace(self.stream)  # its GEMMs run beside a chunk's
+        self.done = None  # an event at the end of the generation last started
+        self.pinned: np.ndarray | None = None  # its host buffers
         self.rows: Rows | None = None  # made for the longest prompt so far
         self.seed = None  # one member's seed and sign (0: the unperturbed model)
         self.sign = None
@@ -81,6 +93,13 @@ class Generate:
 
     def __call__(self, prompt, seed: int, n_tokens: int | None = None) -> np.ndarray:
         """Prompt followed by n_tokens sampled tokens, as deggs.numerics.sampling.generate."""
+        return self.start(prompt, seed, n_tokens)()
+
+    def start(
+        self, prompt, seed: int, n_tokens: int | None = None, after=None
+    ) -> Callable[[], np.ndarray]:
+        """`__call__`, started behind the work queued so far on the stream `after`; the
+        function returned waits for the tokens and returns them."""
         cfg = self.cfg
         m = cfg.model
         n_tokens = cfg.sampling.generate_tokens if n_tokens is None else n_tokens
@@ -90,12 +109,24 @@ class Generate:
         buffer[: len(prompt)] = prompt
         first = max(len(prompt), 1)  # positions run together before the first choice
         if total <= first:
-            return buffer
+            return lambda: buffer
         if total >= 1 << 16:
             raise ValueError(f"{total} positions: the gpu's choose_token counts in 16 bits")
         attention = self.launch.kernels["cached_attention"].function
         if 4 * total + attention.shared_size_bytes > STATIC_SHARED:  # a word a visible key
             attention.max_dynamic_shared_size_bytes = 4 * total
+        if self.done is not None:
+            self.done.synchronize()  # before the last one's pinned buffers are let go
+        # in pinned memory, so that no copy waits for the stream: the prompt and the seed
+        # in, the tokens out (kept until the next start, in case no one waits for these)
+        words = 2 * total + 1  # (the pool's block may be longer)
+        pinned = np.frombuffer(cp.cuda.alloc_pinned_memory(4 * words), np.int32, words)
+        staged, host = pinned[: total + 1], pinned[total + 1 :]
+        staged[:total] = buffer
+        staged[total:].view(np.uint32)[0] = seed & 0xFFFFFFFF
+        self.pinned = pinned
+        if after is not None:
+            self.stream.wait_event(after.record())
         with self.stream:
             rope = self._rope_for(total)  # (uploaded on the stream that reads it)
             if self.rows is None or self.rows.n < first:
@@ -106,17 +137,22 @@ class Generate:
                 self.shapes.clear()
             shape = self._shape(first, total)
             shape.calls += 1
-            shape.tokens.set(buffer.astype(np.int32), stream=self.stream)
-            shape.seed.set(np.array([seed & 0xFFFFFFFF], np.uint32), stream=self.stream)
+            shape.tokens.data.copy_from_host_async(staged.ctypes.data, 4 * total, self.stream)
+            shape.seed.data.copy_from_host_async(staged[total:].ctypes.data, 4, self.stream)
             if shape.graph is None and self._capturable(shape, total - first):
                 self._capture(shape, first, total, rope)
             if shape.graph is not None:
                 shape.graph.launch(self.stream)
             else:
                 self._positions(shape, first, total, rope)
-            out = shape.tokens.get(stream=self.stream)
-        self.stream.synchronize()
-        return out.astype(np.int64)
+            shape.tokens.data.copy_to_host_async(host.ctypes.data, host.nbytes, self.stream)
+            self.done = done = self.stream.record()
+
+        def finish() -> np.ndarray:
+            done.synchronize()
+            return host.astype(np.int64)
+
+        return finish
 
     def _shape(self, first: int, total: int) -> Shape:
         """The kept buffers of this shape, made (and the oldest shape dropped) if new."""

@@ -380,10 +380,6 @@ class Update:
         """The captured graph points at the state's arrays: after `state.load`, capture again."""
         self.graph = None
 
-    def __call__(self, fitness, step: int, step_seed: int) -> int:
-        """Apply the fitness of `step`; returns how many weights changed."""
-        return self.start(fitness, step, step_seed)()
-
     def start(self, fitness, step: int, step_seed: int) -> UpdateCount:
         """Queue the update of `step` on the stream and return at once: whatever is
         queued behind it (the next step's chunks) sees the new weights, and the host
