@@ -509,6 +509,31 @@ def test_a_chunk_is_scored_and_the_generation_is_plain_text(data_dir):
     assert worker.chunks_done == 1
 
 
+def test_a_generation_goes_with_its_own_chunk_alone(data_dir, pauses):
+    """The generation due at chunk 0 travels with that chunk's RESULT: when the
+    connection drops before it, it is lost with the chunk, not sent with the next
+    connection's first RESULT (a sample of step 0 beside a later step's chunk)."""
+    sent = []
+
+    def dropped(peer):
+        peer.welcome()
+        peer.send(JobResponse(SEED, 0, 0))  # chunk 0 of step 0: a generation is due
+        peer.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        peer.sock.close()  # a reset
+
+    def back(peer):
+        peer.welcome()
+        peer.send(JobResponse(SEED, 0, CFG.training.chunk_size))  # chunk 1: nothing due
+        while not sent or not isinstance(sent[-1], JobRequest):
+            sent.append(peer.recv())
+        finish(peer)
+
+    fake = FakeCoordinator(dropped, back)
+    run_worker(make_worker(fake.port, data_dir))
+    fake.check()
+    assert [type(m) for m in sent] == [Result, JobRequest]
+
+
 def test_a_long_chunk_logs_its_progress(data_dir, monkeypatch):
     def script(peer):
         peer.welcome()

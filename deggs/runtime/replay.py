@@ -30,7 +30,8 @@ def replay(
     def finish():
         nonlocal running
         if running is not None:
-            changed, running = running(), None
+            wait, running = running, None
+            changed = wait()
             if progress is not None:
                 progress(trainer.step, last, changed)
 

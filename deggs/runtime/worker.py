@@ -117,6 +117,7 @@ class Started:
     chunk: int
     wait: Callable[[], ChunkResult]
     since: float  # perf_counter at its start
+    sample: Callable[[], str] | None  # the generation due at it, sent with its RESULT
 
 
 @dataclass
@@ -159,7 +160,6 @@ class Worker:
         self.training: Training | None = None  # once the config is known
         self.last_updates = self.chunks_done = 0
         self._updating: Callable[[], int] | None = None  # an update started, not waited for
-        self._sampling: Callable[[], str] | None = None  # a generation started, not sent
         self._asked_at = 0.0  # when our last JOB_REQUEST went out
         self.deggs_coordinator = False  # may we send deggs messages (EVALUATION, HEALTH)?
         self._windows: np.ndarray | None = None  # validation windows, once loaded
@@ -682,36 +682,37 @@ class Worker:
         self._stop_if_asked()
         training = self._ready()
         chunk = response.data_position // training.trainer.cfg.training.chunk_size
-        self._due(sock, training, chunk)
+        sample = self._due(sock, training, chunk)
         wait = training.trainer.start_chunk(training.tokens, chunk)
-        return Started(response, chunk, wait, time.perf_counter())
+        return Started(response, chunk, wait, time.perf_counter(), sample)
 
     def _finish_chunk(self, chunk: Started) -> bytes:
         """Wait for a started chunk; its RESULT frame."""
-        return self._result(chunk.response, chunk.wait(), chunk.since)
+        return self._result(chunk.response, chunk.wait(), chunk.since, chunk.sample)
 
-    def _due(self, sock: socket.socket, training: Training, chunk: int):
-        """The first chunk of a step brings what is due at it (an interval of 0: never)."""
+    def _due(self, sock: socket.socket, training: Training, chunk: int) -> Callable[[], str] | None:
+        """The first chunk of a step brings what is due at it (an interval of 0: never):
+        the validation and health are sent now; a generation is started (beside the
+        chunk on a GPU) and returned, for the chunk's RESULT."""
         trainer = training.trainer
         cfg = trainer.cfg
         due = lambda every: chunk == 0 and every > 0 and trainer.step % every == 0
-        if due(cfg.sampling.every_steps):  # sampled beside the chunk, sent with its RESULT
-            self._sampling = self.start_generation()
+        sample = self.start_generation() if due(cfg.sampling.every_steps) else None
         if due(cfg.eval.every_steps) and self.deggs_coordinator:
             self._send_validation(sock, training)
         if due(cfg.eval.health_every_steps) and self.deggs_coordinator:
             self._send_health(sock, trainer)
+        return sample
 
-    def _result(self, response: JobResponse, result: ChunkResult, since: float) -> bytes:
-        """A scored chunk's RESULT frame (after the generation due at it, if any), and
-        its line in the log."""
+    def _result(
+        self, response: JobResponse, result: ChunkResult, since: float, sample=None
+    ) -> bytes:
+        """A scored chunk's RESULT frame, after the generation due at it (`sample`, from
+        _due) if any, and its line in the log."""
         trainer = self._ready().trainer
         cfg = trainer.cfg
         self._settle_update()
-        sample = b""
-        if self._sampling is not None:
-            text, self._sampling = self._sampling(), None
-            sample = LogMessage(text).encode()
+        text = b"" if sample is None else LogMessage(sample()).encode()
         frame = Result(
             trainer.seed,
             trainer.step,
@@ -727,7 +728,7 @@ class Worker:
             f"[worker] step {trainer.step} chunk {result.chunk}: {seconds:.2f} s, "
             f"{cfg.training.chunk_size * cfg.model.seq_len / seconds:,.0f} member-tokens/s"
         )
-        return sample + frame
+        return text + frame
 
     def _run_chunk(self, sock: socket.socket, response: JobResponse) -> bytes:
         """Score a chunk here and now, stopping between its batches when asked; its
@@ -736,7 +737,7 @@ class Worker:
         trainer = training.trainer
         cfg = trainer.cfg
         chunk = response.data_position // cfg.training.chunk_size
-        self._due(sock, training, chunk)
+        sample = self._due(sock, training, chunk)
         started = time.perf_counter()
         progress = ChunkProgress(self.log, f"step {trainer.step} chunk {chunk}", cfg.model.seq_len)
 
@@ -750,7 +751,7 @@ class Worker:
             result = trainer.score_chunk(training.tokens, chunk, between_batches)
         finally:
             self.scoring = False
-        return self._result(response, result, started)
+        return self._result(response, result, started, sample)
 
     def _validation_windows(self, cfg: Config) -> np.ndarray:
         """The eval.windows windows of val.bin beside input.bin (none without one)."""

@@ -101,7 +101,6 @@ class Generate:
         """`__call__`, started behind the work queued so far on the stream `after`; the
         function returned waits for the tokens and returns them."""
         cfg = self.cfg
-        m = cfg.model
         n_tokens = cfg.sampling.generate_tokens if n_tokens is None else n_tokens
         prompt = np.asarray(prompt, np.int64)
         total = len(prompt) + n_tokens
@@ -127,6 +126,20 @@ class Generate:
         self.pinned = pinned
         if after is not None:
             self.stream.wait_event(after.record())
+        try:
+            self._launch(staged, host, first, total)
+        finally:  # what was queued, even a part, is what the next start and update wait for
+            self.done = done = self.stream.record()
+
+        def finish() -> np.ndarray:
+            done.synchronize()
+            return host.astype(np.int64)
+
+        return finish
+
+    def _launch(self, staged, host, first: int, total: int) -> None:
+        """The generation's copies and launches on the stream (see start)."""
+        m = self.cfg.model
         with self.stream:
             rope = self._rope_for(total)  # (uploaded on the stream that reads it)
             if self.rows is None or self.rows.n < first:
@@ -146,13 +159,6 @@ class Generate:
             else:
                 self._positions(shape, first, total, rope)
             shape.tokens.data.copy_to_host_async(host.ctypes.data, host.nbytes, self.stream)
-            self.done = done = self.stream.record()
-
-        def finish() -> np.ndarray:
-            done.synchronize()
-            return host.astype(np.int64)
-
-        return finish
 
     def _shape(self, first: int, total: int) -> Shape:
         """The kept buffers of this shape, made (and the oldest shape dropped) if new."""
