@@ -678,8 +678,8 @@ def check_vector_votes(b):
 
     def result():
         return tuple(
-            np.concatenate([votes.get()[at + idx] for _, idx, at in checked])
-            for votes in (U.vector_vote, apart_vote)
+            np.concatenate([host[at + idx] for _, idx, at in checked])
+            for host in (U.vector_vote.get(), apart_vote.get())
         )
 
     return lambda: None, launch, reference, result, U.pairs + 8 * len(U.vector_vote)

@@ -21,7 +21,7 @@ from deggs.numerics.gpu.plan import (
     kernel_defines,
     make_plan,
 )
-from deggs.numerics.gpu.update import GEMM_K_STEP, VectorClusters, vote_gemms
+from deggs.numerics.gpu.update import GEMM_K_STEP, VectorClusters, vector_starts, vote_gemms
 from deggs.numerics.model import make_tables
 from deggs.numerics.params import param_slices
 
@@ -236,10 +236,7 @@ def test_vector_votes_clusters_hold_every_slice_once_within_their_bounds():
     slices = param_slices(cfg)
     # one layer's input seeds moved apart, as the embedding's are
     slices = [dataclasses.replace(s, off_b=s.off_a + 7) if s.layer == 5 else s for s in slices]
-    vector_at, n = {}, 0
-    for i, s in enumerate(slices):
-        if not s.param.is_matrix:
-            vector_at[i], n = n, n + s.shape[0]
+    vector_at, _ = vector_starts(slices)
     table = VectorClusters.layout(slices, vector_at).astype(int)
     seen = []
     for cluster in table:

@@ -48,6 +48,16 @@ def at_layer(array: DeviceArray, layer: int | None) -> DeviceArray:
     return array if layer is None else array[layer]
 
 
+def vector_starts(slices: list[Slice]) -> tuple[dict[int, int], int]:
+    """Where each vector slice's entries start in the vector votes (slice index -> start),
+    and the entries in all."""
+    starts, n = {}, 0
+    for i, s in enumerate(slices):
+        if not s.param.is_matrix:
+            starts[i], n = n, n + math.prod(s.shape)
+    return starts, n
+
+
 @dataclass(frozen=True)
 class VectorClusters:
     """The vector slices as vector_votes (update.cu) takes them: in clusters of up to
@@ -187,10 +197,7 @@ class UpdateBuffers:
         dims = [s.shape for s in slices]
         max_in = max(s[0] for s in dims)
         max_out = max((s[1] for s in dims if len(s) == 2), default=1)
-        vector_at, n_entries = {}, 0  # where each vector slice's entries start
-        for i, s in enumerate(slices):
-            if not s.param.is_matrix:
-                vector_at[i], n_entries = n_entries, n_entries + math.prod(s.shape)
+        vector_at, n_entries = vector_starts(slices)
         gemms = vote_gemms(slices, pairs)
         vote_gemm = {}  # each matrix slice's GEMM and where its votes start in vote
         for g in gemms:
