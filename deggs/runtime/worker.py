@@ -39,15 +39,15 @@ import socket
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import astuple, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from ..config import Config, ConfigError, WorkerConfig
-from ..data import DataError, check_meta, detokenize, load_decoding, load_tokens
+from ..data import check_meta, load_decoding, load_tokens
 from ..numerics.backend import BackendError, make_backend
-from ..numerics.es import ChunkResult, Trainer, evaluate, validation_windows
+from ..numerics.es import ChunkResult, Trainer
 from ..ternary import packed_size, unpack_trits
 from . import auth, protocol
 from . import snapshot as snapshots
@@ -57,10 +57,7 @@ from .progress import ChunkProgress, warn_if_slow
 from .protocol import (
     Auth,
     Challenge,
-    Evaluation,
     Goodbye,
-    Health,
-    HealthEntry,
     Hello,
     HelloReply,
     JobRequest,
@@ -77,6 +74,7 @@ from .protocol import (
     printable,
     set_keepalive,
 )
+from .reports import Reports
 
 WAIT_S = 0.1  # the reference worker's pause after a WAIT
 FIRST_PAUSE_S = 0.5  # the first pause between reconnects; doubles to worker.retry_max_s
@@ -117,7 +115,7 @@ class Started:
     chunk: int
     wait: Callable[[], ChunkResult]
     since: float  # perf_counter at its start
-    sample: Callable[[], str] | None  # the generation due at it, sent with its RESULT
+    sample: Callable[[], bytes] | None  # the generation due at it, sent with its RESULT
 
 
 @dataclass
@@ -162,7 +160,7 @@ class Worker:
         self._updating: Callable[[], int] | None = None  # an update started, not waited for
         self._asked_at = 0.0  # when our last JOB_REQUEST went out
         self.deggs_coordinator = False  # may we send deggs messages (EVALUATION, HEALTH)?
-        self._windows: np.ndarray | None = None  # validation windows, once loaded
+        self.reports = Reports(self.data_dir, log)  # samples, validation loss, health
         self._pause = FIRST_PAUSE_S  # before the next reconnect
         self._heard = False  # has this connection delivered a frame yet?
         self.keeper = snapshots.Keeper()  # digests owed and the model kept for a snapshot
@@ -690,18 +688,22 @@ class Worker:
         """Wait for a started chunk; its RESULT frame."""
         return self._result(chunk.response, chunk.wait(), chunk.since, chunk.sample)
 
-    def _due(self, sock: socket.socket, training: Training, chunk: int) -> Callable[[], str] | None:
-        """The first chunk of a step brings what is due at it (an interval of 0: never):
-        the validation and health are sent now; a generation is started (beside the
-        chunk on a GPU) and returned, for the chunk's RESULT."""
+    def _due(self, sock: socket.socket, training: Training, chunk: int):
+        """The first chunk of a step brings the reports due at it (reports.py; an
+        interval of 0: never): the validation and health are sent now, a sample is
+        started (beside the chunk on a GPU) and returned, for the chunk's RESULT."""
         trainer = training.trainer
         cfg = trainer.cfg
         due = lambda every: chunk == 0 and every > 0 and trainer.step % every == 0
-        sample = self.start_generation() if due(cfg.sampling.every_steps) else None
+        sample = None
+        if due(cfg.sampling.every_steps):
+            sample = self.reports.start_sample(trainer, training.tokens, training.pieces)
         if due(cfg.eval.every_steps) and self.deggs_coordinator:
-            self._send_validation(sock, training)
+            evaluation = self.reports.validation(trainer, training.pieces)
+            if evaluation:  # (none without val.bin)
+                self._send(sock, evaluation)
         if due(cfg.eval.health_every_steps) and self.deggs_coordinator:
-            self._send_health(sock, trainer)
+            self._send(sock, self.reports.health(trainer))
         return sample
 
     def _result(
@@ -712,7 +714,7 @@ class Worker:
         trainer = self._ready().trainer
         cfg = trainer.cfg
         self._settle_update()
-        text = b"" if sample is None else LogMessage(sample()).encode()
+        text = b"" if sample is None else sample()
         frame = Result(
             trainer.seed,
             trainer.step,
@@ -752,62 +754,3 @@ class Worker:
         finally:
             self.scoring = False
         return self._result(response, result, started, sample)
-
-    def _validation_windows(self, cfg: Config) -> np.ndarray:
-        """The eval.windows windows of val.bin beside input.bin (none without one)."""
-        if self._windows is None:
-            path = self.data_dir / "val.bin"
-            self._windows = np.zeros((0, 0), np.int64)
-            if path.exists():
-                try:
-                    val = load_tokens(path, cfg)
-                    self._windows = validation_windows(cfg, val, cfg.eval.windows)
-                except (DataError, ValueError) as e:
-                    self.log(f"[worker] no validation loss nor activation health: {e}")
-        return self._windows
-
-    def _send_validation(self, sock: socket.socket, training: Training):
-        """The validation loss of our model (the first chunk of every eval.every_steps-th
-        step brings it): on val.bin beside input.bin, when there is one."""
-        trainer = training.trainer
-        windows = self._validation_windows(trainer.cfg)
-        if not len(windows):
-            return
-        token_bytes = None
-        if training.pieces is not None:
-            token_bytes = np.array([len(piece) for piece in training.pieces], np.int64)
-        v = evaluate(trainer.backend, windows, token_bytes)
-        self._send(
-            sock,
-            Evaluation(
-                trainer.step, v.windows, v.tokens, v.sum_loss, v.nats, v.text_bytes
-            ).encode(),
-        )
-
-    def _send_health(self, sock: socket.socket, trainer: Trainer):
-        """Our model's health (the first chunk of every eval.health_every_steps-th step
-        brings it): every weight slice, and activations on a few validation windows."""
-        stats = trainer.health(self._validation_windows(trainer.cfg))
-        entries = tuple(HealthEntry(name, *astuple(s)) for name, s in stats.items())
-        self._send(sock, Health(trainer.step, entries).encode())
-
-    def start_generation(self) -> Callable[[], str]:
-        """A sample of the model started (Trainer.start_sample); the function returned
-        waits for it and gives it in plain text: the coordinator escapes control
-        characters, so colours would show as escape codes."""
-        training = self._ready()
-        trainer = training.trainer
-        cfg, step = trainer.cfg, trainer.step
-        prompt = trainer.prompt(training.tokens)
-        sampling = trainer.start_sample(prompt)
-        n = len(prompt)
-
-        def text() -> str:
-            tokens = sampling()
-            return (
-                f"--- GENERATION at step {step} ---\n"
-                f"{detokenize(tokens[:n], cfg, training.pieces)} >>> "
-                f"{detokenize(tokens[n:], cfg, training.pieces)}\n"
-            )
-
-        return text
