@@ -4,6 +4,7 @@
     python scripts/bench.py [--config PATH | --golden NAME.npz] [--backend cpu|gpu]
         [--members N] [--repeats R] [--updates U] [--steps S] [--batch B] [--profile]
         [--timeline] [--head KERNEL] [--qkv KERNEL] [--replay N] [-D NAME=VALUE ...]
+        [--data FILE] [--train-first N]
 
 After one warm-up of each (compilation, caches, graph capture) it times R forward runs
 of N members (default: a whole chunk on the GPU, 64 members on the CPU), U updates from
@@ -13,6 +14,12 @@ population / N * forward + update ("extrapolated": true). --timeline times one m
 whole step on the GPU chunk by chunk (see step_timeline). With --replay N it also writes
 a save directory of N steps of random fitness and times rebuilding the model from it
 (what deggs-generate does before it samples). Prints one JSON line.
+
+The tokens are random unless --data names a token file (input.bin). With --train-first N
+it first trains N whole steps on them, untimed, so that what is timed sees the weights
+training has moved: the default config's first steps change no weight, and on text the
+head's work at trained weights differs from the initial weights' (docs/PERFORMANCE.md,
+"The head at trained weights").
 """
 
 from __future__ import annotations
@@ -36,11 +43,13 @@ from power import Sampler, thermals  # noqa: E402
 from variants import define_option, parse_defines  # noqa: E402
 
 from deggs.config import load_config  # noqa: E402
+from deggs.data import load_tokens  # noqa: E402
 from deggs.numerics.backend import BACKENDS, make_backend  # noqa: E402
 from deggs.numerics.es import Trainer  # noqa: E402
 from deggs.numerics.params import macs_per_token  # noqa: E402
 from deggs.runtime.checkpoint import Checkpoint, save_checkpoint  # noqa: E402
 from deggs.runtime.replay import replay  # noqa: E402
+from deggs.runtime.steps import LOSS_SCALE  # noqa: E402
 from deggs.seeds import next_step_seed  # noqa: E402
 from deggs.ternary import pack_trits  # noqa: E402
 
@@ -120,6 +129,19 @@ def device_name(backend):
     default=0,
     help="time a replay of N steps",
 )
+@click.option(
+    "--data",
+    "data_path",
+    type=click.Path(exists=True, dir_okay=False),
+    help="score this token file (input.bin) instead of random tokens",
+)
+@click.option(
+    "--train-first",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="train N whole steps, untimed, before timing (random --updates then move the weights on)",
+)
 @define_option("GPU: compile a kernel variant: replace a -D value (UP_ROWS=192, ...)")
 def main(
     config_path,
@@ -135,6 +157,8 @@ def main(
     head,
     qkv,
     replay_steps,
+    data_path,
+    train_first,
     defines,
 ):
     if golden:
@@ -170,7 +194,16 @@ def main(
     trainer = Trainer(engine)
     init_s = time.perf_counter() - start
     rng = np.random.default_rng(0)
-    data = rng.integers(0, m.vocab_size, max(m.seq_len + 1, 1_000_000)).astype(cfg.token_dtype)
+    if data_path:
+        data = load_tokens(data_path, cfg)
+    else:
+        data = rng.integers(0, m.vocab_size, max(m.seq_len + 1, 1_000_000))
+        data = data.astype(cfg.token_dtype)
+    # each trained step's mean loss a token (the coordinator's "loss")
+    step_tokens = t.population_size * m.seq_len * LOSS_SCALE
+    trained = [
+        sum(r.sum_loss for r in trainer.train_step(data)) / step_tokens for _ in range(train_first)
+    ]
     n = min(members or (t.chunk_size if backend == "gpu" else 64), t.population_size)
     batch_members = np.arange(n)
     fitness = lambda: rng.integers(-1, 2, t.n_pairs).astype(np.int32)
@@ -195,6 +228,8 @@ def main(
             "chunk": t.chunk_size,
         },
         "init_s": round(init_s, 3),
+        "data": data_path or "random",
+        **({"trained_losses": [round(x, 4) for x in trained]} if trained else {}),
         "members": n,
         **({"defines": overrides} if overrides else {}),
         "forward_s": round(forward_s, 4),

@@ -354,6 +354,35 @@ def test_bench_reports_the_int8_rate_and_its_share(tmp_path):
     assert bench.int8_rate("NVIDIA H100 PCIe") == 1513 and bench.int8_rate("a CPU") is None
 
 
+def test_bench_trains_first_on_a_token_file(tmp_path):
+    """--train-first N trains N whole steps on --data before timing: the losses it
+    records are those of a trainer's first N steps on that file."""
+    import json
+
+    import bench
+    from click.testing import CliRunner
+    from tiny import TINY, toml_of
+
+    from deggs.numerics.backend import make_backend
+    from deggs.numerics.es import Trainer
+    from deggs.runtime.steps import LOSS_SCALE
+
+    config, data = tmp_path / "tiny.toml", tmp_path / "input.bin"
+    config.write_text(toml_of(TINY))
+    tokens = np.random.default_rng(4).integers(0, 40, 5000).astype(TINY.token_dtype)
+    data.write_bytes(tokens.tobytes())
+    args = ["--config", config, "--members", "4", "--repeats", "1", "--updates", "0"]
+    args += ["--steps", "1", "--data", data, "--train-first", "2"]
+    result = CliRunner().invoke(bench.main, [str(a) for a in args])
+    assert result.exit_code == 0, result.output
+    record = json.loads(result.output.splitlines()[-1])
+    trainer = Trainer(make_backend(TINY, "cpu"))
+    step_tokens = TINY.training.population_size * TINY.model.seq_len * LOSS_SCALE
+    losses = [sum(r.sum_loss for r in trainer.train_step(tokens)) / step_tokens for _ in range(2)]
+    assert record["data"] == str(data)
+    assert record["trained_losses"] == [round(x, 4) for x in losses]
+
+
 # --- the vocabulary said once, modes, and a port in use ----------------------------------
 
 
