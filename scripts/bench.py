@@ -43,7 +43,7 @@ from power import Sampler, thermals  # noqa: E402
 from variants import define_option, parse_defines  # noqa: E402
 
 from deggs.config import load_config  # noqa: E402
-from deggs.data import load_tokens  # noqa: E402
+from deggs.data import DataError, load_tokens  # noqa: E402
 from deggs.numerics.backend import BACKENDS, make_backend  # noqa: E402
 from deggs.numerics.es import Trainer  # noqa: E402
 from deggs.numerics.params import macs_per_token  # noqa: E402
@@ -195,7 +195,10 @@ def main(
     init_s = time.perf_counter() - start
     rng = np.random.default_rng(0)
     if data_path:
-        data = load_tokens(data_path, cfg)
+        try:
+            data = load_tokens(data_path, cfg)
+        except DataError as e:
+            raise click.UsageError(str(e)) from None
     else:
         data = rng.integers(0, m.vocab_size, max(m.seq_len + 1, 1_000_000))
         data = data.astype(cfg.token_dtype)
