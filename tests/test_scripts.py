@@ -449,10 +449,13 @@ def test_a_port_in_use_suggests_port_0(tmp_path):
     with socket.create_server(("127.0.0.1", 0)) as taken:
         port = taken.getsockname()[1]
         result = coordinator_cli(
-            "--config", "small", "--host", "127.0.0.1", "--port", port, cwd=tmp_path
-        )
+            "--config", "small", "--host", "127.0.0.1", "--port", port, "--save-dir", "run",
+            cwd=tmp_path,
+        )  # fmt: skip
     assert result.exit_code == 2, result.output
     assert "--port 0 picks a free port" in result.output.strip().splitlines()[-1]
+    # Nothing written: a retry with another config is not refused for this run's config.json.
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o027, 0o640), (0o077, 0o600)])

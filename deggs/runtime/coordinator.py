@@ -181,6 +181,11 @@ class Coordinator:
             for what in ("idle", "unproven")
         }
         self.lines = PeerLines(secret is not None)  # lines about peers, summarised
+        self._summaries: tuple[Burst | PeerLines, ...] = (
+            self._over_limit,
+            *self._evicted.values(),
+            self.lines,
+        )
         self.state = self._initial_state()
         self.replicas = Replicas(self)  # snapshots and state digests
 
@@ -209,24 +214,23 @@ class Coordinator:
 
     async def start(self) -> int:
         """Prepare the save directory, listen, and return the bound port."""
-        if self.save_dir is not None:
-            ckpt.prepare_save_dir(self.save_dir, self.config, self.state.step)
-            ckpt.tidy_metrics(self.save_dir, self.state.step)
-            records = ckpt.read_metrics(self.save_dir)
-            self.metrics = ckpt.MetricsLog(self.save_dir, records)
-            for record in reversed(records):
-                self._calibration = calibration(record)
-                if self._calibration is not None:
-                    break
-            if self.load_dir is not None and self.load_dir.resolve() != self.save_dir.resolve():
-                await self.on_disk(ckpt.copy_history, self.load_dir, self.save_dir)
-                await self.on_disk(snapshots.copy_snapshots, self.load_dir, self.save_dir)
-        await self.on_disk(self.replicas.load, self.history_dirs, self.state.step)
-        if self.tensorboard_dir is not None:
-            self.tensorboard = TensorBoard(self.tensorboard_dir)
+        # The port and --tensorboard first: a start that fails on either leaves the save
+        # directory untouched (a retry with another config would find its config.json).
         self.max_connections = connection_budget(self.config.coordinator.max_connections)
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(lambda: Peer(self), self.host, self.port)
+        self._server = await loop.create_server(
+            lambda: Peer(self), self.host, self.port, start_serving=False
+        )
+        try:
+            await self._prepare()
+        except BaseException:
+            self._server.close()
+            self._server = None
+            if self.tensorboard is not None:
+                self.tensorboard.close()
+                self.tensorboard = None
+            raise
+        await self._server.start_serving()
         self.port = self._server.sockets[0].getsockname()[1]
         self.spawn(self._sweep_deadlines())
         self.state.started = self.clock()
@@ -259,6 +263,25 @@ class Coordinator:
         self._check_finished()
         return self.port
 
+    async def _prepare(self) -> None:
+        """--tensorboard's output, then the save directory, the history of --load-dir and
+        the replicas' snapshots."""
+        if self.tensorboard_dir is not None:
+            self.tensorboard = TensorBoard(self.tensorboard_dir)
+        if self.save_dir is not None:
+            ckpt.prepare_save_dir(self.save_dir, self.config, self.state.step)
+            ckpt.tidy_metrics(self.save_dir, self.state.step)
+            records = ckpt.read_metrics(self.save_dir)
+            self.metrics = ckpt.MetricsLog(self.save_dir, records)
+            for record in reversed(records):
+                self._calibration = calibration(record)
+                if self._calibration is not None:
+                    break
+            if self.load_dir is not None and self.load_dir.resolve() != self.save_dir.resolve():
+                await self.on_disk(ckpt.copy_history, self.load_dir, self.save_dir)
+                await self.on_disk(snapshots.copy_snapshots, self.load_dir, self.save_dir)
+        await self.on_disk(self.replicas.load, self.history_dirs, self.state.step)
+
     async def stop(self, reason: Reason = Reason.SHUTTING_DOWN) -> None:
         """Say GOODBYE(reason) to every worker, close, and wait for the disk thread."""
         if self._server is not None:
@@ -286,7 +309,8 @@ class Coordinator:
         await asyncio.get_running_loop().run_in_executor(None, self._disk.shutdown, True)
         if self.tensorboard is not None:
             self.tensorboard.close()
-        self.lines.flush()  # the last second's counts, unsaid so far
+        for summary in self._summaries:
+            summary.flush()  # the counts of the last window, unsaid so far
         log.info("stopped at step %d", self.state.step)
 
     async def tell_latecomers(self, interrupted: asyncio.Event) -> None:
@@ -332,6 +356,8 @@ class Coordinator:
             now = self.clock()
             for peer in list(self.peers):
                 peer.check_deadlines(now)
+            for summary in self._summaries:
+                summary.tick()  # counted events said within a window, not at the next one
 
     # --- connections (called by Peer) --------------------------------------------------
 

@@ -284,9 +284,11 @@ KIND_DETAILS = re.compile(r"b?'[^']*'|b?\"[^\"]*\"|\d+(\.\d+)?")
 
 
 class Burst:
-    """Logs an event the first time, then at most once per `every` seconds with a count,
-    so a flood of refused connections costs a few lines, not one per connection. `alone`,
-    if given, is the line when there is nothing to count (a single event)."""
+    """Lines about a kind of event, bounded: the first `lines` events of a window of
+    `every` seconds are logged as they come, the rest counted and said as one line when
+    the window ends (at the next event or tick()). A window that needed such a line
+    counts all of its own, so a flood costs a line a window. `alone` is the line of a
+    single event, `message` the count's."""
 
     def __init__(
         self,
@@ -295,38 +297,59 @@ class Burst:
         every: float = 10.0,
         level: int = logging.WARNING,
         alone: str | None = None,
+        lines: int = 1,
     ):
         self.logger, self.message, self.every, self.level = logger, message, every, level
-        self.alone = alone
-        self.last = -float("inf")
-        self.count = 0
-        self.details: dict = {}  # the last event's, for flush()
+        self.alone, self.lines = alone, lines
+        self.start = -float("inf")  # the window's (a rate of log lines: the wall's clock)
+        self.said = 0  # lines the window has logged as they came
+        self.count = 0  # events since, not said yet
+        self.details: dict = {}  # the last event's, for the count's line
 
     def note(self, **details):
-        self.count += 1
+        now = time.monotonic()
+        if now - self.start >= self.every:
+            self._next_window(now)
         self.details = details
-        now = time.monotonic()  # a rate of log lines: the wall's, not the run's clock
-        if now - self.last >= self.every:
-            line = self.alone if self.count == 1 and self.alone is not None else self.message
-            self.logger.log(self.level, line.format(n=self.count, **details))
-            self.last, self.count = now, 0
+        if self.said < self.lines:
+            self.said += 1
+            self._say(1)
+        else:
+            self.count += 1
+
+    def tick(self):
+        """End a window whose events are counted and unsaid (called about once a second),
+        so that its line comes within a window of them, not at the next event."""
+        now = time.monotonic()
+        if self.count and now - self.start >= self.every:
+            self._next_window(now)
 
     def flush(self):
-        """Say the events counted since the last line (at the coordinator's stop)."""
+        """Say the events counted and unsaid (at the coordinator's stop)."""
         if self.count:
-            self.logger.log(self.level, self.message.format(n=self.count, **self.details))
+            self._say(self.count)
             self.count = 0
+
+    def _next_window(self, now: float):
+        flooded = self.count > 0
+        self.flush()
+        self.start, self.said = now, (self.lines if flooded else 0)
+
+    def _say(self, n: int):
+        line = self.alone if n == 1 and self.alone is not None else self.message
+        self.logger.log(self.level, line.format(n=n, **self.details))
 
 
 UNPROVEN_KINDS = 64  # kinds of unproven peers' failures summarised apart; the rest as one
+PEER_LINES = 8  # lines a second of one kind said as they come: a box of workers joining
 
 
 class PeerLines:
     """Lines about peers: as they are for one that proved the secret; for any other
-    (without a secret, everyone: anyone can open connections by the thousand) summarised
-    by kind, at most a line a second of each with a count. The kind is the text with its
-    numbers and quoted bytes blanked, so that a peer's input cannot make kinds without
-    end."""
+    (without a secret, everyone: anyone can open connections by the thousand) bounded
+    by kind, PEER_LINES a second of each as they come and the rest as a count. The kind
+    is the text with its numbers and quoted bytes blanked, so that a peer's input cannot
+    make kinds without end."""
 
     def __init__(self, secret: bool):
         self.secret = secret
@@ -341,17 +364,23 @@ class PeerLines:
         if burst is None:
             if len(self.bursts) >= UNPROVEN_KINDS:
                 key, text = (level, "other"), f"{text} (and other reasons)"
+            whose = " from unproven peers" if self.secret else ""
             burst = self.bursts.setdefault(
                 key,
                 Burst(
                     log,
-                    "{name} {why} ({n} such from unproven peers since the last such line)",
+                    f"{{name}} {{why}} ({{n}} such{whose} since the last such line)",
                     1.0,
                     level,
                     alone="{name} {why}",
+                    lines=PEER_LINES,
                 ),
             )
         burst.note(name=peer.name, why=text)
+
+    def tick(self):
+        for burst in self.bursts.values():
+            burst.tick()
 
     def flush(self):
         """Say the counts not said yet (at the coordinator's stop)."""
