@@ -49,14 +49,16 @@ def _config_path(config_path):
 def _load_optional_config(config_path, assignments=()):
     """--config, else ./config.toml if present, else the built-in defaults; then the
     --set assignments. Says which it used, with the fingerprint."""
-    config_path = _config_path(config_path)
-    config = override(load_config(config_path), assignments)
-    if config_path is None:
+    found = _config_path(config_path)
+    config = override(load_config(found), assignments)
+    if found is None:
         source = "the built-in defaults"
-    elif is_named_config(config_path):
-        source = f"{config_path} (packaged)"
+    elif config_path is None:  # easy to miss: say where it came from
+        source = f"{found} (found in this directory; --config names another)"
+    elif is_named_config(found):
+        source = f"{found} (packaged)"
     else:
-        source = str(config_path)
+        source = str(found)
     sets = f" with {len(assignments)} --set" if assignments else ""
     click.echo(f"config: {source}{sets}, fingerprint {config.fingerprint().hex()}")
     return config
@@ -751,8 +753,8 @@ def main():
 
     Each COMMAND is also installed as its own script, deggs-COMMAND (deggs-coordinator,
     deggs-worker, deggs-prepare, deggs-generate, deggs-export, deggs-plot,
-    deggs-print-arch), and runs as python -m deggs COMMAND too. COMMAND -h shows its
-    options.
+    deggs-print-arch, deggs-secret), and runs as python -m deggs COMMAND too. COMMAND -h
+    shows its options.
     """
 
 

@@ -245,7 +245,8 @@ def plot(save_dir: str | Path, out_path: str | Path | None = None) -> Path:
     for ax in axes[len(panels) :]:
         ax.set_visible(False)
     name = save_dir.resolve().name or str(save_dir)
-    fig.suptitle(f"{name}: step {records[-1]['step']}")
+    done = records[-1]["step"] + 1  # a record is its step's; the model is then at the next
+    fig.suptitle(f"{name}: {done} step{'' if done == 1 else 's'} trained")
     buffer = io.BytesIO()
     fig.savefig(buffer, format=fmt, dpi=100)
     try:

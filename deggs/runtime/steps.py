@@ -261,7 +261,9 @@ def format_step_line(r: dict, prev_loss: float | None = None, population: int = 
     )
     members = f"mean of {population:,} perturbed members, " if population else ""
     if "bits_per_token" in r:
-        loss = f"Train: {r['bits_per_token']:.3f} bits/token{trend} ({members}loss {r['loss']:.4f})"
+        # The trend beside the integer loss it compares: the bits move with each
+        # validation's rescaling as well.
+        loss = f"Train: {r['bits_per_token']:.3f} bits/token ({members}loss {r['loss']:.4f}{trend})"
     else:
         loss = f"Loss: {r['loss']:.4f}{trend}"
     if "val_bits_per_token" in r:
