@@ -36,6 +36,7 @@ from deggs.runtime.protocol import (
     WAIT,
     Auth,
     Challenge,
+    Digest,
     Evaluation,
     FrameReader,
     Goodbye,
@@ -1558,7 +1559,7 @@ def test_a_connection_that_does_not_ask_for_work_is_closed_after_idle_timeout(in
 
 
 def test_when_connections_run_out_unproven_then_idle_ones_make_room(monkeypatch, info_logs):
-    monkeypatch.setattr(coordinator_module, "EVICT_IDLE_S", 0.0)
+    monkeypatch.setattr(server_module, "EVICT_IDLE_S", 0.0)
     config = SMALL.replace(coordinator={"max_connections": 3})
 
     async def go():
@@ -1616,6 +1617,68 @@ def test_failures_of_unproven_peers_are_summarised(info_logs):
     ]
     assert sum(int(m.group(1)) if m else 1 for m in counts) == 51, lines
     assert counts[server_module.PEER_LINES] is not None and lines[-1].endswith(alone), lines
+
+
+def test_log_lines_of_unproven_peers_are_bounded_and_counted(info_logs):
+    """Without a secret a LOG_MESSAGE's lines are bounded like other lines about peers:
+    LOG_LINES a second as they come, the rest as a count; none goes uncounted."""
+
+    async def go():
+        async with coordinator() as coord:
+            a = await Client.connect(coord)
+            await a.send(LogMessage("".join(f"line {i}\n" for i in range(1000))))
+            assert (await a.request(0)).data_position == 0  # the message was handled
+
+    run(go())
+    lines = [r.getMessage() for r in info_logs.records if "] line " in r.getMessage()]
+    assert len(lines) <= server_module.LOG_LINES + 2, len(lines)
+    counts = [re.search(r"\((\d+) log lines since the last such count", line) for line in lines]
+    assert sum(int(m.group(1)) if m else 1 for m in counts) == 1000, lines[-2:]
+    assert lines[-1].startswith("[127.0.0.1:") and "line 999 (" in lines[-1], lines[-1]
+
+
+def test_a_drifted_worker_that_reports_again_is_closed(info_logs):
+    config = SMALL.replace(coordinator={"digest_every_steps": 1})
+    A, B = b"\xaa" * 32, b"\xbb" * 32
+
+    async def go():
+        async with coordinator(config) as coord:
+            worker, stranger = await Client.connect(coord), await Client.connect(coord)
+            await worker.hello(config)
+            await stranger.hello(config)
+            await train_step(worker, 0)
+            await worker.send(Digest(1, A))
+            await stranger.send(Digest(1, B))  # no chunk of step 1: no vote
+            await train_step(worker, 1)
+            assert coord.replicas.book.agreed[1] == A  # the worker's, though outvoted 1 to 1
+            assert coord.state.drifted == {}  # the stranger's was held to it: drifted
+            await stranger.send(Digest(1, B))  # again, before asking for the snapshot
+            assert await stranger.closed()
+
+    run(go())
+    said = [r.getMessage() for r in info_logs.records]
+    assert any("drifted: its state at step 1 has digest 'bbbb" in line for line in said), said
+    assert any("a DIGEST from a worker that drifted, before it resynced" in m for m in said)
+
+
+def test_a_steps_rows_of_workers_without_a_chunk_are_bounded(monkeypatch, tmp_path):
+    monkeypatch.setattr(coordinator_module, "WORKER_ROWS", 2)
+
+    async def go():
+        async with coordinator(save_dir=tmp_path) as coord:
+            worker = await Client.connect(coord)
+            jobs = [await worker.request(0) for _ in range(N_CHUNKS)]  # it holds them all
+            for _ in range(3):
+                idle = await Client.connect(coord)
+                assert (await idle.request(0)).data_position == WAIT
+            for job in jobs:
+                await worker.result(job)
+            await settle(coord, 1)
+            return worker.port
+
+    port = asyncio.run(asyncio.wait_for(go(), 20))
+    (record,) = ckpt.read_metrics(tmp_path)
+    assert len(record["workers"]) == 2 and f"127.0.0.1:{port}" in record["workers"]
 
 
 def test_a_burst_says_its_count_within_a_window(monkeypatch):

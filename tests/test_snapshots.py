@@ -45,11 +45,14 @@ A, B = b"\xaa" * 32, b"\xbb" * 32
 # --- the digest book -------------------------------------------------------------------
 
 
+WORKED = {"w1", "w2", "w3", "w4"}  # the reporters that scored a chunk of the step
+
+
 def test_a_majority_agrees_and_the_minority_drifted():
     book = DigestBook()
     for who, digest in [("w1", A), ("w2", B), ("w3", A)]:
         assert book.report(5, who, digest, current=5) is None  # decided at the seal
-    verdict = book.decide(5)
+    verdict = book.decide(5, WORKED)
     assert (verdict.agreed, verdict.reports, verdict.drifted) == (A, 3, {"w2": B})
     assert book.holders(5) == ["w1", "w3"]
     late = book.report(5, "w4", B, current=6)  # a late report is held to the agreed digest
@@ -60,15 +63,31 @@ def test_a_majority_agrees_and_the_minority_drifted():
 def test_one_report_stands_alone():
     book = DigestBook()
     book.report(5, "w1", A, current=5)
-    verdict = book.decide(5)
+    verdict = book.decide(5, WORKED)
     assert (verdict.agreed, verdict.drifted, verdict.split) == (A, {}, False)
+
+
+def test_reporters_that_did_no_work_have_no_vote():
+    """Connections that scored nothing of the step (strangers, without a secret) cannot
+    outvote the workers that did: they are held to the workers' digest instead."""
+    book = DigestBook()
+    book.report(5, "w1", A, current=5)
+    book.report(5, "w2", A, current=5)
+    for idle in ("x1", "x2", "x3"):
+        book.report(5, idle, B, current=5)
+    verdict = book.decide(5, {"w1", "w2"})
+    assert (verdict.agreed, verdict.reports, verdict.split) == (A, 2, False)
+    assert verdict.drifted == {"x1": B, "x2": B, "x3": B}
+    assert book.holders(5) == ["w1", "w2"]
+    book.report(6, "x1", B, current=6)  # alone and idle: no decision at all
+    assert book.decide(6, {"w1"}).agreed is None and 6 not in book.agreed
 
 
 def test_a_split_stops_until_reports_made_again_agree():
     book = DigestBook()
     book.report(5, "w1", A, current=5)
     book.report(5, "w2", B, current=5)
-    verdict = book.decide(5)
+    verdict = book.decide(5, WORKED)
     assert verdict.split and verdict.agreed is None and book.split_step == 5
     assert book.report(5, "w3", A, current=6) is None  # one report again: no majority yet
     resolved = book.report(5, "w4", A, current=6)
@@ -284,7 +303,7 @@ def test_a_flipped_weight_is_found_named_and_resynced(tmp_path):
     found = [r["drifted"] for r in records.values() if "drifted" in r]
     assert len(found) == 1 and list(found[0].values()) == [10], found
     (name,) = found[0]
-    assert f"worker {name} drifted: its state at step 10" in out, out
+    assert f"{name} drifted: its state at step 10" in out, out
     assert re.search(r"loaded the snapshot of step (5|10)", flip_log), flip_log
     assert out.count("drifted:") == 1  # it agrees at step 15
     assert records[15]["digest_reports"] == 3 and "drifted" not in records[15]

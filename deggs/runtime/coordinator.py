@@ -24,9 +24,11 @@ The rules that keep a run exact and the server alive, whoever connects:
   A worker reads each reply before it asks for work again: a peer that pipelines its
   requests is closed, and so is one that has not asked for work within idle_timeout_s
   (while it holds no chunk). When the connections run out, one that has proven nothing,
-  else one idle for EVICT_IDLE_S, makes room for the newcomer.
-- Failures of peers that proved nothing are logged at most about once a second for
-  each kind, with a count, so that a flood cannot fill the disk with log lines.
+  else one idle for a while (server.py's Admission), makes room for the newcomer.
+- Lines about peers that proved nothing (their failures, their LOG_MESSAGEs, RESULTs
+  ignored) are bounded: a few a second of each kind as they come, the rest as a count,
+  so that a flood cannot fill the disk with log lines. A state digest counts only from
+  a worker that scored a chunk of its step (replicas.py).
 
 A reference worker that finds no work is answered WAIT at once; a deggs worker's request
 is held (at most HOLD_S) and answered the moment there is work (docs/PROTOCOL.md).
@@ -84,10 +86,9 @@ from .protocol import (
     SnapshotHeader,
     SnapshotPart,
     limits_from_worker,
-    printable,
 )
 from .replicas import Replicas
-from .server import LINGER_S, Burst, Drop, Peer, PeerLines, connection_budget, is_loopback
+from .server import LINGER_S, Admission, Drop, Peer, PeerLines, connection_budget, is_loopback
 from .steps import (
     StepState,
     WorkerFigures,
@@ -105,7 +106,9 @@ log = logging.getLogger("deggs.runtime.coordinator")
 
 HOLD_S = 1.0  # longest a deggs worker's request for work is held before WAIT (see above)
 RECONNECT_S = 2.0  # a reconnecting worker's connect and handshake, after its backoff pause
-EVICT_IDLE_S = 5.0  # a worker waiting for work asks at least every HOLD_S + 0.1 s
+# A step's rows in metrics.jsonl of connections that asked for work and got none: a
+# run's idle workers, not every connection a stranger opens.
+WORKER_ROWS = 256
 
 
 class Coordinator:
@@ -154,7 +157,6 @@ class Coordinator:
         self.health_entries = health_entries(config)
         self.limits = limits_from_worker(self.chunk_bytes, self.health_entries)
         self.history_dirs = [d for d in (self.save_dir, self.load_dir) if d is not None]
-        self.max_connections = k.max_connections
 
         self.history: OrderedDict[int, bytes] = OrderedDict()  # step -> packed fitness
         self.seeds = ckpt.SeedChain(config.training.seed)
@@ -175,17 +177,9 @@ class Coordinator:
         self._calibration: tuple[float, float] | None = None
         self._last_lost = -float("inf")  # when a worker last lost its connection (see below)
         self._resumed_at: int | None = None  # the step a resumed run starts at
-        self._over_limit = Burst(log, "refused {n} connection(s) over the limit of {limit}")
-        self._evicted = {
-            what: Burst(log, f"closed {{n}} {what} connection(s) to make room (at {{limit}})")
-            for what in ("idle", "unproven")
-        }
+        self.admission = Admission(k.max_connections)  # its limit set by start()
         self.lines = PeerLines(secret is not None)  # lines about peers, summarised
-        self._summaries: tuple[Burst | PeerLines, ...] = (
-            self._over_limit,
-            *self._evicted.values(),
-            self.lines,
-        )
+        self._summaries = (self.admission, self.lines)
         self.state = self._initial_state()
         self.replicas = Replicas(self)  # snapshots and state digests
 
@@ -216,7 +210,7 @@ class Coordinator:
         """Prepare the save directory, listen, and return the bound port."""
         # The port and --tensorboard first: a start that fails on either leaves the save
         # directory untouched (a retry with another config would find its config.json).
-        self.max_connections = connection_budget(self.config.coordinator.max_connections)
+        self.admission.limit = connection_budget(self.config.coordinator.max_connections)
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(
             lambda: Peer(self), self.host, self.port, start_serving=False
@@ -240,7 +234,7 @@ class Coordinator:
             "listening on %s:%d (at most %d connections)",
             self.host,
             self.port,
-            self.max_connections,
+            self.admission.limit,
         )
         if self.secret is None and not is_loopback(self.host):
             log.warning(
@@ -362,33 +356,7 @@ class Coordinator:
     # --- connections (called by Peer) --------------------------------------------------
 
     def admit(self, peer: Peer) -> bool:
-        if len(self.peers) >= self.max_connections:
-            victim = self._evictable(self.clock())
-            if victim is None:
-                self._over_limit.note(limit=self.max_connections)
-                return False
-            self._evicted["idle" if victim.proven else "unproven"].note(limit=self.max_connections)
-            victim.evict()
-        self.peers.add(peer)
-        return True
-
-    def _evictable(self, now: float) -> Peer | None:
-        """The connection to close for a newcomer when none are left: the oldest that has
-        proven nothing yet, else the one idle longest (no chunk held, no request for
-        EVICT_IDLE_S), else none. A worker at work is never pushed out."""
-        best, best_key = None, (2, 0.0)
-        for p in self.peers:
-            if p.closing:
-                continue
-            if not p.proven:
-                key = (0, p.opened)
-            elif not p.busy and not p.holding and now - p.asked >= EVICT_IDLE_S:
-                key = (1, p.asked)
-            else:
-                continue
-            if key < best_key:
-                best, best_key = p, key
-        return best
+        return self.admission.admit(self.peers, peer, self.clock())
 
     def say(self, peer: Peer, level: int, text: str):
         self.lines.say(peer, level, text)
@@ -421,9 +389,8 @@ class Coordinator:
                 del s.holders[chunk]
                 s.in_progress.pop(chunk, None)
                 s.pending.appendleft(chunk)
-                log.info(
-                    "chunk %d of step %d back in the queue: %s %s", chunk, s.step, peer.name, why
-                )
+                back = f"chunk {chunk} of step {s.step} back in the queue"
+                self.say(peer, logging.INFO, f"{why}: {back}")
                 self.tell_held()
 
     def peer_named(self, name: str) -> Peer | None:
@@ -472,10 +439,7 @@ class Coordinator:
             else:
                 self.replicas.on_part(peer, SnapshotPart.decode(payload))
             return None
-        # LOG_MESSAGE: a line per line of text, each marked with its sender, so a peer can
-        # neither forge the coordinator's own lines nor drive the terminal.
-        for line in LogMessage.decode(payload).text.rstrip("\n").split("\n"):
-            log.info("[%s] %s", peer.name, printable(line))
+        self.lines.log_lines(peer, LogMessage.decode(payload).text.rstrip("\n").split("\n"))
         return None
 
     # --- the handshake -----------------------------------------------------------------
@@ -664,8 +628,10 @@ class Coordinator:
         if peer.step != s.step:  # its first request of the step: free, waiting, from now
             peer.step, peer.chunks = s.step, set()
             # a name already there is a closed connection's (the OS reused its port)
-            peer.figures = s.workers.setdefault(peer.name, WorkerFigures())
+            peer.figures = s.workers.get(peer.name) or WorkerFigures()
             peer.figures.free_since = now
+            if len(s.workers) < WORKER_ROWS:  # past that, only those given a chunk
+                s.workers[peer.name] = peer.figures
         if self.replicas.book.split_step is not None:  # the replicas disagree: no training
             return JobResponse(s.seed, s.step, WAIT)
         if s.pending:
@@ -682,6 +648,7 @@ class Coordinator:
         s.holders.setdefault(chunk, set()).add(peer)
         peer.chunks.add(chunk)
         peer.figures.took(chunk, now)
+        s.workers.setdefault(peer.name, peer.figures)
         return JobResponse(s.seed, s.step, chunk * self.chunk_size)
 
     def _on_result(self, peer: Peer, res: Result):
@@ -699,14 +666,13 @@ class Coordinator:
             )
         chunk = res.data_position // self.chunk_size
         if (res.last_step, chunk) in peer.revoked:
-            log.info("ignoring %s's RESULT for chunk %d: it drifted", peer.name, chunk)
+            self.say(peer, logging.INFO, f"ignoring its RESULT for chunk {chunk}: it drifted")
             return
-        if res.last_step != s.step:
-            log.info(
-                "ignoring a RESULT for step %d from %s (now at step %d)",
-                res.last_step,
-                peer.name,
-                s.step,
+        if res.last_step != s.step:  # a straggler's, or from before a restart
+            self.say(
+                peer,
+                logging.INFO,
+                f"ignoring a RESULT for step {res.last_step} (now at step {s.step})",
             )
             return
         if res.seed != s.seed:
@@ -730,7 +696,7 @@ class Coordinator:
         )
         s.updates_max = max(s.updates_max, res.updates_count)
         if s.packed[chunk] is not None:
-            log.info("ignoring a duplicate RESULT for chunk %d from %s", chunk, peer.name)
+            self.say(peer, logging.INFO, f"ignoring a duplicate RESULT for chunk {chunk}")
             return
         s.n_done += 1
         peer.figures.chunks += 1
@@ -770,7 +736,7 @@ class Coordinator:
     async def _seal(self, s: StepState):
         """Make a finished step durable, then move every worker on to the next one."""
         packed = s.packed_fitness()
-        digests = self.replicas.sealed(s.step)
+        digests = self.replicas.sealed(s.step, {n for n, f in s.workers.items() if f.returned})
         record = step_record(self.config, s, self.clock(), self._calibration, self._resumed_at)
         record |= digests
         step, seed = s.step + 1, next_step_seed(s.seed, s.step + 1)

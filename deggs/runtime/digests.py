@@ -2,8 +2,10 @@
 
 Every worker reports the digest of its whole state (export.state_digest) when its model
 reaches a digest step S, before it asks for a chunk of S. When step S is sealed the
-coordinator decides: the digest a strict majority of the reports holds is the agreed
-state of S, and a worker that reported another one has drifted (bad memory, a driver, a
+coordinator decides: the digest a strict majority of the reports of the workers that
+scored a chunk of S holds is the agreed state of S (a connection that did no work has no
+vote, so it cannot outvote those that did), and a worker that reported another one has
+drifted (bad memory, a driver, a
 kernel that computes otherwise on another card). A drifted worker gets no more chunks
 and rebuilds its model from the newest snapshot. Reports that arrive after the decision
 are held to the agreed digest at once.
@@ -77,15 +79,24 @@ class DigestBook:
                 return verdict
         return None
 
-    def decide(self, step: int) -> Verdict:
-        """The decision on `step`, once it is sealed."""
+    def decide(self, step: int, voters: set[str]) -> Verdict:
+        """The decision on `step`, once it is sealed, by the reports of `voters`; the
+        others' are then held to the agreed digest, as late reports are."""
         reports = self.pending.pop(step, {})
-        if not reports:
+        votes = {who: d for who, d in reports.items() if who in voters}
+        if not votes:
             return Verdict(step, None, 0)
-        verdict = self._majority(step, reports)
+        verdict = self._majority(step, votes)
         if verdict.split:
             self.split_step = step
             self.pending[step] = {}  # made again by restarted workers
+            return verdict
+        for who, digest in reports.items():
+            if who not in votes:
+                if digest == verdict.agreed:
+                    self._holders[step].append(who)
+                else:
+                    verdict.drifted[who] = digest
         return verdict
 
     def _majority(self, step: int, reports: dict[str, bytes]) -> Verdict:

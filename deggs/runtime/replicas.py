@@ -97,15 +97,19 @@ class Replicas:
         step = self.coord.state.step
         if message.step > step:
             raise ProtocolError(f"DIGEST for step {message.step}, beyond the run's {step}")
+        if peer.drifted:  # it asks for the snapshot before it can have another state
+            raise ProtocolError("a DIGEST from a worker that drifted, before it resynced")
         verdict = self.book.report(message.step, peer.name, message.digest, step)
         if verdict is not None:
             self._apply(verdict)
 
-    def sealed(self, step: int) -> dict:
-        """Decide `step`'s digests as it is sealed; returns its metrics entries."""
+    def sealed(self, step: int, workers: set[str]) -> dict:
+        """Decide `step`'s digests as it is sealed, by the votes of `workers` (those that
+        scored a chunk of it: a connection that does no work has no say); returns its
+        metrics entries."""
         if not snapshots.digest_due(self.cfg, step):
             return {}
-        verdict = self.book.decide(step)
+        verdict = self.book.decide(step, workers)
         if verdict.reports == 0:
             return {}
         if verdict.reports == 1 and not self.alone_said:
@@ -143,19 +147,18 @@ class Replicas:
             self.coord.tell_held()
         for who, digest in verdict.drifted.items():
             peer = self.coord.peer_named(who)
-            log.warning(
-                "worker %s drifted: its state at step %d has digest %s, the agreed one %s; it "
-                "gets no more chunks and rebuilds its model from %s",
-                who,
-                verdict.step,
-                digest.hex()[:16],
-                verdict.agreed.hex()[:16] if verdict.agreed else "?",
-                start,
+            text = (
+                f"drifted: its state at step {verdict.step} has digest '{digest.hex()[:16]}', "
+                f"the agreed one '{verdict.agreed.hex()[:16] if verdict.agreed else '?'}'; it "
+                f"gets no more chunks and rebuilds its model from {start}"
             )
             self.coord.note_drift(who, verdict.step)
-            if peer is not None:
-                self.coord.take_back(peer)
-                peer.drifted = True
+            if peer is None:
+                log.warning("worker %s %s", who, text)
+                continue
+            self.coord.say(peer, logging.WARNING, text)  # bounded where it proved nothing
+            self.coord.take_back(peer)
+            peer.drifted = True
 
     # --- uploads ---------------------------------------------------------------------
 

@@ -20,7 +20,7 @@ from collections import deque
 from typing import TYPE_CHECKING
 
 from .channel import Channel
-from .protocol import FrameReader, Hello, ProtocolError, set_keepalive
+from .protocol import FrameReader, Hello, ProtocolError, printable, set_keepalive
 from .steps import WorkerFigures
 
 if TYPE_CHECKING:
@@ -306,16 +306,22 @@ class Burst:
         self.count = 0  # events since, not said yet
         self.details: dict = {}  # the last event's, for the count's line
 
-    def note(self, **details):
+    def note(self, n: int = 1, **details):
+        """`n` events alike (said, if they may be, as one line): the last one's details."""
         now = time.monotonic()
         if now - self.start >= self.every:
             self._next_window(now)
         self.details = details
-        if self.said < self.lines:
+        if self.said < self.lines and n == 1:
             self.said += 1
             self._say(1)
         else:
-            self.count += 1
+            self.count += n
+
+    @property
+    def open(self) -> bool:
+        """Would the next event be said as it comes?"""
+        return self.said < self.lines or time.monotonic() - self.start >= self.every
 
     def tick(self):
         """End a window whose events are counted and unsaid (called about once a second),
@@ -342,6 +348,7 @@ class Burst:
 
 UNPROVEN_KINDS = 64  # kinds of unproven peers' failures summarised apart; the rest as one
 PEER_LINES = 8  # lines a second of one kind said as they come: a box of workers joining
+LOG_LINES = 64  # LOG_MESSAGE lines a second said as they come: a few workers' samples
 
 
 class PeerLines:
@@ -354,6 +361,7 @@ class PeerLines:
     def __init__(self, secret: bool):
         self.secret = secret
         self.bursts: dict[tuple[int, str], Burst] = {}  # by level and kind
+        self._log_lines: Burst | None = None  # their LOG_MESSAGEs' lines, all kinds as one
 
     def say(self, peer: Peer, level: int, text: str):
         if self.secret and peer.authenticated:
@@ -378,13 +386,97 @@ class PeerLines:
             )
         burst.note(name=peer.name, why=text)
 
+    def log_lines(self, peer: Peer, lines: list[str]):
+        """A peer's LOG_MESSAGE (its samples, its progress), a line each marked with its
+        name and made printable (so that a peer can neither forge the coordinator's own
+        lines nor drive the terminal): as they are from a peer that proved the secret;
+        from any other, under one bound for them all, LOG_LINES a second as they come
+        and the rest counted, without a look at each."""
+        if self.secret and peer.authenticated:
+            for line in lines:
+                log.info("[%s] %s", peer.name, printable(line))
+            return
+        if self._log_lines is None:
+            whose = " of unproven peers" if self.secret else ""
+            self._log_lines = Burst(
+                log,
+                f"[{{name}}] {{line}} ({{n}} log lines{whose} since the last such count, "
+                "the last shown)",
+                1.0,
+                logging.INFO,
+                alone="[{name}] {line}",
+                lines=LOG_LINES,
+            )
+        for i, line in enumerate(lines):
+            if not self._log_lines.open:
+                rest = len(lines) - i
+                self._log_lines.note(rest, name=peer.name, line=printable(lines[-1]))
+                return
+            self._log_lines.note(name=peer.name, line=printable(line))
+
+    def _all(self) -> list[Burst]:
+        return [*self.bursts.values(), *([self._log_lines] if self._log_lines else [])]
+
     def tick(self):
-        for burst in self.bursts.values():
+        for burst in self._all():
             burst.tick()
 
     def flush(self):
         """Say the counts not said yet (at the coordinator's stop)."""
-        for burst in self.bursts.values():
+        for burst in self._all():
+            burst.flush()
+
+
+EVICT_IDLE_S = 5.0  # a waiting worker asks at least every HOLD_S + 0.1 s (coordinator.py)
+
+
+class Admission:
+    """The bound on connections. At it, a newcomer takes the place of the oldest
+    connection that has proven nothing yet, else of the one idle longest (no chunk held,
+    no request for EVICT_IDLE_S), else it is refused: a worker at work is never pushed
+    out. Each kind of closing is a bounded line with a count."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.over = Burst(log, "refused {n} connection(s) over the limit of {limit}")
+        self.evicted = {
+            what: Burst(log, f"closed {{n}} {what} connection(s) to make room (at {{limit}})")
+            for what in ("idle", "unproven")
+        }
+
+    def admit(self, peers: set[Peer], peer: Peer, now: float) -> bool:
+        if len(peers) >= self.limit:
+            victim = self._evictable(peers, now)
+            if victim is None:
+                self.over.note(limit=self.limit)
+                return False
+            self.evicted["idle" if victim.proven else "unproven"].note(limit=self.limit)
+            victim.evict()
+        peers.add(peer)
+        return True
+
+    @staticmethod
+    def _evictable(peers: set[Peer], now: float) -> Peer | None:
+        best, best_key = None, (2, 0.0)
+        for p in peers:
+            if p.closing:
+                continue
+            if not p.proven:
+                key = (0, p.opened)
+            elif not p.busy and not p.holding and now - p.asked >= EVICT_IDLE_S:
+                key = (1, p.asked)
+            else:
+                continue
+            if key < best_key:
+                best, best_key = p, key
+        return best
+
+    def tick(self):
+        for burst in (self.over, *self.evicted.values()):
+            burst.tick()
+
+    def flush(self):
+        for burst in (self.over, *self.evicted.values()):
             burst.flush()
 
 
