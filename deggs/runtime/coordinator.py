@@ -668,7 +668,7 @@ class Coordinator:
         if (res.last_step, chunk) in peer.revoked:
             self.say(peer, logging.INFO, f"ignoring its RESULT for chunk {chunk}: it drifted")
             return
-        if res.last_step != s.step:  # a straggler's, or from before a restart
+        if res.last_step != s.step:  # a straggler's; ignored, not closed, as the reference does
             self.say(
                 peer,
                 logging.INFO,
