@@ -361,7 +361,16 @@ class PeerLines:
     def __init__(self, secret: bool):
         self.secret = secret
         self.bursts: dict[tuple[int, str], Burst] = {}  # by level and kind
-        self._log_lines: Burst | None = None  # their LOG_MESSAGEs' lines, all kinds as one
+        whose = " of unproven peers" if secret else ""
+        self._log_lines = Burst(  # their LOG_MESSAGEs' lines, all kinds as one
+            log,
+            f"[{{name}}] {{line}} ({{n}} log lines{whose} since the last such count, "
+            "the last shown)",
+            1.0,
+            logging.INFO,
+            alone="[{name}] {line}",
+            lines=LOG_LINES,
+        )
 
     def say(self, peer: Peer, level: int, text: str):
         if self.secret and peer.authenticated:
@@ -396,17 +405,6 @@ class PeerLines:
             for line in lines:
                 log.info("[%s] %s", peer.name, printable(line))
             return
-        if self._log_lines is None:
-            whose = " of unproven peers" if self.secret else ""
-            self._log_lines = Burst(
-                log,
-                f"[{{name}}] {{line}} ({{n}} log lines{whose} since the last such count, "
-                "the last shown)",
-                1.0,
-                logging.INFO,
-                alone="[{name}] {line}",
-                lines=LOG_LINES,
-            )
         for i, line in enumerate(lines):
             if not self._log_lines.open:
                 rest = len(lines) - i
@@ -415,7 +413,7 @@ class PeerLines:
             self._log_lines.note(name=peer.name, line=printable(line))
 
     def _all(self) -> list[Burst]:
-        return [*self.bursts.values(), *([self._log_lines] if self._log_lines else [])]
+        return [*self.bursts.values(), self._log_lines]
 
     def tick(self):
         for burst in self._all():
